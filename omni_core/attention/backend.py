@@ -1,0 +1,107 @@
+"""Attention backend and implementation interfaces (what a kernel plugin implements).
+
+Layout contract: query ``[batch, seq_q, heads, head_dim]``, key/value ``[batch, seq_k, kv_heads, head_dim]``,
+output ``[batch, seq_q, heads, head_dim]``. ``attn_mask`` is optional and is either a boolean key-padding
+mask ``[batch, seq_k]`` (True = attend) or a boolean/additive mask broadcastable to
+``[batch, heads, seq_q, seq_k]``. A backend that cannot honour a mask must raise, never ignore it.
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from omni_core.plugins.types import missing_requirements
+
+ALL_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float16`` -> ``"float16"`` (and strings pass through)."""
+    s = str(dtype)
+    return s[6:] if s.startswith("torch.") else s
+
+
+class AttentionImpl:
+    """One attention computation, configured for a layer. Subclasses implement ``forward``."""
+
+    def __init__(self, num_heads: int, head_size: int, softmax_scale: float, causal: bool = False,
+                 num_kv_heads: int | None = None, **options: Any) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.softmax_scale = softmax_scale
+        self.causal = causal
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.options = options
+
+    def forward(self, query: Any, key: Any, value: Any, attn_mask: Any = None) -> Any:
+        raise NotImplementedError
+
+    def forward_with_lse(self, query: Any, key: Any, value: Any) -> tuple[Any, Any]:
+        """Output plus log-sum-exp ``[batch, heads, seq_q]`` (float32); needed by Ring attention.
+
+        The default computes it with plain torch math so that every backend can sit under Ring.
+        """
+        import torch
+
+        q, k, v = (t.transpose(1, 2).float() for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+        if self.causal:
+            sq, sk = scores.shape[-2:]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril(sk - sq)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return out.transpose(1, 2).to(query.dtype), lse
+
+
+class AttentionBackend:
+    """Static description of a kernel: what it supports and which ``AttentionImpl`` runs it."""
+
+    name: ClassVar[str] = ""
+    #: head sizes the kernel accepts; None = any
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    supported_dtypes: ClassVar[tuple[str, ...]] = ALL_FLOAT_DTYPES
+    #: torch device types the kernel runs on
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    supports_mask: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = True
+    #: import names the kernel library needs
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        raise NotImplementedError
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Whether the kernel library is importable here (device checks come per call)."""
+        missing = missing_requirements(cls.requires)
+        if missing:
+            return False, f"{cls.name} needs the Python package(s) {', '.join(missing)}, which are not installed"
+        return True, ""
+
+    @classmethod
+    def check_head_size(cls, head_size: int) -> str | None:
+        if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
+            return (f"{cls.name} does not support head size {head_size}; supported: "
+                    f"{', '.join(map(str, cls.supported_head_sizes))}")
+        return None
+
+    @classmethod
+    def check_call(cls, dtype: Any, device_type: str, has_mask: bool, causal: bool) -> str | None:
+        """Why this call cannot run on this backend, or None."""
+        dt = dtype_name(dtype)
+        if dt not in cls.supported_dtypes:
+            return f"{cls.name} does not support dtype {dt}; supported: {', '.join(cls.supported_dtypes)}"
+        if device_type not in cls.supported_devices:
+            return (f"{cls.name} does not run on device type {device_type!r}; supported: "
+                    f"{', '.join(cls.supported_devices)}")
+        if has_mask and not cls.supports_mask:
+            return f"{cls.name} does not support attention masks"
+        if causal and not cls.supports_causal:
+            return f"{cls.name} does not support causal attention"
+        return None

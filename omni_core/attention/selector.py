@@ -1,0 +1,67 @@
+"""Role-aware backend selection.
+
+Order: ``per_role[role]`` -> ``per_role[role_category]`` -> the config's default ->
+``OMNI_ATTENTION_BACKEND`` -> the platform's default. An explicit choice that cannot run here is an
+error that says why; it is never silently replaced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from omni_core.attention.backend import AttentionBackend
+from omni_core.config import AttentionConfig, AttentionSpec
+from omni_core.errors import ComponentUnavailableError
+
+
+@attrs.frozen
+class AttentionSelection:
+    backend_cls: type[AttentionBackend]
+    spec: AttentionSpec
+    #: which resolution level decided (e.g. ``per_role['cross']``, ``platform default``)
+    source: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.backend
+
+
+def load_backend(name: str, pm=None) -> type[AttentionBackend]:
+    from omni_core.plugins.manager import get_plugin_manager
+
+    cls = (pm or get_plugin_manager()).load_component("attention", name)
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise TypeError(f"attention backend {name!r} must be an AttentionBackend subclass, got {cls!r}")
+    return cls
+
+
+def select_attention_backend(
+    role: str = "self",
+    *,
+    head_size: int,
+    role_category: str | None = None,
+    attention_config: AttentionConfig | None = None,
+    dtype: Any = None,
+    platform=None,
+    pm=None,
+) -> AttentionSelection:
+    """Pick the backend for one ``Attention`` layer and check that it can run here."""
+    attention_config = attention_config or AttentionConfig()
+    spec, source = attention_config.resolve(role, role_category)
+    if spec is None:
+        if platform is None:
+            from omni_core.platforms import current_platform as platform  # noqa: N813
+        spec = AttentionSpec(backend=platform.default_attention_backend(head_size, dtype))
+        source = f"platform default ({platform.name})"
+    backend_cls = load_backend(spec.backend, pm)
+    ok, why = backend_cls.is_available()
+    if not ok:
+        raise ComponentUnavailableError(f"attention backend {spec.backend!r} (chosen by {source} for role "
+                                        f"{role!r}) cannot run here: {why}")
+    why = backend_cls.check_head_size(head_size)
+    if why:
+        raise ComponentUnavailableError(f"attention backend {spec.backend!r} (chosen by {source} for role "
+                                        f"{role!r}) cannot run here: {why}")
+    return AttentionSelection(backend_cls, spec, source)

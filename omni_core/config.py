@@ -1,0 +1,389 @@
+"""Engine configuration and sampling parameters: attrs classes validated when constructed.
+
+Every error is a :class:`~omni_core.errors.ConfigError` naming the field, the value and what is allowed;
+``from_kwargs`` rejects unknown keys with a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any, Callable, Mapping
+
+import attrs
+
+from omni_core.errors import ConfigError, suggest, unknown_choice_message
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+OUTPUT_TYPES = ("pil", "pt", "np", "latent")
+MAX_OUTPUTS_PER_PROMPT = 16
+MAX_INFERENCE_STEPS = 1000
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+# ------------------------------------------------------------------------------------------ validators
+def _where(instance: Any, attribute: attrs.Attribute) -> str:
+    return f"{type(instance).__name__}.{attribute.name}"
+
+
+def _fail(instance: Any, attribute: attrs.Attribute, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{_where(instance, attribute)}={value!r} is invalid: {allowed}", field=attribute.name)
+
+
+def int_field(*, min: int | None = None, max: int | None = None, optional: bool = False) -> Callable:
+    def check(instance, attribute, value):
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            _fail(instance, attribute, value, f"expected an integer{' or None' if optional else ''}, "
+                                              f"got {type(value).__name__}")
+        if min is not None and value < min:
+            _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
+        if max is not None and value > max:
+            _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
+    return check
+
+
+def float_field(*, min: float | None = None, optional: bool = False) -> Callable:
+    def check(instance, attribute, value):
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            _fail(instance, attribute, value, f"expected a number{' or None' if optional else ''}, "
+                                              f"got {type(value).__name__}")
+        if value != value:  # NaN
+            _fail(instance, attribute, value, "must not be NaN")
+        if min is not None and value < min:
+            _fail(instance, attribute, value, f"must be >= {min}")
+    return check
+
+
+def bool_field(instance, attribute, value):
+    if not isinstance(value, bool):
+        _fail(instance, attribute, value, f"expected True or False, got {type(value).__name__}")
+
+
+def choice_field(choices: tuple[str, ...], *, optional: bool = False) -> Callable:
+    def check(instance, attribute, value):
+        if value is None and optional:
+            return
+        if value not in choices:
+            raise ConfigError(f"{_where(instance, attribute)}: " + unknown_choice_message("value", value, choices),
+                              field=attribute.name)
+    return check
+
+
+def str_field(*, optional: bool = False) -> Callable:
+    def check(instance, attribute, value):
+        if value is None and optional:
+            return
+        if not isinstance(value, str) or not value:
+            _fail(instance, attribute, value, "expected a non-empty string")
+    return check
+
+
+def dict_field(instance, attribute, value):
+    if not isinstance(value, dict):
+        _fail(instance, attribute, value, f"expected a dict, got {type(value).__name__}")
+
+
+def _dict_or_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
+class _FromKwargs:
+    """``from_kwargs`` for attrs config classes: unknown keys get a 'did you mean' error."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in attrs.fields(cls) if f.init]
+
+    @classmethod
+    def check_keys(cls, kwargs: Mapping[str, Any]) -> None:
+        names = cls.field_names()
+        for key in kwargs:
+            if key not in names:
+                hint = suggest(key, names)
+                raise ConfigError(
+                    f"{cls.__name__} got an unknown field {key!r}"
+                    + (f"; did you mean {hint!r}?" if hint else "")
+                    + f" Allowed: {', '.join(sorted(names))}",
+                    field=key,
+                )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any):
+        cls.check_keys(kwargs)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=True)
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _backend_name(instance, attribute, value):
+    if not isinstance(value, str) or not value.strip():
+        _fail(instance, attribute, value, "expected an attention backend name such as 'TORCH_SDPA'")
+
+
+@attrs.frozen
+class AttentionSpec(_FromKwargs):
+    """One backend choice: its name plus backend-specific options passed to the implementation."""
+
+    backend: str = attrs.field(validator=_backend_name)
+    options: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
+
+    @classmethod
+    def coerce(cls, value: Any) -> AttentionSpec:
+        if isinstance(value, AttentionSpec):
+            return value
+        if isinstance(value, str):
+            return cls(backend=value)
+        if isinstance(value, Mapping):
+            return cls.from_kwargs(**value)
+        raise ConfigError(f"attention spec must be a backend name, a dict or AttentionSpec, got {value!r}",
+                          field="attention_config")
+
+
+def _coerce_spec_or_none(value: Any) -> AttentionSpec | None:
+    return None if value is None else AttentionSpec.coerce(value)
+
+
+def _coerce_per_role(value: Any) -> dict[str, AttentionSpec]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"AttentionConfig.per_role must map role -> backend, got {value!r}", field="per_role")
+    return {str(role): AttentionSpec.coerce(spec) for role, spec in value.items()}
+
+
+@attrs.frozen
+class AttentionConfig(_FromKwargs):
+    """Which attention backend each role uses: a global default plus a per-role map.
+
+    Resolution order for a layer with ``role`` and ``role_category``: ``per_role[role]`` ->
+    ``per_role[role_category]`` -> ``default`` -> ``OMNI_ATTENTION_BACKEND`` -> the platform's default.
+    """
+
+    default: AttentionSpec | None = attrs.field(default=None, converter=_coerce_spec_or_none)
+    per_role: dict[str, AttentionSpec] = attrs.field(factory=dict, converter=_coerce_per_role)
+
+    @classmethod
+    def coerce(cls, value: Any) -> AttentionConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, AttentionConfig):
+            return value
+        if isinstance(value, str):
+            return cls(default=value)
+        if isinstance(value, Mapping):
+            return cls.from_kwargs(**value)
+        raise ConfigError(f"attention_config must be a dict, a backend name or AttentionConfig, got {value!r}",
+                          field="attention_config")
+
+    def resolve(self, role: str, role_category: str | None = None) -> tuple[AttentionSpec | None, str]:
+        """The configured spec for a layer and where it came from (``None`` means: fall through)."""
+        if role in self.per_role:
+            return self.per_role[role], f"per_role[{role!r}]"
+        if role_category is not None and role_category in self.per_role:
+            return self.per_role[role_category], f"per_role[{role_category!r}] (role category)"
+        if self.default is not None:
+            return self.default, "attention_config.default"
+        env = os.environ.get("OMNI_ATTENTION_BACKEND", "").strip()
+        if env:
+            return AttentionSpec(backend=env), "OMNI_ATTENTION_BACKEND"
+        return None, "platform default"
+
+    def backend_names(self) -> set[str]:
+        names = {s.backend for s in self.per_role.values()}
+        if self.default is not None:
+            names.add(self.default.backend)
+        return names
+
+
+# ------------------------------------------------------------------------------------------ parallel
+PARALLEL_STRATEGIES = ("ulysses", "ring", "cfg", "data")
+
+
+@attrs.frozen
+class ParallelConfig(_FromKwargs):
+    """Degrees of each parallel strategy; their product is the number of worker processes.
+
+    Ranks are laid out tp-sp-pp-cfg-dp (sequence parallel = ulysses x ring).
+    """
+
+    ulysses_degree: int = attrs.field(default=1, validator=int_field(min=1))
+    ring_degree: int = attrs.field(default=1, validator=int_field(min=1))
+    cfg_parallel_size: int = attrs.field(default=1, validator=int_field(min=1, max=2))
+    data_parallel_size: int = attrs.field(default=1, validator=int_field(min=1))
+    tensor_parallel_size: int = attrs.field(default=1, validator=int_field(min=1, max=1))
+    pipeline_parallel_size: int = attrs.field(default=1, validator=int_field(min=1, max=1))
+
+    @classmethod
+    def coerce(cls, value: Any) -> ParallelConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, ParallelConfig):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_kwargs(**value)
+        raise ConfigError(f"parallel_config must be a dict or ParallelConfig, got {value!r}", field="parallel_config")
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def world_size(self) -> int:
+        return (self.tensor_parallel_size * self.sequence_parallel_size * self.pipeline_parallel_size
+                * self.cfg_parallel_size * self.data_parallel_size)
+
+    def requested_strategies(self) -> list[str]:
+        """Strategy names (as pipelines declare them) that this config turns on."""
+        out = []
+        if self.ulysses_degree > 1:
+            out.append("ulysses")
+        if self.ring_degree > 1:
+            out.append("ring")
+        if self.cfg_parallel_size > 1:
+            out.append("cfg")
+        if self.data_parallel_size > 1:
+            out.append("data")
+        return out
+
+
+# ------------------------------------------------------------------------------------------ engine
+def _normalise_dtype(value: Any) -> Any:
+    if isinstance(value, str):
+        return _DTYPE_ALIASES.get(value.lower(), value.lower())
+    name = getattr(value, "__repr__", lambda: "")()
+    if name.startswith("torch."):  # a torch.dtype, without importing torch here
+        return _DTYPE_ALIASES.get(name[6:], name[6:])
+    return value
+
+
+def _component_name(kind: str, *, optional: bool = False) -> Callable:
+    """Validate a component name against the plugin registry (loaded on first use)."""
+
+    def check(instance, attribute, value):
+        if value is None and optional:
+            return
+        if not isinstance(value, str) or not value:
+            _fail(instance, attribute, value, f"expected the name of a registered {kind} component")
+        if kind == "cache" and value == "none":
+            return
+        from omni_core.errors import UnknownComponentError
+        from omni_core.plugins.manager import get_plugin_manager
+
+        try:
+            get_plugin_manager().get_component(kind, value)
+        except UnknownComponentError as exc:
+            extra = " (or 'none')" if kind == "cache" else ""
+            raise ConfigError(f"{_where(instance, attribute)}: {exc}{extra}", field=attribute.name) from None
+
+    return check
+
+
+@attrs.frozen
+class OmniDiffusionConfig(_FromKwargs):
+    """Everything the engine needs to start: model, device, parallelism, kernels, caching, batching."""
+
+    model: str = attrs.field(validator=str_field())
+    dtype: str = attrs.field(default="auto", converter=_normalise_dtype, validator=choice_field(DTYPES))
+    #: platform name (``cpu``, ``cuda``, ...); None resolves it (``OMNI_PLATFORM``, detection, CPU fallback)
+    platform: str | None = attrs.field(default=None, validator=_component_name("platform", optional=True))
+    parallel_config: ParallelConfig = attrs.field(factory=ParallelConfig, converter=ParallelConfig.coerce)
+    attention_config: AttentionConfig = attrs.field(factory=AttentionConfig, converter=AttentionConfig.coerce)
+    cache_backend: str = attrs.field(default="none", validator=_component_name("cache"))
+    cache_config: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
+    #: capacity of one wave: how many compatible requests run together
+    max_num_seqs: int = attrs.field(default=1, validator=int_field(min=1, max=1024))
+    step_execution: bool = attrs.field(default=False, validator=bool_field)
+    streaming_output: bool = attrs.field(default=False, validator=bool_field)
+    #: executor name; None picks ``uni`` for one process and ``mp`` for several
+    executor: str | None = attrs.field(default=None, validator=_component_name("executor", optional=True))
+    #: scheduler name; None picks ``step`` in step mode and ``request`` otherwise
+    scheduler: str | None = attrs.field(default=None, validator=_component_name("scheduler", optional=True))
+    #: waiting requests beyond this are refused (None = unbounded)
+    max_waiting_requests: int | None = attrs.field(default=None, validator=int_field(min=1, optional=True))
+    warmup: bool = attrs.field(default=True, validator=bool_field)
+    #: extra keyword arguments for the pipeline's ``from_pretrained``
+    model_kwargs: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
+    #: seconds to wait for worker processes to load the model
+    worker_start_timeout: float = attrs.field(default=300.0, validator=float_field(min=1.0))
+
+    def __attrs_post_init__(self) -> None:
+        names = self.attention_config.backend_names()
+        if names:
+            from omni_core.errors import UnknownComponentError
+            from omni_core.plugins.manager import get_plugin_manager
+
+            pm = get_plugin_manager()
+            for name in sorted(names):
+                try:
+                    pm.get_component("attention", name)
+                except UnknownComponentError as exc:
+                    raise ConfigError(f"OmniDiffusionConfig.attention_config: {exc}", field="attention_config") from None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:
+        """Build from flat keyword arguments; ``attention_backend="X"`` is shorthand for the default backend."""
+        kwargs = dict(kwargs)
+        backend = kwargs.pop("attention_backend", None)
+        if backend is not None:
+            att = AttentionConfig.coerce(kwargs.get("attention_config"))
+            kwargs["attention_config"] = attrs.evolve(att, default=backend)
+        cls.check_keys(kwargs)
+        return cls(**kwargs)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [*super().field_names(), "attention_backend"]
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel_config.world_size
+
+    @property
+    def uses_step_execution(self) -> bool:
+        """Streaming output forces step execution."""
+        return self.step_execution or self.streaming_output
+
+    @property
+    def executor_name(self) -> str:
+        if self.executor is not None:
+            return self.executor
+        return "mp" if self.world_size > 1 else "uni"
+
+    @property
+    def scheduler_name(self) -> str:
+        if self.scheduler is not None:
+            return self.scheduler
+        return "step" if self.uses_step_execution else "request"
+
+
+# ------------------------------------------------------------------------------------------ sampling
+@attrs.frozen
+class SamplingParams(_FromKwargs):
+    """Prompt-independent generation knobs. ``None`` means "the model's default"."""
+
+    height: int | None = attrs.field(default=None, validator=int_field(min=1, max=16384, optional=True))
+    width: int | None = attrs.field(default=None, validator=int_field(min=1, max=16384, optional=True))
+    num_frames: int | None = attrs.field(default=None, validator=int_field(min=1, max=10000, optional=True))
+    num_inference_steps: int | None = attrs.field(
+        default=None, validator=int_field(min=1, max=MAX_INFERENCE_STEPS, optional=True))
+    guidance_scale: float | None = attrs.field(default=None, validator=float_field(min=0.0, optional=True))
+    #: Wan 2.2's second expert (low-noise stage)
+    guidance_scale_2: float | None = attrs.field(default=None, validator=float_field(min=0.0, optional=True))
+    #: Qwen-Image's true CFG; > 1 with a negative prompt turns CFG on
+    true_cfg_scale: float | None = attrs.field(default=None, validator=float_field(min=0.0, optional=True))
+    seed: int | None = attrs.field(default=None, validator=int_field(min=0, max=2**63 - 1, optional=True))
+    num_outputs_per_prompt: int = attrs.field(default=1, validator=int_field(min=1, max=MAX_OUTPUTS_PER_PROMPT))
+    output_type: str = attrs.field(default="pil", validator=choice_field(OUTPUT_TYPES))
+    max_sequence_length: int | None = attrs.field(default=None, validator=int_field(min=1, max=8192, optional=True))
+    #: model-specific options, checked by the pipeline
+    extra_args: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        self.check_keys(changes)
+        return attrs.evolve(self, **changes)

@@ -1,0 +1,69 @@
+"""Exception types users and plugin authors can catch. Import-light on purpose."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class OmniError(Exception):
+    """Base class of every error Omni raises on purpose."""
+
+
+class ConfigError(OmniError, ValueError):
+    """A configuration or sampling field has a bad value; the message names field, value and what is allowed."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class PluginLoadError(OmniError):
+    """A plugin failed to load (raised only in strict mode; otherwise the failure is recorded)."""
+
+    def __init__(self, plugin: str, dist: str | None, error: BaseException | str):
+        self.plugin, self.dist, self.error = plugin, dist, error
+        where = f" ({dist})" if dist else ""
+        err = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        super().__init__(f"omni plugin {plugin!r}{where} failed to load: {err}")
+
+
+class UnknownComponentError(OmniError, KeyError):
+    """No registered component of a kind has the requested name."""
+
+    def __str__(self) -> str:  # KeyError quotes its message otherwise
+        return str(self.args[0])
+
+
+class ComponentConflictError(OmniError):
+    """Two distributions register a component of the same kind under the same name."""
+
+
+class ComponentUnavailableError(OmniError, RuntimeError):
+    """A component was chosen explicitly but cannot run here (library missing, wrong device, ...)."""
+
+
+class EngineDeadError(OmniError, RuntimeError):
+    """The engine's workers died; every in-flight and later request fails with this."""
+
+
+class RequestAbortedError(OmniError):
+    """Raised to a caller waiting on a request that was aborted."""
+
+
+def suggest(name: str, choices: Iterable[str]) -> str | None:
+    """The closest match to ``name`` among ``choices`` (case-insensitive), or None."""
+    choices = list(choices)
+    lowered = {c.lower(): c for c in choices}
+    match = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)
+    return lowered[match[0]] if match else None
+
+
+def unknown_choice_message(what: str, name: object, choices: Iterable[str]) -> str:
+    """'Unknown X 'y'. Allowed: a, b. Did you mean 'a'?'"""
+    choices = sorted(choices)
+    msg = f"unknown {what} {name!r}; allowed: {', '.join(choices) if choices else '(none)'}"
+    hint = suggest(str(name), choices)
+    if hint is not None:
+        msg += f". Did you mean {hint!r}?"
+    return msg

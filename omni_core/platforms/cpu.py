@@ -1,0 +1,37 @@
+"""The CPU platform: always available, the fallback when no accelerator platform is detected."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omni_core.platforms.interface import Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    default_dtype = "float32"
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_torch_device(self, rank: int = 0) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        total = 0
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            pass
+        rss = 0
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+        return {"allocated": rss, "reserved": rss, "total": total}

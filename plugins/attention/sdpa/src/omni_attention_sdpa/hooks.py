@@ -1,0 +1,14 @@
+"""Entry-point module: registers ``TORCH_SDPA``. Imports nothing heavy."""
+
+from omni_core import hookimpl
+from omni_core.plugins.types import AttentionBackendSpec
+
+
+@hookimpl
+def omni_register_attention_backends():
+    return [AttentionBackendSpec(
+        name="TORCH_SDPA",
+        impl="omni_attention_sdpa.backend:TorchSDPABackend",
+        requires=("torch",),
+        description="torch scaled_dot_product_attention; any device, head size and float dtype; masks",
+    )]
