@@ -1,0 +1,43 @@
+"""What the engine returns: raw ``DiffusionOutput`` from the runner, post-processed for the caller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.define(eq=False)
+class DiffusionOutput:
+    """One request's result (``finished``) or an intermediate chunk (a streaming preview).
+
+    Raw outputs from the pipeline carry ``tensor``: images ``[n, 3, H, W]`` or videos
+    ``[n, frames, 3, H, W]``, float in ``[0, 1]``. Post-processing fills ``images`` (PIL images; for
+    video, one list of PIL frames per output) according to the request's ``output_type``.
+    """
+
+    request_id: str
+    tensor: Any = None
+    images: list | None = None
+    #: a small RGB preview ``[3, h, w]`` in [0, 1] for intermediate chunks (streaming)
+    preview: Any = None
+    finished: bool = True
+    step_index: int = 0
+    num_steps: int = 0
+    #: "completed", "aborted" or "error" when finished
+    status: str = "completed"
+    error: str | None = None
+    metrics: dict = attrs.field(factory=dict)
+
+    @property
+    def frames(self) -> list | None:
+        """Alias of ``images`` for video outputs."""
+        return self.images
+
+    @property
+    def aborted(self) -> bool:
+        return self.status == "aborted"
+
+
+#: the name users see from ``Omni.generate``
+OmniRequestOutput = DiffusionOutput

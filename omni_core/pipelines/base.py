@@ -1,0 +1,185 @@
+"""The pipeline contract every model plugin implements.
+
+Two ways to run a model share one implementation:
+
+* **step-wise** (STEP_BATCH): ``prepare_encode`` once per request, then ``denoise_step`` over a batch of
+  requests that may be at different steps, ``step_scheduler`` per request, ``post_decode`` when done;
+* **request batch** (REQUEST_BATCH): ``forward(batch)`` runs whole requests. The default ``forward`` is
+  the same step-wise loop, so a model writes its denoising logic once; the runner's ``control`` is
+  consulted between steps so an aborted request stops within one step.
+
+Class-level ``check_sampling_params`` and ``post_process`` run in the engine's process (before any work
+and after the result arrives); everything else runs where the model lives (a worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, ClassVar, Protocol
+
+from omni_core.config import SamplingParams
+from omni_core.errors import ConfigError
+from omni_core.outputs import DiffusionOutput
+from omni_core.pipelines.state import StepState
+from omni_core.request import OmniDiffusionRequest
+
+
+class StepControl(Protocol):
+    """What the runner gives ``forward``: a stop flag per request and a per-step callback."""
+
+    def should_stop(self, request_id: str) -> bool: ...
+
+    def on_step(self, state: StepState) -> None: ...
+
+
+class _NoControl:
+    def should_stop(self, request_id: str) -> bool:
+        return False
+
+    def on_step(self, state: StepState) -> None:
+        pass
+
+
+class OmniPipeline:
+    """Base class of Omni pipelines. Subclasses implement ``load`` and the four step-wise methods."""
+
+    #: ``forward`` accepts several independent requests at once
+    supports_request_batch: ClassVar[bool] = True
+    #: implements ``prepare_encode`` / ``denoise_step`` / ``step_scheduler`` / ``post_decode``
+    supports_step_execution: ClassVar[bool] = True
+    #: parallel strategies supported: any of "ulysses", "ring", "cfg", "data"
+    supported_parallel: ClassVar[tuple[str, ...]] = ()
+    #: height and width must be multiples of this
+    size_multiple: ClassVar[int] = 16
+    is_video: ClassVar[bool] = False
+    default_height: ClassVar[int] = 512
+    default_width: ClassVar[int] = 512
+    default_num_frames: ClassVar[int | None] = None
+    #: num_frames must satisfy (num_frames - 1) % frame_multiple == 0 (video models)
+    frame_multiple: ClassVar[int] = 1
+    default_num_inference_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = None
+    default_true_cfg_scale: ClassVar[float | None] = None
+
+    # ------------------------------------------------------------------ engine process
+    @classmethod
+    def check_sampling_params(cls, params: SamplingParams, model_path: str | None = None) -> SamplingParams:
+        """Fill in the model's defaults and reject what the model cannot do (before any work starts)."""
+        changes: dict[str, Any] = {}
+        if params.height is None:
+            changes["height"] = cls.default_height
+        if params.width is None:
+            changes["width"] = cls.default_width
+        if params.num_inference_steps is None:
+            changes["num_inference_steps"] = cls.default_num_inference_steps
+        if params.guidance_scale is None and cls.default_guidance_scale is not None:
+            changes["guidance_scale"] = cls.default_guidance_scale
+        if params.true_cfg_scale is None and cls.default_true_cfg_scale is not None:
+            changes["true_cfg_scale"] = cls.default_true_cfg_scale
+        if cls.is_video and params.num_frames is None:
+            changes["num_frames"] = cls.default_num_frames
+        params = params.replace(**changes) if changes else params
+        m = cls.size_multiple
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value % m:
+                lo, hi = value // m * m, (value // m + 1) * m
+                raise ConfigError(f"{name}={value} is not allowed for {cls.__name__}: it must be a multiple of {m} "
+                                  f"(e.g. {lo or m} or {hi})", field=name)
+        if params.num_frames is not None:
+            if not cls.is_video and params.num_frames != 1:
+                raise ConfigError(f"num_frames={params.num_frames} is not allowed: {cls.__name__} makes images "
+                                  f"(leave num_frames unset or 1)", field="num_frames")
+            if cls.is_video and (params.num_frames - 1) % cls.frame_multiple:
+                raise ConfigError(f"num_frames={params.num_frames} is not allowed for {cls.__name__}: num_frames - 1 "
+                                  f"must be a multiple of {cls.frame_multiple} (e.g. "
+                                  f"{(params.num_frames - 1) // cls.frame_multiple * cls.frame_multiple + 1})",
+                                  field="num_frames")
+        return params
+
+    @classmethod
+    def post_process(cls, output: DiffusionOutput, request: OmniDiffusionRequest) -> DiffusionOutput:
+        """Turn the raw tensor into what ``output_type`` asks for (PIL by default)."""
+        if not output.finished or output.tensor is None:
+            return output
+        kind = request.sampling_params.output_type
+        if kind in ("pt", "latent"):
+            output.images = list(output.tensor)
+        elif kind == "np":
+            output.images = [t.float().cpu().numpy() for t in output.tensor]
+        else:
+            output.images = [tensor_to_pil(t) for t in output.tensor]
+        return output
+
+    # ------------------------------------------------------------------ worker process
+    @classmethod
+    def load(cls, model_path: str, config: Any, device: Any, dtype: Any) -> OmniPipeline:
+        """Build the pipeline from a model folder on ``device`` in ``dtype`` (a ``torch.dtype``)."""
+        raise NotImplementedError
+
+    def prepare_encode(self, state: StepState) -> StepState:
+        """Encode prompts, create the initial latents (from ``state.generator``), timesteps and the request's
+        own noise scheduler; set ``state.num_steps``."""
+        raise NotImplementedError
+
+    def denoise_step(self, states: list[StepState]) -> list[Any]:
+        """One denoiser evaluation (CFG branches included) for every state, which may be at different steps.
+        Returns one noise prediction per state."""
+        raise NotImplementedError
+
+    def step_scheduler(self, state: StepState, noise_pred: Any) -> None:
+        """Advance ``state.latents`` with the request's scheduler and increment ``state.step_index``."""
+        raise NotImplementedError
+
+    def post_decode(self, state: StepState) -> DiffusionOutput:
+        """Decode the final latents into ``DiffusionOutput.tensor`` (float in [0, 1])."""
+        raise NotImplementedError
+
+    def preview(self, state: StepState) -> Any:
+        """A cheap RGB preview ``[3, h, w]`` in [0, 1] of the current latents (no VAE decode), or None."""
+        return None
+
+    def forward(self, batch: list[StepState], control: StepControl | None = None) -> list[DiffusionOutput]:
+        """Run whole requests. Stopped requests come back ``status="aborted"`` after at most one more step."""
+        control = control or _NoControl()
+        for state in batch:
+            self.prepare_encode(state)
+        stopped: set[str] = set()
+        while True:
+            for s in batch:
+                if not s.done and s.request_id not in stopped and control.should_stop(s.request_id):
+                    stopped.add(s.request_id)
+            active = [s for s in batch if not s.done and s.request_id not in stopped]
+            if not active:
+                break
+            preds = self.denoise_step(active)
+            for state, pred in zip(active, preds):
+                self.step_scheduler(state, pred)
+                control.on_step(state)
+        outputs = []
+        for s in batch:
+            if s.request_id in stopped:
+                outputs.append(DiffusionOutput(request_id=s.request_id, finished=True, status="aborted",
+                                               step_index=s.step_index, num_steps=s.num_steps))
+            else:
+                outputs.append(self.post_decode(s))
+        return outputs
+
+
+def tensor_to_pil(t: Any):
+    """``[3, H, W]`` float in [0, 1] -> PIL image; ``[F, 3, H, W]`` -> list of PIL frames."""
+    from PIL import Image
+
+    if t.dim() == 4:
+        return [tensor_to_pil(f) for f in t]
+    arr = (t.detach().float().clamp(0, 1) * 255).round().to(dtype=__import__("torch").uint8)
+    return Image.fromarray(arr.permute(1, 2, 0).cpu().numpy())
+
+
+def read_model_index(model_path: str) -> dict | None:
+    path = os.path.join(model_path, "model_index.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

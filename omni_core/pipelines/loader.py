@@ -1,0 +1,78 @@
+"""Resolve ``model=`` to a registered pipeline and load it.
+
+``model`` is a diffusers-format folder (its ``model_index.json`` ``_class_name`` names the pipeline) or a
+short model name that a pipeline plugin registered (``"shapes"``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from omni_core.errors import ConfigError, UnknownComponentError, suggest
+from omni_core.pipelines.base import read_model_index
+from omni_core.plugins.types import PipelineSpec, resolve_impl
+
+
+@attrs.frozen
+class ResolvedModel:
+    spec: PipelineSpec
+    model_path: str
+
+    def pipeline_cls(self) -> type:
+        return self.spec.load()
+
+
+def resolve_model(model: str, pm=None) -> ResolvedModel:
+    from omni_core.plugins.manager import get_plugin_manager
+
+    pm = pm or get_plugin_manager()
+    pipelines = pm.components("pipeline")
+    installed = ", ".join(sorted(pipelines)) or "(none: install a model plugin, e.g. omni-model-shapes)"
+    if os.path.isdir(model):
+        index = read_model_index(model)
+        if index is None:
+            raise ConfigError(f"model folder {model!r} has no model_index.json; a diffusers-format folder is "
+                              f"expected. Installed pipelines: {installed}", field="model")
+        class_name = index.get("_class_name")
+        if class_name not in pipelines:
+            raise ConfigError(f"model folder {model!r} needs pipeline {class_name!r}, which no installed plugin "
+                              f"provides. Installed pipelines: {installed}", field="model")
+        return ResolvedModel(pm.get_component("pipeline", class_name), os.path.abspath(model))
+    names = {n: spec for spec in pipelines.values() for n in spec.model_names}
+    if model in names:
+        spec = names[model]
+        if spec.default_model_path is None:
+            raise ConfigError(f"pipeline {spec.name!r} registers model name {model!r} without a model path",
+                              field="model")
+        return ResolvedModel(pm.get_component("pipeline", spec.name), str(resolve_impl(spec.default_model_path)()))
+    hint = suggest(model, names)
+    raise ConfigError(
+        f"model {model!r} is neither a folder nor a registered model name. Model names: "
+        f"{', '.join(sorted(names)) or '(none)'}; installed pipelines: {installed}"
+        + (f". Did you mean {hint!r}?" if hint else ""), field="model")
+
+
+def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> None:
+    """Fail at start-up if the config asks for a parallel strategy the pipeline does not declare."""
+    wanted = parallel_config.requested_strategies()
+    unsupported = [s for s in wanted if s not in resolved.spec.supported_parallel and s != "data"]
+    if unsupported:
+        raise ConfigError(
+            f"pipeline {resolved.spec.name!r} does not support {', '.join(unsupported)} parallelism; it supports: "
+            f"{', '.join(resolved.spec.supported_parallel) or 'none'} (data parallel always works)",
+            field="parallel_config")
+
+
+def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any) -> Any:
+    """Import the pipeline class and build it inside ``use_config`` so Attention layers see the config."""
+    from omni_core.forward_context import use_config
+
+    cls = resolved.pipeline_cls()
+    with use_config(config):
+        return cls.load(resolved.model_path, config, device, dtype)
+
+
+__all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "load_pipeline", "resolve_model"]

@@ -1,0 +1,56 @@
+"""The request the engine schedules: one prompt (and negative prompt) with its sampling parameters."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import attrs
+
+from omni_core.config import SamplingParams
+from omni_core.errors import ConfigError
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+@attrs.define(eq=False)
+class OmniDiffusionRequest:
+    """One generation request. ``sampling_params`` is complete (model defaults filled in) once pre-processed."""
+
+    prompt: str
+    sampling_params: SamplingParams = attrs.field(factory=SamplingParams)
+    negative_prompt: str | None = None
+    request_id: str = attrs.field(factory=new_request_id)
+    arrival_time: float = attrs.field(factory=time.monotonic)
+    #: free-form data from pre-processing, passed to the pipeline (e.g. an input image)
+    extra: dict = attrs.field(factory=dict)
+
+    @property
+    def seed(self) -> int:
+        seed = self.sampling_params.seed
+        assert seed is not None, "the engine assigns a seed to every request before scheduling it"
+        return seed
+
+    @classmethod
+    def from_prompt(cls, prompt: Any, sampling_params: SamplingParams, request_id: str | None = None
+                    ) -> OmniDiffusionRequest:
+        """A prompt is a string or a dict with ``prompt`` and optionally ``negative_prompt``."""
+        negative = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "negative_prompt"}
+            if unknown:
+                raise ConfigError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: prompt, negative_prompt",
+                                  field="prompt")
+            negative = prompt.get("negative_prompt")
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be a string or a dict with 'prompt', got {type(prompt).__name__}",
+                              field="prompt")
+        if negative is not None and not isinstance(negative, str):
+            raise ConfigError(f"negative_prompt must be a string, got {type(negative).__name__}",
+                              field="negative_prompt")
+        kwargs = {"request_id": request_id} if request_id else {}
+        return cls(prompt=prompt, negative_prompt=negative, sampling_params=sampling_params, **kwargs)
