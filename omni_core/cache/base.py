@@ -1,0 +1,51 @@
+"""The cache backend interface: skip or reuse denoiser work across steps, with per-request state.
+
+Unlike the reference (one state per module), every decision and every cached tensor lives in the
+request's ``StepState.cache_state``, so requests batched together -- even at different steps in one
+STEP_BATCH wave -- each decide for themselves. Backends are built in the worker after the pipeline is
+loaded, from ``OmniDiffusionConfig.cache_config``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from omni_core.plugins.types import missing_requirements
+
+
+class CacheBackend:
+    """Base class of cache backends (``tea_cache``, ``cache_dit``, ...)."""
+
+    name: ClassVar[str] = ""
+    #: import names the backend needs (``omni env`` reports what is missing)
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self.config = dict(config or {})
+        self.enabled = False
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        missing = missing_requirements(cls.requires)
+        if missing:
+            return False, f"{cls.name} needs the Python package(s) {', '.join(missing)}, which are not installed"
+        return True, ""
+
+    def enable(self, pipeline: Any) -> None:
+        """Install hooks on the loaded pipeline (once, in each worker)."""
+        self.enabled = True
+
+    def disable(self, pipeline: Any) -> None:
+        """Remove every hook; the pipeline then computes exactly as without a cache."""
+        self.enabled = False
+
+    def begin_request(self, state: Any) -> None:
+        """Initialise ``state.cache_state`` for a new request (after ``prepare_encode``)."""
+        state.cache_state.clear()
+
+    def request_metrics(self, state: Any) -> dict[str, Any]:
+        """Statistics for the request's output metrics, e.g. ``{"steps_computed": 30, "steps_reused": 20}``."""
+        return {}
+
+    def is_enabled(self) -> bool:
+        return self.enabled
