@@ -4,6 +4,7 @@ Layout contract: query ``[batch, seq_q, heads, head_dim]``, key/value ``[batch, 
 output ``[batch, seq_q, heads, head_dim]``. ``attn_mask`` is optional and is either a boolean key-padding
 mask ``[batch, seq_k]`` (True = attend) or a boolean/additive mask broadcastable to
 ``[batch, heads, seq_q, seq_k]``. A backend that cannot honour a mask must raise, never ignore it.
+``causal`` means query ``i`` attends keys ``0..i`` (top-left aligned, as torch's SDPA).
 This module does not import torch.
 """
 
@@ -51,7 +52,8 @@ class AttentionImpl:
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
         if self.causal:
             sq, sk = scores.shape[-2:]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril(sk - sq)
+            # top-left aligned, as torch's SDPA (the reference): query i sees keys 0..i
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
             scores = scores.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.matmul(torch.softmax(scores, dim=-1), v)

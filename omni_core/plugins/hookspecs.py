@@ -41,6 +41,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def omni_register_platforms() -> Iterable[PlatformSpec]:
     """Register hardware platforms (device type, distributed backend, default attention kernel).
 
+    Takes no arguments.
+
     :returns: an iterable of :class:`~omni_core.plugins.types.PlatformSpec`. Each names the platform
         class as ``"module:attr"`` and, for plugin platforms, a side-effect-free ``detect`` function
         (also ``"module:attr"``) that returns ``(available: bool, reason: str)``.
@@ -62,6 +64,8 @@ def omni_register_platforms() -> Iterable[PlatformSpec]:
 def omni_register_attention_backends() -> Iterable[AttentionBackendSpec]:
     """Register attention kernels that the ``Attention`` layer can dispatch to.
 
+    Takes no arguments.
+
     :returns: an iterable of :class:`~omni_core.plugins.types.AttentionBackendSpec`; ``impl`` points to
         an :class:`omni_core.attention.AttentionBackend` subclass. ``requires`` lists the import names
         the kernel needs, so ``omni env`` can say why a backend is unusable without importing it.
@@ -82,6 +86,8 @@ def omni_register_attention_backends() -> Iterable[AttentionBackendSpec]:
 def omni_register_cache_backends() -> Iterable[CacheBackendSpec]:
     """Register step-caching accelerators (TeaCache, cache-dit, ...).
 
+    Takes no arguments.
+
     :returns: an iterable of :class:`~omni_core.plugins.types.CacheBackendSpec`; ``impl`` points to an
         :class:`omni_core.cache.CacheBackend` subclass, constructed with the user's ``cache_config``.
 
@@ -99,6 +105,8 @@ def omni_register_cache_backends() -> Iterable[CacheBackendSpec]:
 @hookspec
 def omni_register_pipelines() -> Iterable[PipelineSpec]:
     """Register model pipelines (what runs a diffusers-format model folder, or a named built-in model).
+
+    Takes no arguments.
 
     :returns: an iterable of :class:`~omni_core.plugins.types.PipelineSpec`. ``name`` is the diffusers
         class name found in ``model_index.json`` (``_class_name``); ``model_names`` are short names a
@@ -120,6 +128,8 @@ def omni_register_pipelines() -> Iterable[PipelineSpec]:
 def omni_register_schedulers() -> Iterable[SchedulerSpec]:
     """Register request schedulers (admission and batching policy).
 
+    Takes no arguments.
+
     :returns: an iterable of :class:`~omni_core.plugins.types.SchedulerSpec`; ``impl`` points to a
         :class:`omni_core.sched.BaseScheduler` subclass. The core registers ``request`` and ``step``.
 
@@ -137,6 +147,8 @@ def omni_register_schedulers() -> Iterable[SchedulerSpec]:
 @hookspec
 def omni_register_executors() -> Iterable[ExecutorSpec]:
     """Register executors (how scheduled work reaches the model: in-process, worker processes, ...).
+
+    Takes no arguments.
 
     :returns: an iterable of :class:`~omni_core.plugins.types.ExecutorSpec`; ``impl`` points to a
         :class:`omni_core.executor.DiffusionExecutor` subclass. The core registers ``uni`` and ``mp``.

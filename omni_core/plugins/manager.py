@@ -37,9 +37,15 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "builtin-platform-cpu": "omni_core.builtin.platform_cpu",
     "builtin-schedulers": "omni_core.builtin.schedulers",
     "builtin-executors": "omni_core.builtin.executors",
+    "builtin-commands": "omni_core.builtin.commands",
 }
 
 ACTIVE, SKIPPED, FAILED, DISABLED = "active", "skipped", "failed", "disabled"
+STATUSES = (ACTIVE, SKIPPED, FAILED, DISABLED)
+
+#: how error messages name each kind
+KIND_LABELS = {"platform": "platform", "attention": "attention backend", "cache": "cache backend",
+               "pipeline": "pipeline", "scheduler": "scheduler", "executor": "executor"}
 
 
 def _env_list(name: str) -> list[str] | None:
@@ -74,9 +80,11 @@ class PluginInfo:
 class OmniPluginManager(pluggy.PluginManager):
     """A pluggy manager with per-plugin failure isolation and a typed component registry."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, strict: bool = False) -> None:
         super().__init__(hookspecs.PROJECT_NAME)
         self.add_hookspecs(hookspecs)
+        #: a plugin that fails to load (or whose registration hook raises) is an error, not a listing entry
+        self.strict = strict
         self.infos: dict[str, PluginInfo] = {}
         self._registry: dict[str, dict[str, list[ComponentSpec]]] | None = None
         self._lock = threading.RLock()
@@ -88,6 +96,8 @@ class OmniPluginManager(pluggy.PluginManager):
 
     def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
         self._registry = None
+        if name is None and plugin is not None:
+            name = self.get_name(plugin)
         if name is not None:
             self.infos.pop(name, None)
         return super().unregister(plugin, name)
@@ -114,14 +124,17 @@ class OmniPluginManager(pluggy.PluginManager):
         *,
         allow: Iterable[str] | None = None,
         block: Iterable[str] | None = None,
-        strict: bool = False,
+        strict: bool | None = None,
         entry_points: Iterable[md.EntryPoint] | None = None,
     ) -> None:
         """Load every plugin of the ``omni_core.plugins`` group, each in isolation.
 
         ``allow``/``block`` hold entry-point names (``OMNI_PLUGINS`` / ``OMNI_DISABLE_PLUGINS``); with
-        ``strict`` a plugin that fails to load raises :class:`PluginLoadError` naming its distribution.
+        ``strict`` (default: the manager's) a plugin that fails to load raises :class:`PluginLoadError`
+        naming its distribution.
         """
+        if strict is None:
+            strict = self.strict
         eps = list(entry_points) if entry_points is not None else list(md.entry_points(group=ENTRY_POINT_GROUP))
         allow_set = set(allow) if allow is not None else None
         block_set = set(block or ())
@@ -130,9 +143,13 @@ class OmniPluginManager(pluggy.PluginManager):
             if unknown:
                 logger.warning("OMNI_PLUGINS names plugins that are not installed: %s", ", ".join(sorted(unknown)))
         for ep in eps:
-            if self.has_plugin(ep.name) or ep.name in self.infos:
-                continue
             dist_name, version = _ep_dist(ep)
+            if self.has_plugin(ep.name) or ep.name in self.infos:
+                first = self.infos.get(ep.name)
+                if first is not None and first.dist != dist_name:
+                    logger.warning("omni plugin entry point %r of %s ignored: the name is already taken by %s",
+                                   ep.name, dist_name, first.dist)
+                continue
             info = PluginInfo(name=ep.name, dist=dist_name, version=version, status=ACTIVE, module=ep.value)
             if ep.name in block_set or (allow_set is not None and ep.name not in allow_set):
                 info.status = DISABLED
@@ -161,12 +178,17 @@ class OmniPluginManager(pluggy.PluginManager):
 
     # ---------------------------------------------------------------- registry
     def _build_registry(self) -> dict[str, dict[str, list[ComponentSpec]]]:
-        registry: dict[str, dict[str, list[ComponentSpec]]] = {kind: {} for kind in KINDS}
+        # Two passes: collect every plugin's records first, so that a plugin whose hook raises contributes
+        # nothing at all (not the records of the hooks that happened to run before the broken one).
+        for info in self.infos.values():  # rebuilt from scratch each time the plugin set changes
+            info.kinds, info.components = [], {}
+        collected: list[tuple[str, Any, ComponentSpec]] = []  # (kind, impl, record) in call order
+        broken: set[str] = set()
         for kind, (record_cls, hook_name) in KINDS.items():
             hook = getattr(self.hook, hook_name)
-            for impl in reversed(hook.get_hookimpls()):  # registration order
+            for impl in reversed(hook.get_hookimpls()):  # call order: tryfirst, then newest first, trylast
                 info = self.infos.get(impl.plugin_name)
-                if info is not None and info.status != ACTIVE:
+                if impl.plugin_name in broken or (info is not None and info.status != ACTIVE):
                     continue
                 provider = info.dist if info else impl.plugin_name
                 try:
@@ -175,21 +197,26 @@ class OmniPluginManager(pluggy.PluginManager):
                         if not isinstance(rec, record_cls):
                             raise TypeError(f"{hook_name} must return {record_cls.__name__} records, got {rec!r}")
                 except Exception as exc:  # noqa: BLE001 - a broken hook disables only its plugin
+                    broken.add(impl.plugin_name)
                     if info is not None:
                         info.status = FAILED
                         info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
-                    logger.warning("omni plugin %r: %s raised %s: %s", impl.plugin_name, hook_name,
+                    logger.warning("omni plugin %r (%s): %s raised %s: %s", impl.plugin_name, provider, hook_name,
                                    type(exc).__name__, exc)
-                    if _env_flag("OMNI_STRICT_PLUGINS"):
+                    if self.strict:
                         raise PluginLoadError(impl.plugin_name, provider, exc) from exc
                     continue
-                for rec in records:
-                    rec = attrs.evolve(rec, provider=provider)
-                    registry[kind].setdefault(rec.name, []).append(rec)
-                    if info is not None:
-                        if kind not in info.kinds:
-                            info.kinds.append(kind)
-                        info.components.setdefault(kind, []).append(rec.name)
+                collected.extend((kind, impl, attrs.evolve(rec, provider=provider)) for rec in records)
+        registry: dict[str, dict[str, list[ComponentSpec]]] = {kind: {} for kind in KINDS}
+        for kind, impl, rec in collected:
+            if impl.plugin_name in broken:
+                continue
+            registry[kind].setdefault(rec.name, []).append(rec)
+            info = self.infos.get(impl.plugin_name)
+            if info is not None:
+                if kind not in info.kinds:
+                    info.kinds.append(kind)
+                info.components.setdefault(kind, []).append(rec.name)
         return registry
 
     @property
@@ -221,16 +248,17 @@ class OmniPluginManager(pluggy.PluginManager):
         _check_kind(kind)
         recs = self.registry[kind].get(name)
         if not recs:
-            msg = unknown_choice_message(f"{kind}", name, self.registry[kind])
+            msg = unknown_choice_message(KIND_LABELS[kind], name, self.registry[kind])
             broken = [i for i in self.infos.values() if i.status in (FAILED, SKIPPED)]
             if broken:
-                msg += ". Note: " + "; ".join(f"plugin {i.name!r} ({i.dist}) {i.status}: {i.error}" for i in broken)
+                msg += ("" if msg.endswith("?") else ".") + " Note: " + "; ".join(
+                    f"plugin {i.name!r} ({i.dist}) {i.status}: {i.error}" for i in broken)
                 msg += ". Run 'omni plugins list' for details"
             raise UnknownComponentError(msg)
         providers = sorted({r.provider for r in recs})
         if len(providers) > 1:
             raise ComponentConflictError(
-                f"conflicting {kind} components named {name!r}: provided by {' and '.join(providers)}. "
+                f"conflicting {KIND_LABELS[kind]}s named {name!r}: provided by {' and '.join(providers)}. "
                 f"Uninstall one, or block one with OMNI_DISABLE_PLUGINS=<entry point name>"
             )
         return recs[0]
@@ -268,15 +296,19 @@ _manager_lock = threading.Lock()
 
 
 def create_plugin_manager(*, load_entrypoints: bool | None = None, strict: bool | None = None) -> OmniPluginManager:
-    """A fresh manager with built-ins and (unless ``OMNI_NO_PLUGINS=1``) every installed entry point."""
-    pm = OmniPluginManager()
-    pm.load_builtins()
+    """A fresh manager with built-ins and (unless ``OMNI_NO_PLUGINS=1``) every installed entry point.
+
+    ``strict`` defaults to ``OMNI_STRICT_PLUGINS``; a strict manager raises :class:`PluginLoadError` for a
+    plugin that fails to import or whose registration hook raises.
+    """
     if load_entrypoints is None:
         load_entrypoints = not _env_flag("OMNI_NO_PLUGINS")
     if strict is None:
         strict = _env_flag("OMNI_STRICT_PLUGINS")
+    pm = OmniPluginManager(strict=strict)
+    pm.load_builtins()
     if load_entrypoints:
-        pm.load_entrypoints(allow=_env_list("OMNI_PLUGINS"), block=_env_list("OMNI_DISABLE_PLUGINS"), strict=strict)
+        pm.load_entrypoints(allow=_env_list("OMNI_PLUGINS"), block=_env_list("OMNI_DISABLE_PLUGINS"))
     if _env_flag("OMNI_TRACE_PLUGINS"):
         pm.trace.root.setwriter(lambda msg: logger.warning("%s", msg.rstrip()))
         pm.enable_tracing()

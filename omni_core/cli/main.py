@@ -1,0 +1,97 @@
+"""Entry point of the ``omni`` console script.
+
+``main`` builds an ``argparse`` parser whose subcommands all come from the ``omni_register_commands`` hook:
+the core's own (``plugins``, ``env``; see :mod:`omni_core.builtin.commands`) and any plugin's, through the
+same path. Adding a built-in command is one module with a hookimpl listed in ``BUILTIN_PLUGINS``. Each
+command's handler receives the parsed namespace and returns an exit code. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from omni_core.errors import OmniError, PluginLoadError
+
+logger = logging.getLogger("omni_core.cli")
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"omni: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _setup_logging(level: int = logging.WARNING) -> None:
+    root = logging.getLogger("omni_core")
+    if not any(getattr(h, "_omni_cli", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Formatter())
+        handler._omni_cli = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+        root.propagate = False
+    root.setLevel(level)
+
+
+def register_commands(pm, subparsers: argparse._SubParsersAction) -> None:
+    """Call every plugin's ``omni_register_commands``, each in isolation (a broken one is listed as failed)."""
+    from omni_core.plugins.manager import FAILED
+
+    for impl in pm.hook.omni_register_commands.get_hookimpls():  # registration order: built-ins first
+        kwargs = {"subparsers": subparsers}
+        try:
+            impl.function(*[kwargs[name] for name in impl.argnames])
+        except Exception as exc:  # noqa: BLE001 - one plugin's broken command must not take the CLI down
+            info = pm.infos.get(impl.plugin_name)
+            dist = info.dist if info else impl.plugin_name
+            if pm.strict:
+                raise PluginLoadError(impl.plugin_name, dist, exc) from exc
+            if info is not None:
+                info.status = FAILED
+                info.error = f"omni_register_commands raised {type(exc).__name__}: {exc}"
+                pm._registry = None  # drop the plugin's components too
+            logger.warning("plugin %r (%s): omni_register_commands raised %s: %s", impl.plugin_name, dist,
+                           type(exc).__name__, exc)
+
+
+def build_parser(pm=None) -> argparse.ArgumentParser:
+    """The ``omni`` parser with every registered subcommand."""
+    from omni_core import __version__
+    from omni_core.plugins.manager import get_plugin_manager
+
+    pm = pm or get_plugin_manager()
+    parser = argparse.ArgumentParser(
+        prog="omni", description="Omni: a plugin-driven inference engine for diffusion models.",
+        epilog="Environment: OMNI_PLUGINS, OMNI_DISABLE_PLUGINS, OMNI_STRICT_PLUGINS=1, OMNI_NO_PLUGINS=1, "
+               "OMNI_PLATFORM, OMNI_ATTENTION_BACKEND.")
+    parser.add_argument("--version", action="version", version=f"omni {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages (plugin tracebacks)")
+    parser.set_defaults(func=None, _parser=parser)
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    register_commands(pm, subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``omni`` command; returns the exit code (0 ok, 1 error, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _setup_logging(logging.DEBUG if ("-v" in argv or "--verbose" in argv) else logging.WARNING)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.func is None:
+            parser.print_help()
+            return 0
+        return int(args.func(args) or 0)
+    except OmniError as exc:
+        print(f"omni: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `omni plugins list | head -1`
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
