@@ -47,8 +47,12 @@ class EngineDeadError(OmniError, RuntimeError):
     """The engine's workers died; every in-flight and later request fails with this."""
 
 
-class RequestAbortedError(OmniError):
-    """Raised to a caller waiting on a request that was aborted."""
+class RequestFailedError(OmniError):
+    """A request ended with an error; ``outputs`` holds every output of the call (failed ones included)."""
+
+    def __init__(self, message: str, outputs: list | None = None):
+        super().__init__(message)
+        self.outputs = outputs or []
 
 
 def suggest(name: str, choices: Iterable[str]) -> str | None:

@@ -26,16 +26,24 @@ from omni_core.request import OmniDiffusionRequest
 
 
 class StepControl(Protocol):
-    """What the runner gives ``forward``: a stop flag per request and a per-step callback."""
+    """What the runner gives ``forward``: which requests to stop (asked once per step) and a per-step callback.
 
-    def should_stop(self, request_id: str) -> bool: ...
+    ``stopped`` is called at the same point on every rank, so a multi-process runner can agree on the answer.
+    """
+
+    def stopped(self, request_ids: list[str]) -> set[str]: ...
+
+    def on_encoded(self, state: StepState) -> None: ...
 
     def on_step(self, state: StepState) -> None: ...
 
 
 class _NoControl:
-    def should_stop(self, request_id: str) -> bool:
-        return False
+    def stopped(self, request_ids: list[str]) -> set[str]:
+        return set()
+
+    def on_encoded(self, state: StepState) -> None:
+        pass
 
     def on_step(self, state: StepState) -> None:
         pass
@@ -145,11 +153,12 @@ class OmniPipeline:
         control = control or _NoControl()
         for state in batch:
             self.prepare_encode(state)
+            control.on_encoded(state)
         stopped: set[str] = set()
         while True:
-            for s in batch:
-                if not s.done and s.request_id not in stopped and control.should_stop(s.request_id):
-                    stopped.add(s.request_id)
+            pending = [s.request_id for s in batch if not s.done and s.request_id not in stopped]
+            if pending:
+                stopped |= control.stopped(pending)
             active = [s for s in batch if not s.done and s.request_id not in stopped]
             if not active:
                 break

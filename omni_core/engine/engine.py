@@ -1,0 +1,336 @@
+"""DiffusionEngine: admission, the busy loop, output streams, abort, warmup.
+
+One busy-loop thread drives ``scheduler.schedule() -> executor.execute_* -> scheduler.update_from_output``
+and pushes outputs into per-request streams. Callers add requests and read streams from any thread or
+asyncio loop. Abort and consumer cancellation travel the other way: the scheduler finalises the request,
+the runner stops it within one denoising step (both modes), and every table forgets it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import secrets
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from omni_core.config import OmniDiffusionConfig
+from omni_core.engine.stream import OutputStream
+from omni_core.errors import ConfigError, EngineDeadError, OmniError
+from omni_core.outputs import DiffusionOutput
+from omni_core.pipelines.loader import check_parallel_support, resolve_model
+from omni_core.request import OmniDiffusionRequest
+from omni_core.sched.interface import DiffusionRequestStatus, DiffusionSchedulerOutput, RunnerOutput
+
+logger = logging.getLogger("omni_core.engine")
+
+
+class DiffusionExecutionMode(str, enum.Enum):
+    REQUEST_BATCH = "request_batch"
+    STEP_BATCH = "step_batch"
+
+
+class QueueFullError(OmniError):
+    """The engine's waiting queue is at ``max_waiting_requests``."""
+
+
+class DiffusionEngine:
+    def __init__(self, config: OmniDiffusionConfig, *, scheduler: Any = None, executor: Any = None) -> None:
+        from omni_core.plugins.manager import get_plugin_manager
+
+        pm = get_plugin_manager()
+        self.config = config
+        self.resolved = resolve_model(config.model, pm)
+        check_parallel_support(self.resolved, config.parallel_config)
+        self.pipeline_cls = self.resolved.pipeline_cls()
+        self.execution_mode = (DiffusionExecutionMode.STEP_BATCH if config.uses_step_execution
+                               else DiffusionExecutionMode.REQUEST_BATCH)
+        if self.execution_mode is DiffusionExecutionMode.STEP_BATCH and not self.pipeline_cls.supports_step_execution:
+            raise ConfigError(f"pipeline {self.resolved.spec.name!r} does not support step execution "
+                              f"(step_execution / streaming_output)", field="step_execution")
+        capacity = config.max_num_seqs
+        if self.execution_mode is DiffusionExecutionMode.REQUEST_BATCH and not self.pipeline_cls.supports_request_batch:
+            capacity = 1
+        self.scheduler = scheduler or pm.load_component("scheduler", config.scheduler_name)(capacity)
+        self.executor = executor or pm.load_component("executor", config.executor_name)(
+            config, self.resolved, on_progress=self._on_progress)
+        self.executor.start()
+
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._streams: dict[str, OutputStream] = {}
+        self._requests: dict[str, OmniDiffusionRequest] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
+        self._listeners: dict[str, Callable[[str, int, int], None]] = {}
+        self._held_ids: set[str] = set()
+        self._closed = False
+        self._dead: str | None = None
+        self.counters = {"requests_added": 0, "requests_completed": 0, "requests_aborted": 0, "requests_failed": 0,
+                         "denoise_steps": 0}
+        self._thread = threading.Thread(target=self._busy_loop, name="omni-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def make_engine(cls, config: OmniDiffusionConfig, **kwargs: Any) -> DiffusionEngine:
+        """Build the engine and run its start-up warmup (so the first user request is not the slow one)."""
+        engine = cls(config, **kwargs)
+        if config.warmup:
+            try:
+                engine.run_startup_warmup()
+            except BaseException:
+                engine.close()
+                raise
+        return engine
+
+    def run_startup_warmup(self) -> None:
+        params = self.pipeline_cls.check_sampling_params(
+            self.config_default_params().replace(num_inference_steps=1, output_type="latent"), self.resolved.model_path)
+        req = OmniDiffusionRequest(prompt="warmup", sampling_params=params, request_id=f"warmup-{secrets.token_hex(4)}")
+        stream = self._admit(req, bind_loop=False)
+        while True:
+            out = stream.get()
+            if out.finished:
+                break
+        if out.status == "error":
+            raise OmniError(f"start-up warmup failed: {out.error}")
+
+    def config_default_params(self):
+        from omni_core.config import SamplingParams
+
+        return SamplingParams(seed=0)
+
+    # ------------------------------------------------------------------ admission
+    def prepare_request(self, request: OmniDiffusionRequest) -> OmniDiffusionRequest:
+        """Validate and complete a request (model defaults, a seed) before it touches any engine state."""
+        params = self.pipeline_cls.check_sampling_params(request.sampling_params, self.resolved.model_path)
+        if params.seed is None:
+            params = params.replace(seed=secrets.randbits(63))
+        request.sampling_params = params
+        return request
+
+    def add_request(self, request: OmniDiffusionRequest) -> str:
+        """Validate, then queue ``request``; read its outputs with ``get_output_stream``."""
+        self._admit(self.prepare_request(request))
+        return request.request_id
+
+    def submit(self, request: OmniDiffusionRequest) -> OutputStream:
+        """Validate and queue ``request``; returns a stream for blocking reads (``stream.get()``)."""
+        return self._admit(self.prepare_request(request), bind_loop=False)
+
+    def _admit(self, request: OmniDiffusionRequest, bind_loop: bool = True) -> OutputStream:
+        rid = request.request_id
+        with self._lock:
+            if self._dead:
+                raise EngineDeadError(self._dead)
+            if self._closed:
+                raise OmniError("the engine is closed")
+            if rid in self._requests:
+                raise ConfigError(f"request_id {rid!r} is already in use", field="request_id")
+            limit = self.config.max_waiting_requests
+            if limit is not None and self.scheduler.num_waiting >= limit:
+                raise QueueFullError(f"the engine has {self.scheduler.num_waiting} waiting requests "
+                                     f"(max_waiting_requests={limit}); retry later")
+            stream = OutputStream(bind_loop=bind_loop)
+            self.scheduler.add_request(request)
+            self._streams[rid] = stream
+            self._requests[rid] = request
+            self._meta[rid] = {"arrival": time.monotonic()}
+            self.counters["requests_added"] += 1
+            self._wake.notify()
+        return stream
+
+    async def get_output_stream(self, request_id: str) -> AsyncIterator[DiffusionOutput]:
+        """Yield the request's outputs until its final one; a consumer that stops early aborts it."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"unknown or finished request {request_id!r}")
+        finished = False
+        try:
+            while True:
+                out = await stream.aget()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def step_streaming(self, request: OmniDiffusionRequest) -> AsyncIterator[DiffusionOutput]:
+        """Add ``request`` and yield its outputs (intermediate ones when streaming, the final one last)."""
+        self.add_request(request)
+        async for out in self.get_output_stream(request.request_id):
+            yield out
+
+    def add_progress_listener(self, request_id: str, fn: Callable[[str, int, int], None]) -> None:
+        with self._lock:
+            if request_id in self._requests:
+                self._listeners[request_id] = fn
+
+    # ------------------------------------------------------------------ abort
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests: a waiting one ends now, a running one within one denoising step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        running = []
+        with self._lock:
+            for rid in ids:
+                status = self.scheduler.abort_request(rid)
+                if status == DiffusionRequestStatus.FINISHED_ABORTED:
+                    self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
+                elif status is not None:
+                    running.append(rid)
+            self._wake.notify()
+        if running and self.execution_mode is DiffusionExecutionMode.REQUEST_BATCH:
+            self.executor.abort(running)  # stop mid-forward; in step mode the next wave leaves it out
+
+    # ------------------------------------------------------------------ busy loop
+    def _busy_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._dead and not self.scheduler.has_work():
+                    self._wake.wait(timeout=0.5)
+                    if not self.executor.is_alive():
+                        self._die(self.executor.death_reason or "the engine is dead: a worker died")
+                if self._closed or self._dead:
+                    return
+                sched = self.scheduler.schedule()
+                for rid in sched.finished_ids:  # aborted while running (step mode): ends here
+                    if rid in self._requests:
+                        self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
+            try:
+                if sched.is_empty:
+                    if sched.finished_ids:
+                        self._held_ids = self.executor.release(sched.finished_ids)
+                    continue
+                self._mark_started(sched)
+                if self.execution_mode is DiffusionExecutionMode.STEP_BATCH:
+                    result = self.executor.execute_step(sched)
+                else:
+                    result = self.executor.execute_batch(sched)
+            except EngineDeadError as exc:
+                with self._lock:
+                    self._die(str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - the wave fails, the engine lives on
+                logger.exception("executor failed a wave")
+                result = RunnerOutput(outputs={rid: DiffusionOutput(request_id=rid, status="error",
+                                                                    error=f"{type(exc).__name__}: {exc}")
+                                               for rid in sched.scheduled_ids})
+            self._apply(sched, result)
+
+    def _mark_started(self, sched: DiffusionSchedulerOutput) -> None:
+        now = time.monotonic()
+        for req in sched.new_requests:
+            meta = self._meta.get(req.request_id)
+            if meta is not None:
+                meta.setdefault("started", now)
+
+    def _apply(self, sched: DiffusionSchedulerOutput, result: RunnerOutput) -> None:
+        with self._lock:
+            ended = self.scheduler.update_from_output(sched, result)
+            self._held_ids = set(result.held_ids)
+            if self.execution_mode is DiffusionExecutionMode.STEP_BATCH:
+                self.counters["denoise_steps"] += len(sched.scheduled_ids)
+            for rid, out in result.outputs.items():
+                if rid not in self._requests:
+                    continue  # already ended here (aborted while the wave ran)
+                if rid in ended:
+                    if ended[rid] == DiffusionRequestStatus.FINISHED_ERROR and out.status != "error":
+                        out.status, out.error = "error", out.error or "request failed"
+                    self._finalize(rid, out)
+                elif not out.finished:
+                    self._notify_progress(rid, out.step_index, out.num_steps)
+                    if self.config.streaming_output:
+                        self._streams[rid].put(out)
+            for rid, status in ended.items():  # ended without an output (lost by the runner)
+                if rid in self._requests:
+                    self._finalize(rid, DiffusionOutput(request_id=rid, status="error",
+                                                        error="the runner returned no output for this request"))
+
+    def _on_progress(self, request_id: str, step: int, total: int) -> None:
+        with self._lock:
+            self._notify_progress(request_id, step, total)
+            if self.execution_mode is DiffusionExecutionMode.REQUEST_BATCH:
+                self.counters["denoise_steps"] += 1
+
+    def _notify_progress(self, request_id: str, step: int, total: int) -> None:
+        meta = self._meta.get(request_id)
+        if meta is not None:
+            meta["steps"] = step
+        fn = self._listeners.get(request_id)
+        if fn is not None:
+            try:
+                fn(request_id, step, total)
+            except Exception:  # noqa: BLE001 - a broken progress bar must not break the engine
+                logger.debug("progress listener failed", exc_info=True)
+
+    def _finalize(self, request_id: str, out: DiffusionOutput) -> None:
+        """Deliver the final output and forget the request everywhere in the engine (lock held)."""
+        request = self._requests.pop(request_id)
+        stream = self._streams.pop(request_id)
+        meta = self._meta.pop(request_id, {})
+        self._listeners.pop(request_id, None)
+        out.finished = True
+        now = time.monotonic()
+        out.metrics["e2e_latency_s"] = now - meta.get("arrival", now)
+        out.metrics["steps_run"] = max(out.step_index, meta.get("steps", 0))
+        if "started" in meta:
+            out.metrics["queue_time_s"] = meta["started"] - meta["arrival"]
+        key = {"completed": "requests_completed", "aborted": "requests_aborted"}.get(out.status, "requests_failed")
+        self.counters[key] += 1
+        if out.status == "completed":
+            try:
+                out = self.pipeline_cls.post_process(out, request)
+            except Exception as exc:  # noqa: BLE001
+                out.status, out.error = "error", f"post-processing failed: {type(exc).__name__}: {exc}"
+        stream.put(out)
+
+    def _die(self, reason: str) -> None:
+        """Mark the engine dead and fail every request it holds (lock held)."""
+        if self._dead:
+            return
+        self._dead = reason
+        self.scheduler.fail_all(reason)
+        for rid in list(self._requests):
+            self._finalize(rid, DiffusionOutput(request_id=rid, status="error", error=reason))
+        self._held_ids = set()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            tracked = (set(self._requests) | set(self._streams) | set(self._meta) | self.scheduler.tracked_ids()
+                       | self._held_ids)
+            return {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+                    "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
+                    "dead": self._dead, **self.counters}
+
+    def close(self) -> None:
+        """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ids = list(self._requests)
+            for rid in ids:
+                self.scheduler.abort_request(rid)
+            self._wake.notify_all()
+        if ids and self.executor.is_alive():
+            self.executor.abort(ids)
+        self._thread.join(timeout=30)
+        with self._lock:
+            for rid in list(self._requests):
+                self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted",
+                                                    error="the engine was closed"))
+            self.scheduler.fail_all("the engine was closed")
+            self.scheduler.schedule()  # flush finished ids
+            self._held_ids = set()
+        self.executor.shutdown()
+
+
+def make_engine(config: OmniDiffusionConfig, **kwargs: Any) -> DiffusionEngine:
+    return DiffusionEngine.make_engine(config, **kwargs)

@@ -1,0 +1,1 @@
+"""User-facing Python API: ``Omni`` (blocking) and ``AsyncOmni`` (asyncio)."""

@@ -1,0 +1,54 @@
+"""``AsyncOmni``: the asyncio Python API (what the HTTP server uses).
+
+    omni = AsyncOmni("shapes", streaming_output=True)
+    async for out in omni.generate("a blue square in the center", {"seed": 1}):
+        ...  # intermediate previews, then the final output
+    await omni.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from omni_core.entrypoints.common import build_config, build_requests, build_sampling_params
+from omni_core.errors import RequestFailedError
+from omni_core.outputs import DiffusionOutput
+
+
+class AsyncOmni:
+    def __init__(self, model: str, **config: Any) -> None:
+        from omni_core.engine import make_engine
+
+        self.config = build_config(model, config)
+        self.engine = make_engine(self.config)
+
+    async def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
+                       **sampling_kwargs: Any) -> AsyncIterator[DiffusionOutput]:
+        """Yield intermediate outputs (when streaming) and the final output last.
+
+        An aborted request ends with a final output whose ``status`` is ``"aborted"``; a failed one raises
+        :class:`RequestFailedError`. Leaving the loop early (or cancelling the task) aborts the request.
+        """
+        params = build_sampling_params(sampling_params, sampling_kwargs)
+        (request,) = build_requests(prompt, params, request_id)
+        rid = self.engine.add_request(request)
+        async for out in self.engine.get_output_stream(rid):
+            if out.finished and out.status == "error":
+                raise RequestFailedError(f"request {rid} failed: {out.error}", [out])
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+
+    async def __aenter__(self) -> AsyncOmni:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

@@ -1,0 +1,91 @@
+"""``Omni``: the blocking Python API.
+
+    with Omni("shapes") as omni:
+        out = omni.generate("a red circle in the top left", seed=0)[0]
+        out.images[0].save("out.png")
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from omni_core.entrypoints.common import build_config, build_requests, build_sampling_params
+from omni_core.errors import RequestFailedError
+from omni_core.outputs import DiffusionOutput
+
+
+class Omni:
+    def __init__(self, model: str, **config: Any) -> None:
+        from omni_core.engine import make_engine
+
+        self.config = build_config(model, config)
+        self.engine = make_engine(self.config)
+
+    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool = True,
+                 **sampling_kwargs: Any) -> list[DiffusionOutput]:
+        """One output per prompt, in order. Every request is validated before any is queued."""
+        params = build_sampling_params(sampling_params, sampling_kwargs)
+        requests = [self.engine.prepare_request(r) for r in build_requests(prompts, params)]
+        bar = _progress_bar(requests, use_tqdm)
+        streams = []
+        try:
+            for req in requests:
+                streams.append(self.engine._admit(req, bind_loop=False))
+                if bar is not None:
+                    self.engine.add_progress_listener(req.request_id, bar.step)
+            outputs = []
+            for stream in streams:
+                while True:
+                    out = stream.get()
+                    if out.finished:
+                        break
+                outputs.append(out)
+        except BaseException:
+            self.engine.abort([r.request_id for r in requests])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        failed = [o for o in outputs if o.status == "error"]
+        if failed:
+            raise RequestFailedError("; ".join(f"request {o.request_id} failed: {o.error}" for o in failed), outputs)
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Bar:
+    """A tqdm bar over the denoising steps of every request of one ``generate`` call."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc="denoising", unit="step")
+        self._lock = threading.Lock()
+
+    def step(self, request_id: str, step: int, total: int) -> None:
+        with self._lock:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _progress_bar(requests: list, enabled: bool) -> _Bar | None:
+    if not enabled:
+        return None
+    try:
+        return _Bar(sum(r.sampling_params.num_inference_steps or 0 for r in requests))
+    except ImportError:
+        return None

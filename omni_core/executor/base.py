@@ -1,0 +1,51 @@
+"""The executor interface: how a scheduled wave reaches the model and its result comes back."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from omni_core.pipelines.loader import ResolvedModel
+from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+class DiffusionExecutor:
+    """Base class of executors (``uni``, ``mp``, or a plugin's).
+
+    ``execute_batch`` / ``execute_step`` are called from the engine's busy-loop thread, one at a time;
+    ``abort`` may be called from any thread while one of them runs and must make the runner stop the
+    request at its next step boundary.
+    """
+
+    def __init__(self, config: Any, resolved: ResolvedModel, on_progress: ProgressFn | None = None) -> None:
+        self.config = config
+        self.resolved = resolved
+        self.on_progress = on_progress
+
+    def start(self) -> None:
+        """Load the model (in every worker); raise if that fails."""
+        raise NotImplementedError
+
+    def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        raise NotImplementedError
+
+    def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        raise NotImplementedError
+
+    def abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def release(self, request_ids: list[str]) -> set[str]:
+        """Drop per-request state of ended requests; returns the ids still held."""
+        raise NotImplementedError
+
+    def is_alive(self) -> bool:
+        return True
+
+    @property
+    def death_reason(self) -> str | None:
+        return None
+
+    def shutdown(self) -> None:
+        raise NotImplementedError

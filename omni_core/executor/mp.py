@@ -1,0 +1,176 @@
+"""``mp``: one worker process per rank, started with spawn, over ``torch.distributed``.
+
+Waves go to every rank once through per-rank queues; results come from rank 0. Tensors travel through
+shared memory (``torch.multiprocessing`` queues move tensor storage to shared memory instead of pickling
+the bytes). A monitor thread notices a dead worker at once; waits then fail with ``EngineDeadError``.
+Shutdown escalates from a polite message to terminate and kill, so no child outlives the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import queue
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from omni_core.errors import EngineDeadError
+from omni_core.executor.base import DiffusionExecutor
+from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+
+logger = logging.getLogger("omni_core.executor")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(2)
+
+
+class MultiProcExecutor(DiffusionExecutor):
+    def start(self) -> None:
+        import torch.multiprocessing as tmp
+
+        from omni_core.worker.mp_worker import worker_main
+
+        self.world_size = self.config.world_size
+        ctx = tmp.get_context("spawn")
+        self._closing = False
+        self._dead: str | None = None
+        self.task_qs = [ctx.Queue() for _ in range(self.world_size)]
+        self.result_q = ctx.Queue()
+        self.abort_q = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=worker_main, name=f"omni-worker-{rank}", daemon=True,
+                                  args=(rank, self.world_size, self.config, self.resolved, port, self.task_qs[rank],
+                                        self.result_q, self.abort_q))
+                      for rank in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+        self._finalizer = weakref.finalize(self, _kill_all, list(self.procs))
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="omni-worker-monitor", daemon=True)
+        self._monitor.start()
+
+    def _wait_ready(self) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.config.worker_start_timeout
+        while len(ready) < self.world_size:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"workers did not load the model within {self.config.worker_start_timeout} s "
+                                      f"(ready ranks: {sorted(ready)})")
+            try:
+                msg = self.result_q.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise EngineDeadError(
+                        f"worker {dead[0].name} exited with code {dead[0].exitcode} during start-up (see its "
+                        f"traceback above). Workers are started with spawn: a script that creates the engine at "
+                        f"module level must guard it with `if __name__ == '__main__':`")
+                continue
+            if msg[0] == "ready":
+                ready.add(msg[1])
+            elif msg[0] == "fatal":
+                raise EngineDeadError(f"worker rank {msg[1]} failed to start:\n{msg[2]}")
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: p for p in self.procs}
+        while not self._closing:
+            done = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
+            if done and not self._closing:
+                p = sentinels[done[0]]
+                self._dead = f"the engine is dead: worker {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                logger.error("%s", self._dead)
+                return
+
+    # ------------------------------------------------------------------ calls
+    def _send(self, msg: tuple) -> None:
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        for q in self.task_qs:
+            q.put(msg)
+
+    def _wait_result(self) -> RunnerOutput:
+        while True:
+            if self._dead:
+                raise EngineDeadError(self._dead)
+            try:
+                msg = self.result_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            kind = msg[0]
+            if kind == "progress":
+                if self.on_progress is not None:
+                    self.on_progress(msg[1], msg[2], msg[3])
+            elif kind == "result":
+                return msg[1]
+            elif kind == "error":
+                raise RuntimeError(f"worker rank 0 failed to run the wave:\n{msg[1]}")
+            elif kind == "fatal":
+                self._dead = f"the engine is dead: worker rank {msg[1]} failed:\n{msg[2]}"
+
+    def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        self._send(("batch", sched))
+        return self._wait_result()
+
+    def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        self._send(("step", sched))
+        return self._wait_result()
+
+    def abort(self, request_ids: list[str]) -> None:
+        if not self._dead:
+            self.abort_q.put(list(request_ids))
+
+    def release(self, request_ids: list[str]) -> set[str]:
+        self._send(("release", list(request_ids)))
+        return self._wait_result().held_ids
+
+    def is_alive(self) -> bool:
+        return self._dead is None
+
+    @property
+    def death_reason(self) -> str | None:
+        return self._dead
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def shutdown(self) -> None:
+        self._closing = True
+        procs = getattr(self, "procs", [])
+        for q in getattr(self, "task_qs", []):
+            try:
+                q.put(("shutdown",))
+            except Exception:  # noqa: BLE001
+                pass
+        deadline = time.monotonic() + 5
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        _kill_all(procs)
+        for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None), getattr(self, "abort_q", None)]:
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()

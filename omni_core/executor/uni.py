@@ -1,0 +1,43 @@
+"""``uni``: the model runs in the engine's own process (no IPC, simplest to debug)."""
+
+from __future__ import annotations
+
+from omni_core.executor.base import DiffusionExecutor
+from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+
+
+class UniProcExecutor(DiffusionExecutor):
+    def start(self) -> None:
+        from omni_core.platforms import current_platform
+        from omni_core.worker.runner import ModelRunner, torch_dtype
+
+        platform = current_platform
+        if self.config.world_size != 1:
+            from omni_core.errors import ConfigError
+
+            raise ConfigError(f"executor 'uni' runs one process but parallel_config needs {self.config.world_size}; "
+                              f"use executor='mp'", field="executor")
+        device = platform.get_torch_device(0)
+        platform.set_device(device)
+        self.runner = ModelRunner(self.config, self.resolved, device=device, dtype=torch_dtype(self.config, platform),
+                                  on_progress=self.on_progress)
+        self.runner.load_model()
+
+    def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        return self.runner.execute_batch(sched)
+
+    def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        return self.runner.execute_step(sched)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.runner.abort(request_ids)
+
+    def release(self, request_ids: list[str]) -> set[str]:
+        self.runner.release(request_ids)
+        return self.runner.held_ids()
+
+    def shutdown(self) -> None:
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.states.clear()
+            runner.pipeline = None

@@ -1,0 +1,98 @@
+"""Entry point of a worker process of the ``mp`` executor.
+
+Each rank initialises its device and ``torch.distributed``, loads the pipeline, then runs a busy loop:
+it takes every wave from its own task queue (the executor sends each wave to every rank once) and rank 0
+returns the result. Aborts reach rank 0 through a separate queue and are agreed with the other ranks by a
+broadcast at each step boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from typing import Any
+
+
+def _drain(q: Any) -> list[str]:
+    ids: list[str] = []
+    while True:
+        try:
+            ids.extend(q.get_nowait())
+        except queue.Empty:
+            return ids
+
+
+def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_port: int, task_q: Any,
+                result_q: Any, abort_q: Any) -> None:
+    try:
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from omni_core.platforms import current_platform as platform
+        from omni_core.sched.interface import RunnerOutput
+        from omni_core.worker.runner import ModelRunner, torch_dtype
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        device = platform.get_torch_device(rank)
+        platform.set_device(device)
+        backend = "gloo" if device.type == "cpu" else platform.dist_backend
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        _init_parallel_state(config, rank, world_size)
+        progress = (lambda rid, step, total: result_q.put(("progress", rid, step, total))) if rank == 0 else None
+        runner = ModelRunner(config, resolved, device=device, dtype=torch_dtype(config, platform), rank=rank,
+                             world_size=world_size, on_progress=progress,
+                             poll_aborts=(lambda: _drain(abort_q)) if rank == 0 else None)
+        runner.load_model()
+        result_q.put(("ready", rank))
+    except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
+        result_q.put(("fatal", rank, traceback.format_exc()))
+        return
+
+    while True:
+        msg = task_q.get()
+        kind = msg[0]
+        if kind == "shutdown":
+            break
+        try:
+            if kind == "batch":
+                out = runner.execute_batch(msg[1])
+            elif kind == "step":
+                out = runner.execute_step(msg[1])
+            elif kind == "release":
+                runner.release(msg[1])
+                out = RunnerOutput(held_ids=runner.held_ids())
+            else:
+                raise ValueError(f"unknown message kind {kind!r}")
+        except BaseException:  # noqa: BLE001
+            if rank == 0:
+                result_q.put(("error", traceback.format_exc()))
+            continue
+        if rank == 0:
+            result_q.put(("result", out))
+    try:
+        _destroy_parallel_state()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _init_parallel_state(config: Any, rank: int, world_size: int) -> None:
+    try:
+        from omni_core.distributed import init_parallel_state
+    except ImportError:
+        return
+    init_parallel_state(config.parallel_config, rank, world_size)
+
+
+def _destroy_parallel_state() -> None:
+    try:
+        from omni_core.distributed import destroy_parallel_state
+    except ImportError:
+        return
+    destroy_parallel_state()

@@ -1,0 +1,253 @@
+"""ModelRunner: owns the loaded pipeline and the per-request step states of one process.
+
+Request path: ``execute_batch`` runs whole requests through ``pipeline.forward`` and stops an aborted one
+between steps. Step path: ``execute_step`` encodes new requests, runs one batched ``denoise_step`` over
+every scheduled request, steps each request's own scheduler and decodes the finished ones. An exception in
+one request fails only that request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from omni_core.outputs import DiffusionOutput
+from omni_core.pipelines.loader import ResolvedModel, load_pipeline
+from omni_core.pipelines.state import StepState
+from omni_core.request import OmniDiffusionRequest
+from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+
+logger = logging.getLogger("omni_core.worker")
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def torch_dtype(config: Any, platform: Any) -> Any:
+    import torch
+
+    name = config.dtype if config.dtype != "auto" else platform.default_dtype
+    return getattr(torch, DTYPES[name])
+
+
+def error_output(request_id: str, exc: BaseException | str, state: StepState | None = None) -> DiffusionOutput:
+    msg = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return DiffusionOutput(request_id=request_id, finished=True, status="error", error=msg,
+                           step_index=state.step_index if state else 0, num_steps=state.num_steps if state else 0)
+
+
+class _Control:
+    """StepControl of the request path: abort flags (agreed across ranks) and progress callbacks."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def stopped(self, request_ids: list[str]) -> set[str]:
+        return self.runner.agree_stopped(request_ids)
+
+    def on_encoded(self, state: StepState) -> None:
+        self.runner.begin_request(state)
+
+    def on_step(self, state: StepState) -> None:
+        if self.runner.on_progress is not None:
+            self.runner.on_progress(state.request_id, state.step_index, state.num_steps)
+
+
+class ModelRunner:
+    def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
+                 world_size: int = 1, on_progress: Callable[[str, int, int], None] | None = None,
+                 poll_aborts: Callable[[], list[str]] | None = None) -> None:
+        self.config = config
+        self.resolved = resolved
+        self.device = device
+        self.dtype = dtype
+        self.rank = rank
+        self.world_size = world_size
+        self.on_progress = on_progress
+        self.poll_aborts = poll_aborts
+        self.pipeline: Any = None
+        self.cache_backend: Any = None
+        self.states: dict[str, StepState] = {}
+        self._abort_ids: set[str] = set()
+        self._abort_lock = threading.Lock()
+        self._in_flight: set[str] = set()
+
+    # ------------------------------------------------------------------ setup
+    def load_model(self) -> None:
+        self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
+        name = self.config.cache_backend
+        if name and name != "none":
+            from omni_core.plugins.manager import get_plugin_manager
+
+            cls = get_plugin_manager().load_component("cache", name)
+            ok, why = cls.is_available()
+            if not ok:
+                from omni_core.errors import ComponentUnavailableError
+
+                raise ComponentUnavailableError(f"cache backend {name!r} cannot run here: {why}")
+            self.cache_backend = cls(self.config.cache_config)
+            self.cache_backend.enable(self.pipeline)
+
+    def new_state(self, request: OmniDiffusionRequest) -> StepState:
+        import torch
+
+        gen = torch.Generator(device=self.device).manual_seed(request.seed)
+        return StepState(request=request, generator=gen)
+
+    # ------------------------------------------------------------------ aborts
+    def abort(self, request_ids: list[str]) -> None:
+        """Mark requests to stop at the next step boundary (thread-safe; may arrive just before their wave)."""
+        with self._abort_lock:
+            self._abort_ids.update(request_ids)
+
+    def agree_stopped(self, request_ids: list[str]) -> set[str]:
+        """Which of ``request_ids`` to stop; rank 0 decides and every rank learns the same answer."""
+        if self.poll_aborts is not None:
+            polled = self.poll_aborts()
+            with self._abort_lock:
+                self._abort_ids.update(r for r in polled if r in self._in_flight)
+        with self._abort_lock:
+            flags = [rid in self._abort_ids for rid in request_ids]
+        if self.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor(flags, dtype=torch.uint8)
+            dist.broadcast(t, src=0)
+            flags = [bool(x) for x in t.tolist()]
+        return {rid for rid, f in zip(request_ids, flags) if f}
+
+    def _forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self._in_flight.discard(request_id)
+        with self._abort_lock:
+            self._abort_ids.discard(request_id)
+
+    def held_ids(self) -> set[str]:
+        return set(self.states) | set(self._in_flight)
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._forget(rid)
+
+    # ------------------------------------------------------------------ request path
+    def _finish_output(self, state: StepState, out: DiffusionOutput, extra: dict) -> DiffusionOutput:
+        out.request_id = state.request_id
+        out.metrics.update(extra)
+        out.metrics.setdefault("num_steps", state.step_index)
+        out.metrics["seed"] = state.request.seed
+        if self.cache_backend is not None:
+            out.metrics.update(self.cache_backend.request_metrics(state))
+        return out
+
+    def begin_request(self, state: StepState) -> None:
+        if self.cache_backend is not None:
+            self.cache_backend.begin_request(state)
+
+    def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        import torch
+
+        self.release(sched.finished_ids)
+        reqs = sched.new_requests
+        batch_ids = {r.request_id for r in reqs}
+        with self._abort_lock:
+            self._abort_ids &= batch_ids  # stale aborts of requests that already ended
+        self._in_flight.update(batch_ids)
+        t0 = time.perf_counter()
+        outputs: dict[str, DiffusionOutput] = {}
+        try:
+            with torch.inference_mode():
+                states = [self.new_state(r) for r in reqs]
+                try:
+                    outs = self._forward(states)
+                except Exception:  # noqa: BLE001 - isolate the failing request(s)
+                    if len(reqs) == 1:
+                        raise
+                    logger.warning("batched forward failed; retrying the %d requests one by one", len(reqs),
+                                   exc_info=True)
+                    outs = []
+                    for r in reqs:
+                        st = self.new_state(r)
+                        try:
+                            outs.extend(self._forward([st]))
+                        except Exception as exc:  # noqa: BLE001
+                            outs.append(error_output(r.request_id, exc, st))
+                for st, out in zip(states, outs):
+                    outputs[st.request_id] = out
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("request failed", exc_info=True)
+            for r in reqs:
+                outputs[r.request_id] = error_output(r.request_id, exc)
+        elapsed = time.perf_counter() - t0
+        for r in reqs:
+            outputs[r.request_id].metrics.update({"execution_time_s": elapsed, "batch_size": len(reqs)})
+            self._forget(r.request_id)
+        return RunnerOutput(outputs=outputs, held_ids=self.held_ids())
+
+    def _forward(self, states: list[StepState]) -> list[DiffusionOutput]:
+        outs = self.pipeline.forward(states, _Control(self))
+        return [self._finish_output(s, o, {}) for s, o in zip(states, outs)]
+
+    # ------------------------------------------------------------------ step path
+    def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
+        import torch
+
+        self.release(sched.finished_ids)
+        outputs: dict[str, DiffusionOutput] = {}
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for req in sched.new_requests:
+                state = self.new_state(req)
+                try:
+                    state = self.pipeline.prepare_encode(state) or state
+                    self.begin_request(state)
+                    self.states[req.request_id] = state
+                except Exception as exc:  # noqa: BLE001
+                    outputs[req.request_id] = error_output(req.request_id, exc, state)
+            active = [self.states[r] for r in sched.scheduled_ids if r in self.states and not self.states[r].done]
+            preds = self._denoise(active, outputs)
+            for state, pred in preds:
+                try:
+                    self.pipeline.step_scheduler(state, pred)
+                except Exception as exc:  # noqa: BLE001
+                    outputs[state.request_id] = error_output(state.request_id, exc, state)
+                    self._forget(state.request_id)
+            elapsed = time.perf_counter() - t0
+            for rid in sched.scheduled_ids:
+                state = self.states.get(rid)
+                if state is None or rid in outputs:
+                    continue
+                if state.done:
+                    try:
+                        out = self._finish_output(state, self.pipeline.post_decode(state), {})
+                    except Exception as exc:  # noqa: BLE001
+                        out = error_output(rid, exc, state)
+                    self._forget(rid)
+                else:
+                    preview = self.pipeline.preview(state) if self.config.streaming_output else None
+                    out = DiffusionOutput(request_id=rid, finished=False, preview=preview,
+                                          step_index=state.step_index, num_steps=state.num_steps)
+                out.metrics["step_time_s"] = elapsed
+                out.metrics["batch_size"] = len(active)
+                outputs[rid] = out
+        return RunnerOutput(outputs=outputs, held_ids=self.held_ids())
+
+    def _denoise(self, active: list[StepState], outputs: dict[str, DiffusionOutput]) -> list[tuple[StepState, Any]]:
+        if not active:
+            return []
+        try:
+            return list(zip(active, self.pipeline.denoise_step(active)))
+        except Exception as exc:  # noqa: BLE001 - find the culprit(s), keep the others
+            if len(active) == 1:
+                outputs[active[0].request_id] = error_output(active[0].request_id, exc, active[0])
+                self._forget(active[0].request_id)
+                return []
+            ok = []
+            for state in active:
+                try:
+                    ok.append((state, self.pipeline.denoise_step([state])[0]))
+                except Exception as exc:  # noqa: BLE001
+                    outputs[state.request_id] = error_output(state.request_id, exc, state)
+                    self._forget(state.request_id)
+            return ok
