@@ -1,0 +1,263 @@
+"""Sequence-parallel plans: a model declares where its tokens are sharded and gathered; hooks do the rest.
+
+A denoiser opts in without touching its forward::
+
+    class MyDiT(nn.Module):
+        _sp_plan = {
+            "shard_after": {"x_embedder": 1, "rope": {0: 0, 1: 0}},   # outputs to shard (tokens on dim 1 / 0)
+            "gather_before": "final_layer",                          # gather the input of this submodule
+            "joint_text": "encoder_hidden_states",                  # text tokens replicated in joint attention
+        }
+
+    apply_sequence_parallel(model)       # after init_parallel_state; a no-op while the sp group has one rank
+
+or, for a model whose forward already takes tokens, ``{"shard": {"hidden_states": 1, "rotary_emb": 0},
+"gather": 1}``. During each forward of the module: the declared inputs/outputs are split along their token
+dimension (padded to a multiple of the sp size), ``Attention`` layers inside run the sequence-parallel
+strategy chosen from the ulysses/ring groups, and the output is all-gathered with the padding stripped.
+Everything per-token (rotary tables, positional embeddings, per-token masks) must be named in the plan so
+that it is sharded the same way as the tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+from torch import nn
+
+from omni_core.attention.parallel.region import SIDES, SPRegion, current_region
+from omni_core.attention.parallel.strategies import build_sequence_parallel_attention
+from omni_core.errors import ConfigError, suggest
+from omni_core.forward_context import use_forward_context
+
+
+
+def _dims(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {value: 1}
+    if isinstance(value, (list, tuple)):
+        return {name: 1 for name in value}
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise ConfigError(f"SequenceParallelPlan.{what} must map names to token dims, got {value!r}", field=what)
+
+
+@attrs.frozen
+class SequenceParallelPlan:
+    """Where a module's tokens are sharded and gathered (see the module docstring)."""
+
+    #: forward arguments of the module -> their token dimension
+    shard_inputs: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "shard_inputs"))
+    #: submodule path -> token dim of its output, or {output index: dim} for tuple outputs
+    shard_outputs: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "shard_outputs"))
+    #: token dim of the module's output to gather at the end (None: gathered elsewhere or not at all)
+    gather_output: int | None = 1
+    #: which element of a tuple output holds the tokens
+    gather_output_index: int = 0
+    #: submodule path -> token dim of its first positional argument, gathered before it runs
+    gather_before: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "gather_before"))
+    #: forward argument whose length along ``joint_text_dim`` is the replicated text length of joint attention
+    joint_text_input: str | None = None
+    joint_text_dim: int = 1
+    joint_text_side: str = attrs.field(default="front", validator=attrs.validators.in_(SIDES))
+    #: inputs every rank keeps whole (documentation; e.g. the text embeddings)
+    replicate: tuple = attrs.field(default=(), converter=tuple)
+
+    _ALIASES = {"shard": "shard_inputs", "shard_after": "shard_outputs", "gather": "gather_output",
+                "joint_text": "joint_text_input"}
+
+    @classmethod
+    def coerce(cls, value: Any) -> SequenceParallelPlan:
+        """A plan from a ``SequenceParallelPlan`` or a dict (keys: field names or ``shard``, ``shard_after``,
+        ``gather``, ``joint_text``)."""
+        if isinstance(value, SequenceParallelPlan):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"a sequence-parallel plan must be a dict or SequenceParallelPlan, got {value!r}",
+                              field="_sp_plan")
+        names = [f.name for f in attrs.fields(cls)]
+        kwargs = {}
+        for key, val in value.items():
+            field = cls._ALIASES.get(key, key)
+            if field not in names:
+                hint = suggest(key, [*names, *cls._ALIASES])
+                raise ConfigError(f"unknown sequence-parallel plan key {key!r}"
+                                  + (f"; did you mean {hint!r}?" if hint else "")
+                                  + f" Allowed: {', '.join(sorted([*names, *cls._ALIASES]))}", field=key)
+            kwargs[field] = val
+        return cls(**kwargs)
+
+
+def _map_tokens(value: Any, spec: Any, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+    """Apply ``fn(tensor, dim)`` to a tensor output (``spec`` an int) or to chosen tuple elements."""
+    if isinstance(spec, int):
+        return fn(value, spec) if isinstance(value, torch.Tensor) else value
+    items = list(value)
+    for index, dim in spec.items():
+        if items[index] is not None:
+            items[index] = fn(items[index], dim)
+    return type(value)(items) if isinstance(value, tuple) else items
+
+
+class SequenceParallelHandle:
+    """Hooks installed by :func:`apply_sequence_parallel`; ``remove()`` takes them off."""
+
+    def __init__(self, module: nn.Module, plan: SequenceParallelPlan) -> None:
+        self.module, self.plan = module, plan
+        self._hooks: list[Any] = []
+        self._stack: list[tuple[Any, SPRegion] | None] = []
+        params = list(inspect.signature(module.forward).parameters.values())
+        self._positions = {p.name: i for i, p in enumerate(params)
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params)
+        known = {p.name for p in params}
+        for name in [*plan.shard_inputs, *([plan.joint_text_input] if plan.joint_text_input else [])]:
+            if name not in known and not takes_kwargs:
+                hint = suggest(name, sorted(known))
+                raise ConfigError(f"sequence-parallel plan of {type(module).__name__} names input {name!r}, which "
+                                  f"its forward does not take" + (f"; did you mean {hint!r}?" if hint else ""),
+                                  field="shard_inputs")
+        for name in [*plan.shard_outputs, *plan.gather_before]:
+            try:
+                module.get_submodule(name)
+            except AttributeError:
+                raise ConfigError(f"sequence-parallel plan of {type(module).__name__} names submodule {name!r}, "
+                                  f"which does not exist", field="shard_outputs") from None
+        self._hooks.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+        self._hooks.append(module.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
+        for name, spec in plan.shard_outputs.items():
+            self._hooks.append(module.get_submodule(name).register_forward_hook(self._shard_output_hook(name, spec)))
+        for name, dim in plan.gather_before.items():
+            self._hooks.append(module.get_submodule(name).register_forward_pre_hook(self._gather_hook(dim)))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if getattr(self.module, "_sp_handle", None) is self:
+            del self.module._sp_handle
+
+    # ------------------------------------------------------------------ argument access
+    def _get(self, args: tuple, kwargs: dict, name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        i = self._positions.get(name)
+        return args[i] if i is not None and i < len(args) else None
+
+    def _set(self, args: list, kwargs: dict, name: str, value: Any) -> None:
+        if name in kwargs:
+            kwargs[name] = value
+        else:
+            args[self._positions[name]] = value
+
+    def _region(self) -> SPRegion | None:
+        region = current_region()
+        return region if region is not None and region.owner is self else None
+
+    # ------------------------------------------------------------------ hooks
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        from omni_core.distributed.parallel_state import get_sp_group
+
+        if get_sp_group().world_size == 1 or current_region() is not None:  # trivial, or already inside one
+            self._stack.append(None)
+            return None
+        plan = self.plan
+        region = SPRegion.from_parallel_state(joint_text_side=plan.joint_text_side, owner=self)
+        if plan.joint_text_input:
+            text = self._get(args, kwargs, plan.joint_text_input)
+            if text is not None:
+                region.joint_text_len = text.shape[plan.joint_text_dim]
+        args, kwargs = list(args), dict(kwargs)
+        for name, dim in plan.shard_inputs.items():
+            value = self._get(args, kwargs, name)
+            if value is not None:
+                self._set(args, kwargs, name, region.shard(value, dim, name=name))
+        cm = use_forward_context(attn_strategy=build_sequence_parallel_attention(region))
+        cm.__enter__()
+        self._stack.append((cm, region))
+        return tuple(args), kwargs
+
+    def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._stack:
+            return None
+        entry = self._stack.pop()
+        if entry is None:
+            return None
+        cm, region = entry
+        try:
+            if output is None or region.gathered or self.plan.gather_output is None or region.seq_len is None:
+                return None
+            return self._gather_output(output, region)
+        finally:
+            cm.__exit__(None, None, None)
+
+    def _gather_output(self, output: Any, region: SPRegion) -> Any:
+        dim = self.plan.gather_output
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return region.gather(t, dim)
+
+        if isinstance(output, torch.Tensor):
+            return gather(output)
+        if isinstance(output, (tuple, list)):
+            return _map_tokens(output, {self.plan.gather_output_index: dim}, lambda t, d: region.gather(t, d))
+        if hasattr(output, "sample"):  # diffusers' Transformer2DModelOutput and friends
+            output.sample = gather(output.sample)
+            return output
+        raise TypeError(f"sequence parallel: cannot gather an output of type {type(output).__name__}; set "
+                        f"gather_output=None and gather_before=<submodule> in the plan")
+
+    def _shard_output_hook(self, name: str, spec: Any) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            region = self._region()
+            if region is None or not region.active:
+                return None
+            return _map_tokens(output, spec, lambda t, d: region.shard(t, d, name=f"output of {name}"))
+        return hook
+
+    def _gather_hook(self, dim: int) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> Any:
+            region = self._region()
+            if region is None or not region.active or region.seq_len is None:
+                return None
+            region.end()
+            return (region.gather(args[0], dim), *args[1:])
+        return hook
+
+
+def apply_sequence_parallel(module: nn.Module, plan: Any = None) -> SequenceParallelHandle:
+    """Install the plan's hooks on ``module`` (``plan`` defaults to ``module._sp_plan``). Idempotent: a second
+    call replaces the first. The hooks decide per forward, so it is safe to apply in any configuration."""
+    if plan is None:
+        plan = getattr(module, "_sp_plan", None)
+        if plan is None:
+            raise ConfigError(f"{type(module).__name__} declares no _sp_plan; pass a SequenceParallelPlan",
+                              field="_sp_plan")
+    old = getattr(module, "_sp_handle", None)
+    if old is not None:
+        old.remove()
+    handle = SequenceParallelHandle(module, SequenceParallelPlan.coerce(plan))
+    module._sp_handle = handle
+    return handle
+
+
+#: attributes of a pipeline that hold denoisers (diffusers' names)
+DENOISER_ATTRS = ("transformer", "transformer_2", "dit", "unet")
+
+
+def apply_sequence_parallel_to_pipeline(pipeline: Any, names: tuple[str, ...] = DENOISER_ATTRS) -> list[str]:
+    """Apply every denoiser's own ``_sp_plan`` found on ``pipeline`` (or on ``pipeline.pipe``); returns the
+    attribute names that opted in."""
+    done = []
+    for owner in (pipeline, getattr(pipeline, "pipe", None)):
+        for name in names:
+            module = getattr(owner, name, None) if owner is not None else None
+            if isinstance(module, nn.Module) and getattr(module, "_sp_plan", None) is not None:
+                apply_sequence_parallel(module)
+                done.append(name)
+    return done

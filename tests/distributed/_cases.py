@@ -1,0 +1,142 @@
+"""Checks that run inside spawned worker processes (see test_parallel_dist.py).
+
+Every case is computed twice on each rank: first on one process (before ``init_parallel_state``), then with
+the parallel config active; the worker returns ``(config, case, max_abs_diff)`` rows for the parent to check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+
+from omni_core.attention import Attention
+from omni_core.attention.parallel import apply_sequence_parallel, sequence_parallel_region
+from omni_core.attention.parallel.strategies import _join, _split
+from omni_core.config import ParallelConfig
+from omni_core.distributed import (RankLayout, cfg_parallel_guidance, communication_stats, destroy_parallel_state,
+                                   get_cfg_group, init_parallel_state, reset_communication_stats)
+
+
+def load_tiny():
+    name = "omni_tests_tiny_dit"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_dit.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# ---------------------------------------------------------------------- attention-layer cases
+# (name, seq_len, heads, kv_heads, text_len, text_side, text_mask, token_mask, role)
+ATTN_CASES = [
+    ("self S=37", 37, 8, 8, 0, "front", False, False, "self"),
+    ("self S=32", 32, 8, 8, 0, "front", False, False, "self"),
+    ("self S=3 (< ranks)", 3, 8, 8, 0, "front", False, False, "self"),
+    ("gqa S=37", 37, 8, 4, 0, "front", False, False, "self"),
+    ("joint front T=7 text mask S=37", 37, 8, 8, 7, "front", True, False, "joint"),
+    ("joint back T=5 S=30", 30, 8, 8, 5, "back", False, False, "joint"),
+    ("self token mask S=37", 37, 8, 8, 0, "front", False, True, "self"),
+    ("cross S=37 text mask", 37, 8, 8, 9, "front", True, False, "cross"),
+]
+
+
+def attention_case(case, parallel: bool) -> torch.Tensor:
+    name, seq, heads, kv_heads, text, side, text_mask, token_mask, role = case
+    batch, head_dim = 2, 16
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    layer = Attention(heads, head_dim, num_kv_heads=kv_heads, role=role)
+
+    def rnd(n, h):
+        return torch.randn(batch, n, h, head_dim, generator=g)
+
+    q_img, k_img, v_img = rnd(seq, heads), rnd(seq, kv_heads), rnd(seq, kv_heads)
+    tm = torch.ones(batch, text, dtype=torch.bool)
+    if text_mask:
+        tm[0, text - 2:] = False
+    im = torch.rand(batch, seq, generator=g) > 0.3 if token_mask else torch.ones(batch, seq, dtype=torch.bool)
+    if role == "cross":  # queries are the sharded tokens, keys/values the (replicated) text
+        kt, vt = rnd(text, kv_heads), rnd(text, kv_heads)
+        if not parallel:
+            return layer(q_img, kt, vt, tm)
+        with sequence_parallel_region() as region:
+            out = layer(region.shard(q_img), kt, vt, tm)
+            return region.gather(out)
+    q_txt, k_txt, v_txt = (rnd(text, heads), rnd(text, kv_heads), rnd(text, kv_heads)) if text else (None,) * 3
+    use_mask = text_mask or token_mask
+    if not parallel:
+        mask = _join(tm if text else None, im, side) if use_mask else None
+        return layer(_join(q_txt, q_img, side), _join(k_txt, k_img, side), _join(v_txt, v_img, side), mask)
+    with sequence_parallel_region(joint_text_len=text, joint_text_side=side) as region:
+        q, k, v = (_join(t, region.shard(x), side) for t, x in ((q_txt, q_img), (k_txt, k_img), (v_txt, v_img)))
+        mask = _join(tm if text else None, region.shard(im), side) if use_mask else None
+        out_txt, out_img = _split(layer(q, k, v, mask), text, side)
+        return _join(out_txt, region.gather(out_img), side)
+
+
+# ---------------------------------------------------------------------- model cases
+def _models():
+    tiny = load_tiny()
+    dit = tiny.build(tiny.TinyDiT, seed=0, heads=4)
+    tok = tiny.build(tiny.TinyTokenModel, seed=1)
+    apply_sequence_parallel(dit)
+    apply_sequence_parallel(tok)
+    return tiny, dit, tok
+
+
+def model_cases(dp_index: int):
+    """(name, fn) pairs; ``dp_index`` picks the request a data-parallel replica serves."""
+    tiny, dit, tok = _models()
+    txt, tmask = tiny.text_inputs(2, 6)
+    neg, nmask = tiny.text_inputs(2, 6, seed=7)
+
+    def latents(h, w, seed):
+        return torch.randn(2, 4, h, w, generator=torch.Generator().manual_seed(seed))
+
+    t = torch.tensor([0.3, 0.7])
+    cases = [
+        ("TinyDiT 10x14 (S=35)", lambda: dit(latents(10, 14, 3), txt, tmask, t)),
+        ("TinyDiT 8x8 (S=16)", lambda: dit(latents(8, 8, 4), encoder_hidden_states=txt, timestep=t)),
+    ]
+    g = torch.Generator().manual_seed(5)
+    hs = torch.randn(2, 37, 8, generator=g)
+    cos, sin = tiny.rope_tables(torch.arange(37) * 0.5, 8)
+    cases.append(("TinyTokenModel S=37", lambda: tok(hs, txt, cos, sin, encoder_mask=tmask)[0]))
+    x = latents(10, 14, 11)
+    cases.append(("CFG guidance (TinyDiT)", lambda: cfg_parallel_guidance(
+        lambda: dit(x, txt, tmask, t), lambda: dit(x, neg, nmask, t), 4.0, normalize=True)))
+    y = latents(6, 10, 100 + dp_index)  # each replica serves a different request
+    cases.append((f"DP replica {dp_index} request", lambda: dit(y, txt, tmask, t)))
+    return cases
+
+
+def worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, str, float]]:
+    rows = []
+    with torch.inference_mode():
+        for cfg in configs:
+            pc = ParallelConfig.from_kwargs(**cfg)
+            dp_index = RankLayout.from_config(pc).coords(rank)["dp"]
+            cases = [(c[0], lambda c=c, p=False: attention_case(c, p)) for c in ATTN_CASES]
+            refs = [fn() for _, fn in cases]
+            mcases = model_cases(dp_index)
+            refs += [fn() for _, fn in mcases]
+            init_parallel_state(pc)
+            try:
+                outs = [attention_case(c, True) for c in ATTN_CASES]
+                reset_communication_stats()
+                outs += [fn() for _, fn in mcases]
+                model_bytes = communication_stats()["total"]
+                if pc.cfg_parallel_size > 1:
+                    assert get_cfg_group().world_size == 2
+            finally:
+                destroy_parallel_state()
+            label = ", ".join(f"{k}={v}" for k, v in cfg.items())
+            for (name, _), ref, out in zip(cases + mcases, refs, outs):
+                assert out.shape == ref.shape, (label, name, out.shape, ref.shape)
+                rows.append((label, name, float((out - ref).abs().max())))
+            rows.append((label, "bytes sent by the model cases", model_bytes))
+    return rows
