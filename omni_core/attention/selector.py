@@ -28,10 +28,25 @@ class AttentionSelection:
         return self.spec.backend
 
 
-def load_backend(name: str, pm=None) -> type[AttentionBackend]:
-    from omni_core.plugins.manager import get_plugin_manager
+def load_backend(name: str, pm=None, *, chosen_by: str = "") -> type[AttentionBackend]:
+    """Import the backend class registered as ``name``.
 
-    cls = (pm or get_plugin_manager()).load_component("attention", name)
+    The record's ``requires`` are checked first (without importing), and an import failure of the
+    backend module becomes a :class:`ComponentUnavailableError` that says which backend and why.
+    """
+    from omni_core.plugins.manager import get_plugin_manager
+    from omni_core.plugins.types import missing_requirements
+
+    spec = (pm or get_plugin_manager()).get_component("attention", name)
+    where = f"attention backend {name!r} ({spec.provider}{', chosen by ' + chosen_by if chosen_by else ''})"
+    missing = missing_requirements(spec.requires)
+    if missing:
+        raise ComponentUnavailableError(f"{where} cannot run here: it needs the Python package(s) "
+                                        f"{', '.join(missing)}, which are not installed")
+    try:
+        cls = spec.load()
+    except ImportError as exc:
+        raise ComponentUnavailableError(f"{where} cannot be imported: {type(exc).__name__}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
         raise TypeError(f"attention backend {name!r} must be an AttentionBackend subclass, got {cls!r}")
     return cls
@@ -55,7 +70,7 @@ def select_attention_backend(
             from omni_core.platforms import current_platform as platform  # noqa: N813
         spec = AttentionSpec(backend=platform.default_attention_backend(head_size, dtype))
         source = f"platform default ({platform.name})"
-    backend_cls = load_backend(spec.backend, pm)
+    backend_cls = load_backend(spec.backend, pm, chosen_by=f"{source} for role {role!r}")
     ok, why = backend_cls.is_available()
     if not ok:
         raise ComponentUnavailableError(f"attention backend {spec.backend!r} (chosen by {source} for role "

@@ -18,20 +18,23 @@ from omni_core.errors import OmniError, PluginLoadError
 logger = logging.getLogger("omni_core.cli")
 
 
-class _Formatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"omni: {record.levelname.lower()}: {record.getMessage()}"
+class _StderrHandler(logging.Handler):
+    """Writes ``omni: warning: ...`` lines to whatever ``sys.stderr`` is at the time (pytest swaps it)."""
+
+    _omni_cli = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"omni: {record.levelname.lower()}: {record.getMessage()}\n")
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
 
 
 def _setup_logging(level: int = logging.WARNING) -> None:
-    root = logging.getLogger("omni_core")
-    if not any(getattr(h, "_omni_cli", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_Formatter())
-        handler._omni_cli = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
-        root.propagate = False
-    root.setLevel(level)
+    log = logging.getLogger("omni_core")
+    if not any(getattr(h, "_omni_cli", False) for h in log.handlers):
+        log.addHandler(_StderrHandler())
+    log.setLevel(level)
 
 
 def register_commands(pm, subparsers: argparse._SubParsersAction) -> None:

@@ -32,11 +32,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def plugin_rows(pm=None, *, include_builtin: bool = False, kind: str | None = None) -> list[dict[str, Any]]:
-    """The ``--json`` payload: one dict per plugin (fields as in ``PluginInfo``)."""
+    """The ``--json`` payload: one dict per plugin (fields as in ``PluginInfo``), built-ins first, then by name."""
     from omni_core.plugins.manager import ACTIVE, get_plugin_manager
 
     pm = pm or get_plugin_manager()
-    rows = [info.to_dict() for info in pm.list_plugins(include_builtin=include_builtin)]
+    infos = sorted(pm.list_plugins(include_builtin=include_builtin), key=lambda i: (not i.builtin, i.name))
+    rows = [info.to_dict() for info in infos]
     if kind is not None:
         rows = [r for r in rows if kind in r["kinds"] or r["status"] != ACTIVE]
     return rows

@@ -1,0 +1,94 @@
+"""Fixtures of the core test suite.
+
+``dummy_site`` installs the throwaway distributions under ``tests/fixtures/dists`` with real pip into a temp
+folder (once per session); ``dummy_plugins`` puts that folder on ``sys.path`` for one test, so
+``importlib.metadata`` discovers their entry points exactly as it discovers installed plugins.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DUMMY_DISTS = ("omni-dummy-good", "omni-dummy-broken", "omni-dummy-conflict")
+
+
+@pytest.fixture(scope="session")
+def dummy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the three dummy distributions, installed by pip (metadata, entry points and all)."""
+    root = tmp_path_factory.mktemp("dummy-dists")
+    sources = []
+    for name in DUMMY_DISTS:  # build from copies: pip leaves build/ and *.egg-info next to the sources
+        shutil.copytree(FIXTURES / "dists" / name, root / "src" / name)
+        sources.append(str(root / "src" / name))
+    site = root / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(site), *sources], capture_output=True, text=True)
+    assert proc.returncode == 0, f"installing the dummy distributions failed:\n{proc.stdout}\n{proc.stderr}"
+    return site
+
+
+@pytest.fixture
+def dummy_plugins(dummy_site: Path, monkeypatch: pytest.MonkeyPatch):
+    """The dummy distributions are installed for this test (on ``sys.path``), and gone afterwards."""
+    monkeypatch.syspath_prepend(str(dummy_site))
+    monkeypatch.delenv("OMNI_STRICT_PLUGINS", raising=False)
+    for var in ("OMNI_PLUGINS", "OMNI_DISABLE_PLUGINS", "OMNI_NO_PLUGINS", "OMNI_PLATFORM", "OMNI_DUMMY_PLATFORM"):
+        monkeypatch.delenv(var, raising=False)
+    yield dummy_site
+    for mod in [m for m in sys.modules if m.startswith("omni_dummy_")]:
+        del sys.modules[mod]
+
+
+@pytest.fixture
+def use_manager(monkeypatch: pytest.MonkeyPatch):
+    """``use_manager(pm)`` installs ``pm`` as the process-wide manager for this test."""
+    from omni_core.platforms import reset_current_platform
+    from omni_core.plugins.manager import set_plugin_manager
+
+    previous = []
+
+    def use(pm):
+        previous.append(set_plugin_manager(pm))
+        reset_current_platform()
+        return pm
+
+    yield use
+    if previous:
+        set_plugin_manager(previous[0])
+        reset_current_platform()
+
+
+def _omni_env(extra: dict[str, str] | None = None, *, site: Path | None = None) -> dict[str, str]:
+    """Environment for a subprocess: no inherited OMNI_* switches, optionally the dummy site on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH", "")]))
+    env.update(extra or {})
+    return env
+
+
+def _run_omni(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the installed ``omni`` console script (the real entry point)."""
+    script = Path(sys.executable).parent / "omni"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "omni_core.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env or _omni_env(), timeout=120)
+
+
+@pytest.fixture
+def omni_env():
+    """``omni_env(extra, site=...)``: a subprocess environment without inherited ``OMNI_*`` switches."""
+    return _omni_env
+
+
+@pytest.fixture
+def run_omni():
+    """``run_omni(*args, env=...)``: run the installed ``omni`` console script in a subprocess."""
+    return _run_omni

@@ -1,0 +1,62 @@
+"""Every hook spec documents its parameters, return value, when and in which process it is called, and an example."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from omni_core.plugins import hookspecs
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+SPECS = sorted(name for name, fn in vars(hookspecs).items()
+               if inspect.isfunction(fn) and hasattr(fn, "omni_spec"))
+
+
+def test_specs_found():
+    assert "omni_register_attention_backends" in SPECS and "omni_register_commands" in SPECS
+    assert all(name.startswith("omni_") for name in SPECS)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_spec_docstring_is_complete(name):
+    fn = getattr(hookspecs, name)
+    doc = inspect.getdoc(fn) or ""
+    problems = []
+    params = list(inspect.signature(fn).parameters)
+    if params:
+        problems += [f"no ':param {p}:'" for p in params if f":param {p}:" not in doc]
+    elif "Takes no arguments." not in doc:
+        problems.append("no 'Takes no arguments.' (say so when there are no parameters)")
+    if ":returns:" not in doc:
+        problems.append("no ':returns:'")
+    if fn.omni_spec.get("firstresult") and "first non-None" not in doc:
+        problems.append("firstresult hook must say it stops at the first non-None result")
+    called = re.search(r"\*\*Called:\*\*(.*?)(?:\n\n|$)", doc, re.S)
+    if not called:
+        problems.append("no '**Called:**' paragraph")
+    elif "process" not in called.group(1):
+        problems.append("the '**Called:**' paragraph does not say in which process")
+    example = re.search(r"Example::\n\n((?:    .*\n?)+)", doc)
+    if not example:
+        problems.append("no indented 'Example::' block")
+    elif "@hookimpl" not in example.group(1) or f"def {name}(" not in example.group(1):
+        problems.append("the example must show an @hookimpl implementing this hook")
+    assert not problems, f"{name}: " + "; ".join(problems)
+
+
+def test_missing_docs_are_detected(monkeypatch):
+    """The check above can fail: a spec without the sections is reported."""
+    def omni_fake(x):
+        """Summary only."""
+
+    monkeypatch.setattr(hookspecs, "omni_fake", hookspecs.hookspec(omni_fake), raising=False)
+    with pytest.raises(AssertionError, match="no ':param x:'.*no ':returns:'.*no '\\*\\*Called:\\*\\*'"):
+        test_spec_docstring_is_complete("omni_fake")
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_hook_is_in_the_reference_docs(name):
+    assert name in (DOCS / "plugins" / "hooks.md").read_text(), f"{name} is missing from docs/plugins/hooks.md"

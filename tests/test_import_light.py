@@ -1,0 +1,49 @@
+"""Importing the core, the CLI and the pytest plugin must not import torch (or diffusers/transformers/numpy).
+
+Run in fresh interpreters, since this test process has long imported torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "diffusers", "transformers", "numpy", "cache_dit")
+
+
+def imported_after(code: str, env=None) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True, env=env)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_issue_one_liner():
+    subprocess.run([sys.executable, "-c", "import omni_core, sys; assert 'torch' not in sys.modules"], check=True)
+
+
+@pytest.mark.parametrize("code", [
+    "import omni_core",
+    "import omni_core; omni_core.OmniDiffusionConfig; omni_core.get_plugin_manager",
+    "from omni_core.plugins import get_plugin_manager; get_plugin_manager().components('attention')",
+    "from omni_core.config import OmniDiffusionConfig; OmniDiffusionConfig(model='m')",
+    "import omni_core.testing",
+    "from omni_core.attention import AttentionBackend; from omni_core.cache import CacheBackend",
+    "from omni_core.cli.main import main; main(['--help'])",
+    "from omni_core.cli.main import main; main(['plugins', 'list', '--all'])",
+])
+def test_no_heavy_imports(code, omni_env):
+    if "--help" in code:
+        code = f"try:\n    {code}\nexcept SystemExit:\n    pass"
+    heavy = imported_after(code, env=omni_env()) & set(HEAVY)
+    assert not heavy, f"{code!r} imported {sorted(heavy)}"
+
+
+def test_import_omni_core_loads_only_pluggy():
+    """``import omni_core`` loads hookspecs only; the manager (importlib.metadata) and attrs wait for first use."""
+    mods = imported_after("import omni_core")
+    ours = {m for m in mods if m.startswith("omni_core")}
+    assert ours == {"omni_core", "omni_core.plugins", "omni_core.plugins.hookspecs"}
+    assert "pluggy" in mods
