@@ -195,13 +195,13 @@ class DiffusionEngine:
                 if self._closed or self._dead:
                     return
                 sched = self.scheduler.schedule()
-                for rid in sched.finished_ids:  # aborted while running (step mode): ends here
-                    if rid in self._requests:
-                        self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
             try:
                 if sched.is_empty:
-                    if sched.finished_ids:
-                        self._held_ids = self.executor.release(sched.finished_ids)
+                    if sched.finished_ids:  # ended while running: the runner drops them first
+                        held = self.executor.release(sched.finished_ids)
+                        with self._lock:
+                            self._held_ids = held
+                            self._finalize_aborted(sched.finished_ids)
                     continue
                 self._mark_started(sched)
                 if self.execution_mode is DiffusionExecutionMode.STEP_BATCH:
@@ -226,10 +226,16 @@ class DiffusionEngine:
             if meta is not None:
                 meta.setdefault("started", now)
 
+    def _finalize_aborted(self, request_ids: list[str]) -> None:
+        for rid in request_ids:  # aborted while running: ends once the runner has dropped it
+            if rid in self._requests:
+                self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
+
     def _apply(self, sched: DiffusionSchedulerOutput, result: RunnerOutput) -> None:
         with self._lock:
             ended = self.scheduler.update_from_output(sched, result)
             self._held_ids = set(result.held_ids)
+            self._finalize_aborted(sched.finished_ids)
             if self.execution_mode is DiffusionExecutionMode.STEP_BATCH:
                 self.counters["denoise_steps"] += len(sched.scheduled_ids)
             for rid, out in result.outputs.items():
@@ -292,6 +298,7 @@ class DiffusionEngine:
             return
         self._dead = reason
         self.scheduler.fail_all(reason)
+        self.scheduler.schedule()  # nothing will run again: drop the release list too
         for rid in list(self._requests):
             self._finalize(rid, DiffusionOutput(request_id=rid, status="error", error=reason))
         self._held_ids = set()

@@ -99,10 +99,19 @@ class MultiProcExecutor(DiffusionExecutor):
         while not self._closing:
             done = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
             if done and not self._closing:
-                p = sentinels[done[0]]
-                self._dead = f"the engine is dead: worker {p.name} (pid {p.pid}) exited with code {p.exitcode}"
-                logger.error("%s", self._dead)
+                self._mark_dead(sentinels[done[0]])
                 return
+
+    def _mark_dead(self, p: Any) -> None:
+        p.join(0.1)
+        if self._dead is None:
+            self._dead = f"the engine is dead: worker {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+            logger.error("%s", self._dead)
+
+    def _dead_worker(self, timeout: float) -> Any:
+        """A worker that has exited (waiting up to ``timeout`` for one), or None."""
+        done = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=timeout)
+        return next((p for p in self.procs if p.sentinel in done), None)
 
     # ------------------------------------------------------------------ calls
     def _send(self, msg: tuple) -> None:
@@ -126,6 +135,11 @@ class MultiProcExecutor(DiffusionExecutor):
             elif kind == "result":
                 return msg[1]
             elif kind == "error":
+                # a peer's death surfaces first as a failed collective on rank 0: report the death
+                dead = self._dead_worker(timeout=1.0)
+                if dead is not None:
+                    self._mark_dead(dead)
+                    raise EngineDeadError(self._dead)
                 raise RuntimeError(f"worker rank 0 failed to run the wave:\n{msg[1]}")
             elif kind == "fatal":
                 self._dead = f"the engine is dead: worker rank {msg[1]} failed:\n{msg[2]}"

@@ -58,11 +58,13 @@ def resolve_model(model: str, pm=None) -> ResolvedModel:
 def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> None:
     """Fail at start-up if the config asks for a parallel strategy the pipeline does not declare."""
     wanted = parallel_config.requested_strategies()
-    unsupported = [s for s in wanted if s not in resolved.spec.supported_parallel and s != "data"]
+    # declared on the registration record (listed without importing) or on the pipeline class
+    supported = set(resolved.spec.supported_parallel) | set(getattr(resolved.pipeline_cls(), "supported_parallel", ()))
+    unsupported = [s for s in wanted if s not in supported and s != "data"]
     if unsupported:
         raise ConfigError(
             f"pipeline {resolved.spec.name!r} does not support {', '.join(unsupported)} parallelism; it supports: "
-            f"{', '.join(resolved.spec.supported_parallel) or 'none'} (data parallel always works)",
+            f"{', '.join(sorted(supported)) or 'none'} (data parallel always works)",
             field="parallel_config")
 
 

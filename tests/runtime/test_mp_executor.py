@@ -1,0 +1,102 @@
+"""The multi-process executor for real: spawn, gloo, shared-memory results, abort, worker death."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from omni_core import Omni, SamplingParams
+from omni_core.request import OmniDiffusionRequest
+
+pytestmark = pytest.mark.dist
+
+PROMPTS = ["a red circle", {"prompt": "a blue square", "negative_prompt": "blurry"}, "a green cross"]
+
+
+def pixels(out):
+    return np.stack([np.asarray(im, dtype=np.int16) for im in out.images])
+
+
+def final(stream, timeout=60):
+    while True:
+        out = stream.get(timeout=timeout)
+        if out.finished:
+            return out
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    with Omni(tiny_model, warmup=False) as omni:
+        return omni.generate(PROMPTS, seed=11, guidance_scale=2.5, use_tqdm=False)
+
+
+@pytest.mark.parametrize("config", [
+    {"max_num_seqs": 4},
+    {"step_execution": True, "max_num_seqs": 4},
+    {"max_num_seqs": 1, "parallel_config": {"cfg_parallel_size": 2}},
+], ids=["request-batch", "step-batch", "two-workers"])
+def test_mp_matches_in_process_output(tiny_model, reference, config):
+    with Omni(tiny_model, executor="mp", **config) as omni:
+        outs = omni.generate(PROMPTS, seed=11, guidance_scale=2.5, use_tqdm=False)
+        pids = omni.engine.executor.worker_pids()
+        assert len(pids) == omni.config.world_size
+        for a, b in zip(outs, reference):
+            assert np.array_equal(pixels(a), pixels(b))
+        assert omni.stats()["tracked_requests"] == []
+    assert not any(alive(p) for p in pids)
+
+
+def test_abort_reaches_the_worker_mid_request(tiny_model):
+    with Omni(tiny_model, executor="mp", warmup=False) as omni:
+        engine = omni.engine
+        req = OmniDiffusionRequest(prompt="slow", sampling_params=SamplingParams(
+            num_inference_steps=60, extra_args={"sleep_per_step": 0.05}))
+        seen = []
+        stream = engine.submit(req)
+        engine.add_progress_listener(req.request_id, lambda rid, step, total: seen.append(step))
+        while len(seen) < 3:
+            time.sleep(0.005)
+        at_abort = seen[-1]
+        engine.abort(req.request_id)
+        out = final(stream)
+        assert out.status == "aborted" and out.metrics["steps_run"] <= at_abort + 2
+        assert omni.stats()["tracked_requests"] == []
+
+
+def test_killed_worker_fails_every_request_quickly_and_leaves_no_process(tiny_model):
+    omni = Omni(tiny_model, executor="mp", parallel_config={"cfg_parallel_size": 2}, warmup=False)
+    engine = omni.engine
+    pids = engine.executor.worker_pids()
+    slow = SamplingParams(num_inference_steps=200, extra_args={"sleep_per_step": 0.05})
+    streams = [engine.submit(OmniDiffusionRequest(prompt=f"p{i}", sampling_params=slow)) for i in range(3)]
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    outs = [final(s, timeout=15) for s in streams]
+    assert time.monotonic() - t0 < 10
+    assert all(o.status == "error" and "engine is dead" in o.error for o in outs)
+    with pytest.raises(Exception, match="engine is dead"):
+        omni.generate("later", use_tqdm=False)
+    assert omni.stats()["tracked_requests"] == []
+    t1 = time.monotonic()
+    omni.close()
+    assert time.monotonic() - t1 < 15
+    assert not any(alive(p) for p in pids)
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("omni-worker")]
