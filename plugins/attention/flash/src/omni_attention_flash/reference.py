@@ -18,11 +18,11 @@ __version__ = "reference"
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, window_size, softcap: float,
            alibi_slopes, return_attn_probs: bool = False) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        assert t.dtype in (torch.float16, torch.bfloat16), f"FlashAttention only support fp16 and bf16 data type ({name})"
+        assert t.dtype in (torch.float16, torch.bfloat16), f"FlashAttention only support fp16 and bf16 ({name})"
         assert t.stride(-1) == 1, f"Input tensor {name} must have contiguous last dimension"
     assert q.dtype == k.dtype == v.dtype, "query and key must have the same dtype"
     assert k.shape == v.shape, "k and v must have the same shape"
-    assert q.shape[-1] == k.shape[-1] and q.shape[-1] <= 256, "FlashAttention forward only supports head dimension at most 256"
+    assert q.shape[-1] == k.shape[-1] and q.shape[-1] <= 256, "FlashAttention supports head dimension at most 256"
     assert q.shape[-2] % k.shape[-2] == 0, "Number of heads in key/value must divide number of heads in query"
     if dropout_p or tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None:
         raise NotImplementedError("the reference implements dropout_p=0, no window, softcap or alibi only")

@@ -1,0 +1,150 @@
+"""``SAGE_ATTN``: SageAttention 2's ``sageattn`` behind Omni's layout contract.
+
+Omni's layout ``[batch, seq, heads, head_dim]`` is sageattn's ``tensor_layout="NHD"``, so nothing is
+transposed; grouped-query attention is native (query heads divisible by kv heads). SageAttention quantizes
+Q/K to INT8 (and P/V to FP8 on Ada/Hopper), so it matches TORCH_SDPA only approximately, and it takes no
+mask: a masked call is refused, never silently unmasked. This module imports without sageattention.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import importlib.util
+import re
+from typing import Any, Callable
+
+import torch
+
+from omni_core.attention.backend import AttentionBackend, AttentionImpl
+from omni_core.errors import ComponentUnavailableError, ConfigError
+
+NAME = "SAGE_ATTN"
+MIN_VERSION = (2, 0)
+INSTALL_HINT = ("PyPI carries only sageattention 1.0.x (Triton-only); build >= 2 from "
+                "https://github.com/thu-ml/SageAttention (pip install . --no-build-isolation)")
+
+
+def installed_version() -> str | None:
+    """The installed sageattention distribution's version, read from metadata (nothing imported)."""
+    try:
+        return md.version("sageattention")
+    except md.PackageNotFoundError:
+        return None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:2])
+
+
+def _present() -> bool:
+    try:
+        return importlib.util.find_spec("sageattention") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_imported: dict[str, Any] = {}
+
+
+def _import_sageattn() -> Callable[..., Any] | str:
+    """``sageattention.sageattn``, or why it cannot be imported (cached)."""
+    if "sageattn" not in _imported:
+        try:
+            _imported["sageattn"] = importlib.import_module("sageattention").sageattn
+        except Exception as exc:  # noqa: BLE001 - reported as the reason the kernel is unusable
+            _imported["sageattn"] = f"import sageattention failed: {type(exc).__name__}: {exc}"
+    return _imported["sageattn"]
+
+
+def availability() -> tuple[bool, str]:
+    if not _present():
+        return False, f"sageattention is not installed; {NAME} needs sageattention >= 2. {INSTALL_HINT}"
+    version = installed_version()
+    if version is not None and _version_tuple(version) < MIN_VERSION:
+        return False, f"sageattention {version} is installed but {NAME} needs >= 2. {INSTALL_HINT}"
+    if not torch.version.cuda:
+        return False, f"sageattention is installed but torch {torch.__version__} is built without CUDA"
+    found = _import_sageattn()
+    return (True, "") if callable(found) else (False, found)
+
+
+_kernel_cache: dict[str, Callable[..., Any]] = {}
+
+
+def sageattn_for(device: torch.device) -> Callable[..., Any]:
+    """``sageattn`` for ``device`` (cached), or ComponentUnavailableError saying why.
+
+    The one place the adapter reaches the library: tests substitute a torch reference here.
+    """
+    key = str(device)
+    if key not in _kernel_cache:
+        _kernel_cache[key] = _find_sageattn(torch.device(device))
+    return _kernel_cache[key]
+
+
+def _find_sageattn(device: torch.device) -> Callable[..., Any]:
+    if device.type != "cuda":
+        raise ComponentUnavailableError(f"{NAME} runs on CUDA devices only, got device {device}")
+    ok, why = availability()
+    if not ok:
+        raise ComponentUnavailableError(f"{NAME} cannot run: {why}")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        raise ComponentUnavailableError(f"{NAME} needs compute capability >= 8.0 (sm80, sm86, sm89, sm90, sm120); "
+                                        f"{device} is sm{cap[0]}{cap[1]}. Use TORCH_SDPA")
+    return _import_sageattn()
+
+
+def _first(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+class SageAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, softmax_scale: float, causal: bool = False,
+                 num_kv_heads: int | None = None, **options: Any) -> None:
+        if options:
+            raise ConfigError(f"{NAME} takes no options, got {', '.join(sorted(options))}", field="attention_config")
+        super().__init__(num_heads, head_size, softmax_scale, causal, num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{NAME} needs heads ({self.num_heads}) divisible by kv heads ({self.num_kv_heads})")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attn_mask is not None:
+            raise ComponentUnavailableError(
+                f"{NAME} does not support attention masks (got one of shape {tuple(attn_mask.shape)}); "
+                f"select TORCH_SDPA, or FLASH_ATTN for key-padding masks, for this layer")
+        if not query.dtype == key.dtype == value.dtype:
+            raise ValueError(f"{NAME} needs query, key and value of one dtype, got {query.dtype}, {key.dtype}, "
+                             f"{value.dtype}")
+        if query.shape[2] % key.shape[2]:
+            raise ValueError(f"{NAME} needs query heads ({query.shape[2]}) divisible by key/value heads "
+                             f"({key.shape[2]})")
+        if self.causal and query.shape[1] != key.shape[1]:
+            raise ComponentUnavailableError(
+                f"{NAME}: causal attention needs seq_q == seq_k (sageattn defines its causal mask only then), "
+                f"got {query.shape[1]} and {key.shape[1]}. Use TORCH_SDPA for this layer")
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+        sageattn = sageattn_for(q.device)
+        return _first(sageattn(q, k, v, tensor_layout="NHD", is_causal=self.causal, sm_scale=self.softmax_scale))
+
+
+class SageAttentionBackend(AttentionBackend):
+    name = NAME
+    #: the head dims SageAttention's kernels are built for (others are padded to 64/128 inside, or refused)
+    supported_head_sizes = (64, 96, 128)
+    supported_dtypes = ("float16", "bfloat16")
+    supported_devices = ("cuda",)
+    supports_mask = False
+    supports_causal = True
+    requires = ("torch", "sageattention")
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return SageAttentionImpl
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """sageattention >= 2 is installed and imports, and torch is a CUDA build (GPU checks come per call)."""
+        return availability()
