@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from omni_core.attention import Attention
-from omni_core.attention.parallel import apply_sequence_parallel, sequence_parallel_region
+from omni_core.attention.parallel import apply_sequence_parallel, current_region, sequence_parallel_region
 from omni_core.attention.parallel.strategies import _join, _split
 from omni_core.config import ParallelConfig
+from omni_core.forward_context import forward_context
 from omni_core.distributed import (RankLayout, cfg_parallel_guidance, communication_stats, destroy_parallel_state,
                                    get_cfg_group, init_parallel_state, reset_communication_stats)
 
@@ -114,6 +115,28 @@ def model_cases(dp_index: int):
     return cases
 
 
+class _Boom(torch.nn.Module):
+    _sp_plan = {"shard": {"hidden_states": 1}}
+
+    def forward(self, hidden_states):
+        self.inside = current_region()
+        raise RuntimeError("boom")
+
+
+def failing_forward_leaves_no_region() -> float:
+    """0.0 when a forward that raises inside a sharded region leaves the forward context as it was."""
+    from omni_core.distributed import get_sp_group
+
+    model = _Boom()
+    apply_sequence_parallel(model)
+    try:
+        model(torch.zeros(1, 5, 2))
+    except RuntimeError:
+        pass
+    opened = (model.inside is not None) == (get_sp_group().world_size > 1)
+    return 0.0 if opened and current_region() is None and forward_context().attn_strategy is None else 1.0
+
+
 def worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, str, float]]:
     rows = []
     with torch.inference_mode():
@@ -130,6 +153,7 @@ def worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, s
                 reset_communication_stats()
                 outs += [fn() for _, fn in mcases]
                 model_bytes = communication_stats()["total"]
+                restored = failing_forward_leaves_no_region()
                 if pc.cfg_parallel_size > 1:
                     assert get_cfg_group().world_size == 2
             finally:
@@ -138,5 +162,6 @@ def worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, s
             for (name, _), ref, out in zip(cases + mcases, refs, outs):
                 assert out.shape == ref.shape, (label, name, out.shape, ref.shape)
                 rows.append((label, name, float((out - ref).abs().max())))
+            rows.append((label, "forward context restored after a failing forward", restored))
             rows.append((label, "bytes sent by the model cases", model_bytes))
     return rows
