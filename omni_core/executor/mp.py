@@ -133,7 +133,14 @@ class MultiProcExecutor(DiffusionExecutor):
                 if self.on_progress is not None:
                     self.on_progress(msg[1], msg[2], msg[3])
             elif kind == "result":
-                return msg[1]
+                result = msg[1]
+                if any(o.status == "error" for o in result.outputs.values()):
+                    # a failed collective (a peer died) looks like a request error on rank 0
+                    dead = self._dead_worker(timeout=1.0)
+                    if dead is not None:
+                        self._mark_dead(dead)
+                        raise EngineDeadError(self._dead)
+                return result
             elif kind == "error":
                 # a peer's death surfaces first as a failed collective on rank 0: report the death
                 dead = self._dead_worker(timeout=1.0)
