@@ -1,0 +1,3 @@
+"""Omni platform ``npu``: Huawei Ascend NPUs."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,78 @@
+"""The ``npu`` platform: detection without importing torch or torch_npu, hccl, SDPA default, resolution."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import omni_platform_npu.hooks as npu_hooks
+import omni_platform_npu.platform as npu
+from omni_core.errors import ComponentUnavailableError
+from omni_core.platforms import resolve_platform
+from omni_core.plugins.manager import OmniPluginManager, create_plugin_manager
+
+
+def fresh_pm() -> OmniPluginManager:
+    pm = OmniPluginManager(strict=True)
+    pm.load_builtins()
+    pm.register_plugin(npu_hooks, "platform-npu", dist="omni-platform-npu")
+    return pm
+
+
+@pytest.mark.parametrize(("probe", "detected", "reason"), [
+    (npu.NpuProbe(False, ()), False, "torch_npu (Ascend's PyTorch adapter) is not installed"),
+    (npu.NpuProbe(True, ()), False, "torch_npu is installed but no Ascend device is present"),
+    (npu.NpuProbe(True, ("/dev/davinci0", "/dev/davinci1")), True, "2 Ascend NPU(s) (/dev/davinci0, /dev/davinci1)"),
+])
+def test_detect(monkeypatch, probe, detected, reason):
+    monkeypatch.setattr(npu, "probe", lambda: probe)
+    ok, why = npu.detect()
+    assert ok is detected and reason in why
+    assert npu.NpuPlatform().is_available() == (ok, why)
+
+
+def test_probe_counts_device_nodes_only(monkeypatch, tmp_path):
+    for name in ("davinci0", "davinci1", "davinci_manager", "devmm_svm"):
+        (tmp_path / name).touch()
+    monkeypatch.setattr(npu, "DEVICE_GLOB", str(tmp_path / "davinci[0-9]*"))
+    p = npu.probe()
+    assert [n.rsplit("/", 1)[1] for n in p.device_nodes] == ["davinci0", "davinci1"]
+
+
+def test_detection_imports_nothing():
+    """find_spec only: torch_npu (which patches torch on import) and torch stay unimported."""
+    code = """
+import sys
+import omni_platform_npu.hooks, omni_platform_npu.platform as npu
+print(npu.detect())
+assert "torch_npu" not in sys.modules and "torch" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_platform_facts():
+    p = npu.NpuPlatform()
+    assert (p.name, p.device_type, p.dist_backend, p.default_dtype) == ("npu", "npu", "hccl", "bfloat16")
+    assert p.default_attention_backend(128, "bfloat16") == "TORCH_SDPA"
+
+
+def test_registered_through_its_entry_point():
+    spec = create_plugin_manager(load_entrypoints=True, strict=True).get_component("platform", "npu")
+    assert spec.provider == "omni-platform-npu" and spec.load() is npu.NpuPlatform
+
+
+def test_the_only_detected_platform_wins(monkeypatch):
+    monkeypatch.delenv("OMNI_PLATFORM", raising=False)
+    monkeypatch.setattr(npu, "probe", lambda: npu.NpuProbe(True, ("/dev/davinci0",)))
+    res = resolve_platform(fresh_pm())
+    assert res.name == "npu" and isinstance(res.platform, npu.NpuPlatform)
+
+
+def test_requesting_npu_here_is_a_clear_error(monkeypatch):
+    if npu.detect()[0]:
+        pytest.skip("an Ascend NPU is present")
+    monkeypatch.setenv("OMNI_PLATFORM", "npu")
+    with pytest.raises(ComponentUnavailableError, match="platform 'npu' was requested but cannot run here: torch_npu"):
+        resolve_platform(fresh_pm())
