@@ -38,6 +38,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "builtin-schedulers": "omni_core.builtin.schedulers",
     "builtin-executors": "omni_core.builtin.executors",
     "builtin-commands": "omni_core.builtin.commands",
+    "builtin-command-generate": "omni_core.builtin.command_generate",
 }
 
 ACTIVE, SKIPPED, FAILED, DISABLED = "active", "skipped", "failed", "disabled"

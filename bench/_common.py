@@ -1,0 +1,46 @@
+"""Shared set-up for the benchmarks: which model to run (the test pipeline plugin by default)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_test_model() -> str:
+    """Install the test-only pipeline plugin into a temp dir (as the tests do) and save its tiny model."""
+    target = tempfile.mkdtemp(prefix="omni-bench-site-")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    target, str(ROOT / "tests/fixtures/dists/omni-test-pipeline")], check=True)
+    sys.path.insert(0, target)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (target, os.environ.get("PYTHONPATH")) if p)
+    from omni_test_pipeline.pipeline import TinyTestPipeline
+
+    path = tempfile.mkdtemp(prefix="omni-bench-model-")
+    TinyTestPipeline.save(path)
+    return path
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--model", default=None, help="model name or folder (default: the tiny test pipeline)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per request (default: model default)")
+    p.add_argument("--size", type=int, default=None, help="height and width (default: model default)")
+    return p
+
+
+def resolve(args) -> str:
+    return args.model or tiny_test_model()
+
+
+def sampling(args, **extra):
+    from omni_core import SamplingParams
+
+    kw = {k: v for k, v in (("num_inference_steps", args.steps), ("height", args.size), ("width", args.size))
+          if v is not None}
+    return SamplingParams(**kw, **extra)
