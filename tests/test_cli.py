@@ -122,13 +122,16 @@ def test_env_text(run_omni, omni_env, dummy_site):
     assert next(line for line in lines if line.strip().startswith("none ")).split()[1] == "yes"
 
 
-def test_env_json(run_omni, omni_env, dummy_site):
-    env = omni_env({"OMNI_DISABLE_PLUGINS": "dummy-broken,dummy-conflict", "OMNI_DUMMY_PLATFORM": "1"},
-                   site=dummy_site)
-    proc = run_omni("env", "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+def test_env_json(capsys, dummy_plugins, monkeypatch, use_manager):
+    from omni_core.plugins.manager import create_plugin_manager
+
+    monkeypatch.setenv("OMNI_DISABLE_PLUGINS", "dummy-broken,dummy-conflict")
+    monkeypatch.setenv("OMNI_DUMMY_PLATFORM", "1")
+    use_manager(create_plugin_manager())
+    assert main(["env", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert data["packages"]["torch"] and data["python"]["version"].startswith("3.")
+    assert data["switches"]["OMNI_DISABLE_PLUGINS"] == "dummy-broken,dummy-conflict"
     assert data["platform"]["name"] == "dummy" and data["platform"]["reason"] == "the only detected platform"
     assert "dummy (omni-dummy-good): detected: OMNI_DUMMY_PLATFORM=1" in data["platform"]["trace"]
     att = {a["name"]: a for a in data["attention_backends"]}
@@ -139,11 +142,13 @@ def test_env_json(run_omni, omni_env, dummy_site):
     assert caches["none"]["usable"] and not caches["dummy_cache"]["usable"]
 
 
-def test_env_reports_unresolvable_platform(run_omni, omni_env):
-    proc = run_omni("env", "--json", env=omni_env({"OMNI_PLATFORM": "nope"}))
-    assert proc.returncode == 0
-    plat = json.loads(proc.stdout)["platform"]
+def test_env_reports_unresolvable_platform(capsys, omni_plugin_manager, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "nope")
+    assert main(["env", "--json"]) == 0
+    plat = json.loads(capsys.readouterr().out)["platform"]
     assert plat["name"] is None and plat["error"].startswith("UnknownComponentError: unknown platform 'nope'")
+    assert main(["env"]) == 0
+    assert "platform: cannot be resolved: UnknownComponentError: unknown platform 'nope'" in capsys.readouterr().out
 
 
 def test_usage(capsys, omni_plugin_manager):

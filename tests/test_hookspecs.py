@@ -60,3 +60,14 @@ def test_missing_docs_are_detected(monkeypatch):
 @pytest.mark.parametrize("name", SPECS)
 def test_every_hook_is_in_the_reference_docs(name):
     assert name in (DOCS / "plugins" / "hooks.md").read_text(), f"{name} is missing from docs/plugins/hooks.md"
+
+
+def test_hook_reference_is_generated_from_the_docstrings():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gen_hook_docs.py"
+    spec = importlib.util.spec_from_file_location("gen_hook_docs", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (DOCS / "plugins" / "hooks.md").read_text() == gen.render(), (
+        "docs/plugins/hooks.md is out of date: run .venv/bin/python scripts/gen_hook_docs.py")

@@ -1,0 +1,1 @@
+"""TOY_ATTN: attention written out in plain torch, as an example Omni plugin."""
