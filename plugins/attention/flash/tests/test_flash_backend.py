@@ -218,10 +218,9 @@ def test_selecting_it_here_is_a_clear_error(omni_plugin_manager):
     assert omni_plugin_manager.get_component("attention", "FLASH_ATTN").provider == "omni-attention-flash"
 
 
-def test_imports_stay_light():
-    """The entry point imports no torch; the backend imports without flash-attn."""
-    code = ("import sys, omni_attention_flash.hooks; assert 'torch' not in sys.modules, 'hooks imported torch'; "
-            "import omni_attention_flash.backend; assert 'flash_attn' not in sys.modules")
+def test_entry_point_imports_no_torch():
+    """Listing plugins stays cheap. (The backend imports without flash_attn: this file imports it.)"""
+    code = "import sys, omni_attention_flash.hooks; assert 'torch' not in sys.modules, 'hooks imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -142,9 +142,9 @@ def test_pypi_1x_is_reported_as_too_old(monkeypatch):
                                             f"without CUDA")
 
 
-def test_imports_stay_light():
-    code = ("import sys, omni_attention_sage.hooks; assert 'torch' not in sys.modules, 'hooks imported torch'; "
-            "import omni_attention_sage.backend; assert 'sageattention' not in sys.modules")
+def test_entry_point_imports_no_torch():
+    """Listing plugins stays cheap. (The backend imports without sageattention: this file imports it.)"""
+    code = "import sys, omni_attention_sage.hooks; assert 'torch' not in sys.modules, 'hooks imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
