@@ -1,0 +1,14 @@
+"""Entry-point module: registers ``QwenImagePipeline``. Imports nothing heavy."""
+
+from omni_core import hookimpl
+from omni_core.plugins.types import PipelineSpec
+
+
+@hookimpl
+def omni_register_pipelines():
+    return [PipelineSpec(
+        name="QwenImagePipeline",
+        impl="omni_model_qwen_image.pipeline:QwenImagePipeline",
+        requires=("torch", "diffusers", "transformers"),
+        description="Qwen-Image text-to-image (true CFG with norm rescale); request batching and step-wise",
+    )]

@@ -1,0 +1,289 @@
+"""Omni's ``QwenImagePipeline``: text-to-image with true CFG, batched across requests, step by step.
+
+Components come from a diffusers-format folder through diffusers' own loader (``from_pretrained``,
+safetensors only, no remote code). A real ``diffusers.QwenImagePipeline`` object is kept for its helpers
+(``encode_prompt``, ``prepare_latents``, ``_unpack_latents``, the image processor); the denoise loop is
+Omni's: one scheduler per request, and one transformer call per CFG branch for a batch of requests that may
+be at different steps and have prompts of different token lengths (text padded, key-padding mask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from omni_core.config import SamplingParams
+from omni_core.errors import ConfigError
+from omni_core.forward_context import forward_context, use_config, use_forward_context
+from omni_core.outputs import DiffusionOutput
+from omni_core.pipelines import OmniPipeline, StepState
+
+#: libraries a model folder may name in model_index.json (anything else could be remote code)
+ALLOWED_LIBRARIES = ("diffusers", "transformers")
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+#: diffusers' ``QwenImagePipeline.default_sample_size`` (latent pixels)
+DEFAULT_SAMPLE_SIZE = 128
+MAX_SEQUENCE_LENGTH_LIMIT = 1024
+
+
+def _read_json(path: str) -> dict | None:
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_model_index(model_path: str, class_name: str) -> dict:
+    """The folder's model_index.json, refusing other pipelines and components from unknown libraries."""
+    index = _read_json(os.path.join(model_path, "model_index.json"))
+    if index is None:
+        raise ConfigError(f"{model_path!r} has no model_index.json (a diffusers-format folder is expected)",
+                          field="model")
+    if index.get("_class_name") != class_name:
+        raise ConfigError(f"{model_path!r} holds a {index.get('_class_name')!r}, not a {class_name}", field="model")
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
+            continue
+        if value[0] not in ALLOWED_LIBRARIES:
+            raise ConfigError(f"component {name!r} of {model_path!r} comes from library {value[0]!r}; only "
+                              f"{', '.join(ALLOWED_LIBRARIES)} components are loaded (no remote code)", field="model")
+    return index
+
+
+def dtype_kwarg(dtype: torch.dtype) -> dict:
+    """``dtype=`` for diffusers >= 0.42 (``torch_dtype`` is deprecated there), ``torch_dtype=`` before."""
+    import diffusers
+    from packaging.version import Version
+
+    return {"dtype" if Version(diffusers.__version__).release >= (0, 42) else "torch_dtype": dtype}
+
+
+def vae_scale_factor(model_path: str | None) -> int:
+    """diffusers: ``2 ** len(vae.temperal_downsample)`` (8 for Qwen-Image); 8 when the folder is unknown."""
+    cfg = _read_json(os.path.join(model_path, "vae", "config.json")) if model_path else None
+    if cfg and "temperal_downsample" in cfg:
+        return 2 ** len(cfg["temperal_downsample"])
+    return 8
+
+
+class QwenImagePipeline(OmniPipeline):
+    """Qwen-Image text-to-image (diffusers ``QwenImagePipeline`` semantics, float-exact denoise math)."""
+
+    supports_request_batch = True
+    supports_step_execution = True
+    supported_parallel: ClassVar[tuple[str, ...]] = ()
+    size_multiple = 16
+    default_height = 1024
+    default_width = 1024
+    default_num_inference_steps = 50
+    default_true_cfg_scale = 4.0
+
+    # ------------------------------------------------------------------ engine process
+    @classmethod
+    def check_sampling_params(cls, params: SamplingParams, model_path: str | None = None) -> SamplingParams:
+        """Defaults as diffusers' ``__call__``; height/width must be multiples of vae_scale_factor * 2 (the
+        2x2 latent packing), i.e. 16 for Qwen-Image."""
+        vsf = vae_scale_factor(model_path)
+        multiple = vsf * 2
+        default_size = DEFAULT_SAMPLE_SIZE * vsf  # diffusers: default_sample_size * vae_scale_factor (1024)
+        changes: dict[str, Any] = {}
+        for name, default in (("height", default_size), ("width", default_size),
+                              ("num_inference_steps", cls.default_num_inference_steps),
+                              ("true_cfg_scale", cls.default_true_cfg_scale),
+                              ("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)):
+            if getattr(params, name) is None:
+                changes[name] = default
+        params = params.replace(**changes) if changes else params
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value % multiple:
+                lo, hi = value // multiple * multiple, (value // multiple + 1) * multiple
+                raise ConfigError(
+                    f"{name}={value} is not allowed for {cls.__name__}: height and width must be multiples of "
+                    f"{multiple} (VAE scale factor {vsf} x 2 for latent packing), e.g. {lo or multiple} or {hi}",
+                    field=name)
+        if params.num_frames not in (None, 1):
+            raise ConfigError(f"num_frames={params.num_frames} is not allowed: {cls.__name__} makes images "
+                              f"(leave num_frames unset or 1)", field="num_frames")
+        if params.max_sequence_length > MAX_SEQUENCE_LENGTH_LIMIT:
+            raise ConfigError(f"max_sequence_length={params.max_sequence_length} is not allowed for {cls.__name__}: "
+                              f"at most {MAX_SEQUENCE_LENGTH_LIMIT}", field="max_sequence_length")
+        if params.guidance_scale_2 is not None:
+            raise ConfigError(f"guidance_scale_2 is not used by {cls.__name__} (it is Wan 2.2's second-expert "
+                              f"scale); use true_cfg_scale with a negative prompt for CFG", field="guidance_scale_2")
+        tcfg = _read_json(os.path.join(model_path, "transformer", "config.json")) if model_path else None
+        if tcfg and tcfg.get("guidance_embeds") and params.guidance_scale is None:
+            raise ConfigError(f"this {cls.__name__} is guidance-distilled (guidance_embeds): guidance_scale is "
+                              f"required", field="guidance_scale")
+        return params
+
+    # ------------------------------------------------------------------ worker process
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.device = device
+        self.dtype = dtype
+        #: the Omni ``Attention`` layers every joint-attention call of the transformer goes through
+        self.attention_layers = layers
+
+    @classmethod
+    def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> QwenImagePipeline:
+        import diffusers
+
+        from omni_model_qwen_image.attention import install_omni_attention
+
+        check_model_index(model_path, "QwenImagePipeline")
+        dtype = dtype or torch.float32
+        kwargs = dict(getattr(config, "model_kwargs", None) or {})
+        pipe = diffusers.QwenImagePipeline.from_pretrained(model_path, **dtype_kwarg(dtype), use_safetensors=True,
+                                                           **kwargs)
+        pipe.set_progress_bar_config(disable=True)
+        device = torch.device(device)
+        pipe.to(device)
+        with use_config(config) if config is not None else contextlib.nullcontext():
+            layers = install_omni_attention(pipe.transformer)
+        return cls(pipe, device, dtype, layers)
+
+    # -- step-wise protocol
+    def prepare_encode(self, state: StepState) -> StepState:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+        pipe, sp, req = self.pipe, state.sampling_params, state.request
+        n = sp.num_outputs_per_prompt
+        true_cfg = sp.true_cfg_scale if sp.true_cfg_scale is not None else self.default_true_cfg_scale
+        msl = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        with torch.no_grad():
+            state.prompt_embeds, state.prompt_mask = pipe.encode_prompt(
+                prompt=[req.prompt], device=self.device, num_images_per_prompt=1, max_sequence_length=msl)
+            do_cfg = true_cfg > 1 and req.negative_prompt is not None
+            if do_cfg:
+                state.negative_prompt_embeds, state.negative_prompt_mask = pipe.encode_prompt(
+                    prompt=[req.negative_prompt], device=self.device, num_images_per_prompt=1,
+                    max_sequence_length=msl)
+        if state.generator is None and sp.seed is not None:
+            state.generator = torch.Generator(self.device).manual_seed(sp.seed)
+        height, width = sp.height, sp.width
+        state.latents = pipe.prepare_latents(n, self.transformer.config.in_channels // 4, height, width,
+                                             state.prompt_embeds.dtype, self.device, state.generator)
+        steps = sp.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        cfg = pipe.scheduler.config
+        mu = calculate_shift(state.latents.shape[1], cfg.get("base_image_seq_len", 256),
+                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+                             cfg.get("max_shift", 1.15))
+        scheduler = type(pipe.scheduler).from_config(cfg)
+        state.timesteps, state.num_steps = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        state.scheduler = scheduler
+        state.step_index = 0
+        state.extra.update(do_cfg=do_cfg, true_cfg_scale=true_cfg, height=height, width=width, rows=n)
+        return state
+
+    def denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
+        """One cond call (and one uncond call for the CFG requests) per group of same-size requests."""
+        preds: dict[int, torch.Tensor] = {}
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(states):
+            groups.setdefault((s.extra["height"], s.extra["width"], s.latents.dtype), []).append(i)
+        with torch.no_grad():
+            for (height, width, _), idx in groups.items():
+                group = [states[i] for i in idx]
+                cond = self._run_branch(group, "cond", height, width)
+                cfg_states = [s for s in group if s.extra["do_cfg"]]
+                uncond = self._run_branch(cfg_states, "uncond", height, width) if cfg_states else []
+                uncond_of = dict(zip(map(id, cfg_states), uncond))
+                for i, s, noise_pred in zip(idx, group, cond):
+                    if s.extra["do_cfg"]:
+                        neg = uncond_of[id(s)]
+                        comb = neg + s.extra["true_cfg_scale"] * (noise_pred - neg)
+                        cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                        noise_norm = torch.norm(comb, dim=-1, keepdim=True)
+                        noise_pred = comb * (cond_norm / noise_norm)
+                    preds[i] = noise_pred
+        return [preds[i] for i in range(len(states))]
+
+    def _run_branch(self, states: list[StepState], branch: str, height: int, width: int) -> list[torch.Tensor]:
+        """One transformer call over every row of ``states``; returns each state's noise prediction."""
+        negative = branch == "uncond"
+        rows = [s.latents.shape[0] for s in states]
+        latents = torch.cat([s.latents for s in states])
+        embeds = [s.negative_prompt_embeds if negative else s.prompt_embeds for s in states]
+        masks = [s.negative_prompt_mask if negative else s.prompt_mask for s in states]
+        text, text_mask = _pad_text(embeds, masks, rows)
+        timestep = torch.cat([s.timesteps[s.step_index].expand(r) for s, r in zip(states, rows)]).to(latents.dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.cat([torch.full([r], s.sampling_params.guidance_scale, device=self.device,
+                                             dtype=torch.float32) for s, r in zip(states, rows)])
+        vsf = self.pipe.vae_scale_factor
+        img_shapes = [[(1, height // vsf // 2, width // vsf // 2)]] * latents.shape[0]
+        extras = {"branch": branch, "states": states, "rows": rows}
+        with use_forward_context(extras={**forward_context().extras, **extras}), \
+                self.transformer.cache_context(branch):
+            out = self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+                                   encoder_hidden_states_mask=text_mask, encoder_hidden_states=text,
+                                   img_shapes=img_shapes, attention_kwargs={}, return_dict=False)[0]
+        return list(out.split(rows))
+
+    def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
+        t = state.timesteps[state.step_index]
+        with torch.no_grad():
+            state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+        state.step_index += 1
+
+    def post_decode(self, state: StepState) -> DiffusionOutput:
+        pipe, sp = self.pipe, state.sampling_params
+        out = DiffusionOutput(request_id=state.request_id, finished=True, step_index=state.step_index,
+                              num_steps=state.num_steps)
+        if sp.output_type == "latent":
+            out.tensor = state.latents
+            return out
+        with torch.no_grad():
+            latents = pipe._unpack_latents(state.latents, state.extra["height"], state.extra["width"],
+                                           pipe.vae_scale_factor).to(pipe.vae.dtype)
+            vcfg = pipe.vae.config
+            mean = torch.tensor(vcfg.latents_mean).view(1, vcfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+            std = 1.0 / torch.tensor(vcfg.latents_std).view(1, vcfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+            latents = latents / std + mean
+            image = pipe.vae.decode(latents, return_dict=False)[0][:, :, 0]
+            out.tensor = pipe.image_processor.postprocess(image, output_type="pt")
+        return out
+
+    def preview(self, state: StepState) -> torch.Tensor | None:
+        """Cheap RGB of the current latents (first three latent channels, min-max scaled; no VAE)."""
+        if state.latents is None:
+            return None
+        lat = self.pipe._unpack_latents(state.latents[:1], state.extra["height"], state.extra["width"],
+                                        self.pipe.vae_scale_factor)[0, :, 0].float()
+        return latents_to_rgb(lat)
+
+
+def latents_to_rgb(lat: torch.Tensor) -> torch.Tensor:
+    """``[C, h, w]`` latents -> ``[3, h, w]`` in [0, 1]: channels 0..2 (repeated when fewer), each min-max scaled."""
+    rgb = lat[:3] if lat.shape[0] >= 3 else lat[:1].expand(3, -1, -1)
+    lo = rgb.amin(dim=(1, 2), keepdim=True)
+    hi = rgb.amax(dim=(1, 2), keepdim=True)
+    return ((rgb - lo) / (hi - lo).clamp_min(1e-6)).cpu()
+
+
+def _pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None], rows: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack ``[1, L_i, D]`` prompt embeddings into ``[sum(rows), max L, D]`` with zero padding, and the
+    key-padding mask (None when nothing is padded, as diffusers passes for a single prompt)."""
+    longest = max(e.shape[1] for e in embeds)
+    parts, mask_parts = [], []
+    for e, m, r in zip(embeds, masks, rows):
+        length = e.shape[1]
+        valid = m.bool() if m is not None else torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
+        if length < longest:
+            e = torch.cat([e, e.new_zeros(e.shape[0], longest - length, e.shape[2])], dim=1)
+            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], longest - length)], dim=1)
+        parts.append(e.expand(r, -1, -1))
+        mask_parts.append(valid.expand(r, -1))
+    mask = torch.cat(mask_parts)
+    return torch.cat(parts), (None if bool(mask.all()) else mask)

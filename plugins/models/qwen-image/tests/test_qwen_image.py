@@ -1,0 +1,219 @@
+"""Omni's QwenImagePipeline against diffusers' own, on one tiny random folder (float32, CPU).
+
+Parity: each Omni image equals the image diffusers makes for the same prompt alone with
+``generator=torch.Generator("cpu").manual_seed(seed)`` -- at most one level of 255 apart per pixel -- and the
+final latents agree to 1e-5 (batching changes float summation order only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core.config import OmniDiffusionConfig, SamplingParams
+from omni_core.errors import ConfigError
+from omni_core.pipelines import StepState, load_pipeline, resolve_model
+from omni_core.request import OmniDiffusionRequest
+
+STEPS = 3
+NEG = "blurry, low quality, watermark, jpeg artifacts"
+#: token lengths differ (the byte tokenizer gives one token per character)
+PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinematic lighting",
+           "a cat",
+           "an astronaut riding a green horse on the moon"]
+
+
+_REFERENCES: dict = {}
+
+
+def reference(pipe, prompt, seed, *, negative=None, cfg=1.0, height=32, width=32, n=1):
+    """diffusers' image ``[n, 3, H, W]`` and its final (packed) latents (memoised for the session)."""
+    key = (id(pipe), prompt, seed, negative, cfg, height, width, n)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(pipe, prompt, seed, negative, cfg, height, width, n)
+    return _REFERENCES[key]
+
+
+def _reference(pipe, prompt, seed, negative, cfg, height, width, n):
+    final = {}
+
+    def keep(_pipe, _i, _t, kwargs):
+        final["latents"] = kwargs["latents"]
+        return kwargs
+
+    images = pipe(prompt, negative_prompt=negative, true_cfg_scale=cfg, height=height, width=width,
+                  num_inference_steps=STEPS, num_images_per_prompt=n, output_type="pt",
+                  generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=keep).images
+    return images, final["latents"]
+
+
+def make_state(model_dir, prompt, seed, *, negative=None, cfg=1.0, height=32, width=32, n=1):
+    from omni_model_qwen_image.pipeline import QwenImagePipeline
+
+    params = QwenImagePipeline.check_sampling_params(
+        SamplingParams(height=height, width=width, num_inference_steps=STEPS, true_cfg_scale=cfg, seed=seed,
+                       num_outputs_per_prompt=n), model_dir)
+    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
+    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
+
+
+def assert_parity(state, output, ref):
+    ref_images, ref_latents = ref
+    assert output.tensor.shape == ref_images.shape
+    levels = ((output.tensor * 255).round() - (ref_images * 255).round()).abs().max().item()
+    assert levels <= 1, f"{levels} levels of 255 apart from diffusers"
+    torch.testing.assert_close(state.latents, ref_latents, atol=1e-5, rtol=0)
+
+
+def test_registered_through_entry_point(qwen_dir):
+    from omni_core.plugins.manager import get_plugin_manager
+
+    spec = get_plugin_manager().get_component("pipeline", "QwenImagePipeline")
+    assert spec.provider == "omni-model-qwen-image"
+    assert resolve_model(qwen_dir).spec.name == "QwenImagePipeline"
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["cfg-off", "cfg-on"])
+def test_request_batch_one_prompt(qwen_dir, omni_qwen, diffusers_qwen, cfg):
+    negative = NEG if cfg > 1 else None
+    state = make_state(qwen_dir, PROMPTS[0], 7, negative=negative, cfg=cfg)
+    (out,) = omni_qwen.forward([state])
+    assert out.finished and out.status == "completed" and out.num_steps == STEPS
+    assert_parity(state, out, reference(diffusers_qwen, PROMPTS[0], 7, negative=negative, cfg=cfg))
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["cfg-off", "cfg-on"])
+def test_request_batch_three_prompts_of_different_lengths(qwen_dir, omni_qwen, diffusers_qwen, cfg):
+    negative = NEG if cfg > 1 else None
+    states = [make_state(qwen_dir, p, 10 + i, negative=negative, cfg=cfg) for i, p in enumerate(PROMPTS)]
+    outs = omni_qwen.forward(states)
+    assert len({s.prompt_embeds.shape[1] for s in states}) == 3  # really padded and masked
+    for i, (state, out) in enumerate(zip(states, outs)):
+        assert_parity(state, out, reference(diffusers_qwen, PROMPTS[i], 10 + i, negative=negative, cfg=cfg))
+
+
+def test_step_batch_requests_admitted_at_different_steps(qwen_dir, omni_qwen, diffusers_qwen):
+    from omni_model_qwen_image.testing import run_step_batch
+
+    cases = [dict(prompt=PROMPTS[0], seed=1, negative=NEG, cfg=4.0),
+             dict(prompt=PROMPTS[1], seed=2),
+             dict(prompt=PROMPTS[2], seed=3, negative=NEG, cfg=3.0, width=48)]  # a different size joins too
+    states = [make_state(qwen_dir, **c) for c in cases]
+    seen_steps = []
+    denoise = omni_qwen.denoise_step
+
+    def spy(batch):
+        seen_steps.append(sorted(s.step_index for s in batch))
+        return denoise(batch)
+
+    omni_qwen.denoise_step = spy
+    try:
+        outs = run_step_batch(omni_qwen, states, admit_at=[0, 1, 2])
+    finally:
+        del omni_qwen.denoise_step
+    assert [0, 1, 2] in seen_steps  # one denoise_step held all three at different steps
+    for c, state, out in zip(cases, states, outs):
+        c = dict(c)
+        assert_parity(state, out, reference(diffusers_qwen, c.pop("prompt"), c.pop("seed"), **c))
+
+
+def test_non_square_and_several_outputs_per_prompt(qwen_dir, omni_qwen, diffusers_qwen):
+    state = make_state(qwen_dir, PROMPTS[2], 5, height=48, width=32, n=2, negative=NEG, cfg=4.0)
+    (out,) = omni_qwen.forward([state])
+    assert out.tensor.shape == (2, 3, 48, 32)
+    assert_parity(state, out, reference(diffusers_qwen, PROMPTS[2], 5, height=48, width=32, n=2, negative=NEG,
+                                        cfg=4.0))
+
+
+def test_parity_check_has_teeth(qwen_dir, omni_qwen, diffusers_qwen, monkeypatch):
+    """Dropping the key-padding mask, or the seed, moves the result far outside the parity tolerance."""
+    import omni_model_qwen_image.pipeline as mod
+
+    ref = reference(diffusers_qwen, PROMPTS[1], 11)
+    pad = mod._pad_text
+    monkeypatch.setattr(mod, "_pad_text", lambda *a: (pad(*a)[0], None))
+    states = [make_state(qwen_dir, p, 10 + i) for i, p in enumerate(PROMPTS)]
+    omni_qwen.forward(states)
+    assert (states[1].latents - ref[1]).abs().max() > 1e-3
+    monkeypatch.undo()
+    state = make_state(qwen_dir, PROMPTS[1], 12)
+    (out,) = omni_qwen.forward([state])
+    assert ((out.tensor - ref[0]).abs().max() * 255) > 10
+
+
+def test_sizes_the_model_cannot_take_name_the_multiple(qwen_dir):
+    from omni_model_qwen_image.pipeline import QwenImagePipeline
+
+    with pytest.raises(ConfigError, match=r"height=36 .*multiples of 8 .*e\.g\. 32 or 40"):
+        QwenImagePipeline.check_sampling_params(SamplingParams(height=36, width=32), qwen_dir)  # tiny VAE: 4 x 2
+    with pytest.raises(ConfigError, match=r"width=1000 .*multiples of 16") as err:
+        QwenImagePipeline.check_sampling_params(SamplingParams(height=1024, width=1000))  # Qwen-Image: 8 x 2
+    assert err.value.field == "width"
+    with pytest.raises(ConfigError, match="max_sequence_length=2048"):
+        QwenImagePipeline.check_sampling_params(SamplingParams(max_sequence_length=2048), qwen_dir)
+    ok = QwenImagePipeline.check_sampling_params(SamplingParams(height=24, width=56), qwen_dir)
+    assert (ok.height, ok.width, ok.num_inference_steps, ok.true_cfg_scale) == (24, 56, 50, 4.0)
+    default = QwenImagePipeline.check_sampling_params(SamplingParams())
+    assert (default.height, default.width) == (1024, 1024)
+
+
+def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(qwen_dir):
+    from omni_model_qwen_image.attention import OmniQwenDoubleStreamAttnProcessor
+
+    config = OmniDiffusionConfig(model=qwen_dir, dtype="float32",
+                                 attention_config={"per_role": {"joint": "TORCH_SDPA"}})
+    pipe = load_pipeline(resolve_model(qwen_dir), config, "cpu", torch.float32)
+    layers = pipe.attention_layers
+    assert len(layers) == pipe.transformer.config.num_layers
+    assert all(isinstance(p, OmniQwenDoubleStreamAttnProcessor) for p in pipe.transformer.attn_processors.values())
+    for layer in layers:
+        assert (layer.role, layer.role_category, layer.backend_name) == ("joint", "self", "TORCH_SDPA")
+        assert layer.selection.source == "per_role['joint']"
+    calls = []
+    hooks = [layer.register_forward_hook(lambda mod, args, kwargs, out: calls.append(kwargs.get("attn_mask") is not None),
+                                         with_kwargs=True)
+             for layer in layers]
+    try:
+        states = [make_state(qwen_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(qwen_dir, PROMPTS[1], 2)]
+        pipe.forward(states)
+    finally:
+        for h in hooks:
+            h.remove()
+    # per step: a cond call over both requests (padded text -> masked) and an uncond call for the CFG one
+    assert len(calls) == len(layers) * STEPS * 2
+    assert sum(calls) == len(layers) * STEPS
+
+    category = OmniDiffusionConfig(model=qwen_dir, attention_config={"per_role": {"self": "TORCH_SDPA"}})
+    pipe = load_pipeline(resolve_model(qwen_dir), category, "cpu", torch.float32)
+    assert {layer.selection.source for layer in pipe.attention_layers} == {"per_role['self'] (role category)"}
+
+
+def test_preview_and_pil_output(qwen_dir, omni_qwen):
+    from omni_model_qwen_image.pipeline import QwenImagePipeline
+
+    state = make_state(qwen_dir, PROMPTS[1], 3, width=48)
+    omni_qwen.prepare_encode(state)
+    preview = omni_qwen.preview(state)
+    assert preview.shape == (3, 32 // 4, 48 // 4) and 0 <= preview.min() and preview.max() <= 1
+    (out,) = omni_qwen.forward([make_state(qwen_dir, PROMPTS[1], 3, width=48)])
+    out = QwenImagePipeline.post_process(out, make_state(qwen_dir, PROMPTS[1], 3).request)
+    assert out.images[0].size == (48, 32) and out.images[0].mode == "RGB"
+
+
+@pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
+def test_engine_matches_diffusers(qwen_dir, diffusers_qwen, step_execution):
+    """``Omni(model=<folder>)`` end to end: three prompts batched, PIL images equal to diffusers' within 1 level."""
+    import numpy as np
+
+    from omni_core import Omni
+    from diffusers.image_processor import VaeImageProcessor
+
+    prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
+    with Omni(qwen_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution) as omni:
+        outs = omni.generate(prompts, seed=21, height=32, width=32, num_inference_steps=STEPS, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        p = p if isinstance(p, dict) else {"prompt": p}
+        ref = reference(diffusers_qwen, p["prompt"], 21, negative=p.get("negative_prompt"), cfg=4.0)[0][0]
+        ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0], dtype=np.int16)
+        diff = np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max()
+        assert diff <= 1
