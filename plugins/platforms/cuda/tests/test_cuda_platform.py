@@ -65,7 +65,8 @@ resolve_platform()
 import torch
 assert not torch.cuda.is_initialized(), "detection initialised CUDA"
 """
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize(("cap", "flash_ok", "expected"), [

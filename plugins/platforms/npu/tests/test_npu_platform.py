@@ -49,7 +49,8 @@ import omni_platform_npu.hooks, omni_platform_npu.platform as npu
 print(npu.detect())
 assert "torch_npu" not in sys.modules and "torch" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
 """
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_platform_facts():

@@ -53,7 +53,8 @@ print(rp.detect())
 import torch
 assert not torch.cuda.is_initialized(), "detection initialised the device runtime"
 """
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize(("flash_ok", "expected"), [(True, "FLASH_ATTN"), (False, "TORCH_SDPA")])
