@@ -1,0 +1,42 @@
+"""README, CI and docs stay consistent: CI runs the README's commands, and relative links in docs resolve."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_command(name: str) -> str:
+    m = re.search(rf"<!-- readme-command: {name} -->\n```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
+    assert m, f"README.md has no '{name}' command block"
+    return m.group(1).strip()
+
+
+def test_ci_runs_the_readme_commands():
+    ci = (ROOT / ".ci" / "run").read_text()
+    setup, test = readme_command("setup"), readme_command("test")
+    for step in setup.split(" && "):
+        assert step in ci, f".ci/run does not run the README's setup step {step!r}"
+    assert f"\n{test}\n" in ci, f".ci/run does not run the README's test command {test!r}"
+    assert "-eq 5" in ci  # pytest's "no tests collected" is a failure
+
+
+def test_installer_pins_torch_and_globs_plugins():
+    install = (ROOT / "scripts" / "install.sh").read_text()
+    assert 'TORCH="torch==2.13.0"' in install and "plugins/*/*/pyproject.toml" in install
+    assert install.index('pip_install "$TORCH"\n') < install.index("-e . ")  # torch first
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc: Path):
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to missing {target}"
