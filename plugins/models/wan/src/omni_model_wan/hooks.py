@@ -1,0 +1,14 @@
+"""Entry-point module: registers ``WanPipeline``. Imports nothing heavy."""
+
+from omni_core import hookimpl
+from omni_core.plugins.types import PipelineSpec
+
+
+@hookimpl
+def omni_register_pipelines():
+    return [PipelineSpec(
+        name="WanPipeline",
+        impl="omni_model_wan.pipeline:WanPipeline",
+        requires=("torch", "diffusers", "transformers"),
+        description="Wan 2.1 / 2.2 (two experts) text-to-video; request batching and step-wise",
+    )]

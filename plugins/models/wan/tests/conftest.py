@@ -1,0 +1,46 @@
+"""Session fixtures: tiny Wan 2.1 and Wan 2.2 (two experts) folders, diffusers' and Omni's pipelines from them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def wan21_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from omni_model_wan.testing import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan21"))
+
+
+@pytest.fixture(scope="session")
+def wan22_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from omni_model_wan.testing import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan22"), two_experts=True)
+
+
+def _load_both(path: str):
+    import torch
+
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.pipelines import load_pipeline, resolve_model
+    from omni_model_wan.testing import load_diffusers_pipeline
+
+    config = OmniDiffusionConfig(model=path, dtype="float32")
+    return load_diffusers_pipeline(path), load_pipeline(resolve_model(path), config, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def wan21(wan21_dir: str):
+    """(diffusers pipeline, Omni pipeline) for the Wan 2.1 folder."""
+    return _load_both(wan21_dir)
+
+
+@pytest.fixture(scope="session")
+def wan22(wan22_dir: str):
+    """(diffusers pipeline, Omni pipeline) for the two-expert Wan 2.2 folder."""
+    return _load_both(wan22_dir)
