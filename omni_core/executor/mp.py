@@ -49,17 +49,23 @@ class MultiProcExecutor(DiffusionExecutor):
 
         from omni_core.worker.mp_worker import worker_main
 
+        from omni_core.distributed.parallel_state import RankLayout
+
         self.world_size = self.config.world_size
+        #: ranks of each data-parallel replica; a replica runs its own share of the requests
+        self.replicas = RankLayout.from_config(self.config.parallel_config).replicas()
+        self._replica_of_rank = {r: i for i, ranks in enumerate(self.replicas) for r in ranks}
+        self._assigned: dict[str, int] = {}
         ctx = tmp.get_context("spawn")
         self._closing = False
         self._dead: str | None = None
         self.task_qs = [ctx.Queue() for _ in range(self.world_size)]
         self.result_q = ctx.Queue()
-        self.abort_q = ctx.Queue()
+        self.abort_qs = [ctx.Queue() for _ in self.replicas]
         port = free_port()
         self.procs = [ctx.Process(target=worker_main, name=f"omni-worker-{rank}", daemon=True,
                                   args=(rank, self.world_size, self.config, self.resolved, port, self.task_qs[rank],
-                                        self.result_q, self.abort_q))
+                                        self.result_q, self.abort_qs[self._replica_of_rank[rank]]))
                       for rank in range(self.world_size)]
         for p in self.procs:
             p.start()
@@ -114,11 +120,48 @@ class MultiProcExecutor(DiffusionExecutor):
         return next((p for p in self.procs if p.sentinel in done), None)
 
     # ------------------------------------------------------------------ calls
-    def _send(self, msg: tuple) -> None:
+    def _send(self, replica: int, msg: tuple) -> None:
         if self._dead:
             raise EngineDeadError(self._dead)
-        for q in self.task_qs:
-            q.put(msg)
+        for rank in self.replicas[replica]:
+            self.task_qs[rank].put(msg)
+
+    def _split(self, sched: DiffusionSchedulerOutput) -> dict[int, DiffusionSchedulerOutput]:
+        """One sub-wave per data-parallel replica; a request stays on the replica it was given."""
+        if len(self.replicas) == 1:
+            return {0: sched}
+        load = [0] * len(self.replicas)
+        for rid in sched.scheduled_ids:
+            if rid in self._assigned:
+                load[self._assigned[rid]] += 1
+        for req in sched.new_requests:
+            replica = min(range(len(load)), key=lambda i: (load[i], i))
+            self._assigned[req.request_id] = replica
+            load[replica] += 1
+        parts = {}
+        for i in range(len(self.replicas)):
+            ids = [r for r in sched.scheduled_ids if self._assigned.get(r) == i]
+            finished = [r for r in sched.finished_ids if self._assigned.get(r, i) == i]
+            if ids or finished:
+                parts[i] = DiffusionSchedulerOutput(
+                    new_requests=[q for q in sched.new_requests if self._assigned[q.request_id] == i],
+                    scheduled_ids=ids, finished_ids=finished, batch_key=sched.batch_key)
+        for rid in sched.finished_ids:
+            self._assigned.pop(rid, None)
+        return parts
+
+    def _run(self, kind: str, parts: dict[int, Any]) -> RunnerOutput:
+        for replica, payload in parts.items():
+            self._send(replica, (kind, payload))
+        merged = RunnerOutput()
+        for _ in parts:
+            out = self._wait_result()
+            merged.outputs.update(out.outputs)
+            merged.held_ids |= out.held_ids
+        for rid, o in merged.outputs.items():
+            if o.finished:
+                self._assigned.pop(rid, None)
+        return merged
 
     def _wait_result(self) -> RunnerOutput:
         while True:
@@ -133,39 +176,45 @@ class MultiProcExecutor(DiffusionExecutor):
                 if self.on_progress is not None:
                     self.on_progress(msg[1], msg[2], msg[3])
             elif kind == "result":
-                result = msg[1]
+                result = msg[2]
                 if any(o.status == "error" for o in result.outputs.values()):
-                    # a failed collective (a peer died) looks like a request error on rank 0
+                    # a failed collective (a peer died) looks like a request error on the leader
                     dead = self._dead_worker(timeout=1.0)
                     if dead is not None:
                         self._mark_dead(dead)
                         raise EngineDeadError(self._dead)
                 return result
             elif kind == "error":
-                # a peer's death surfaces first as a failed collective on rank 0: report the death
+                # a peer's death surfaces first as a failed collective on the leader: report the death
                 dead = self._dead_worker(timeout=1.0)
                 if dead is not None:
                     self._mark_dead(dead)
                     raise EngineDeadError(self._dead)
-                raise RuntimeError(f"worker rank 0 failed to run the wave:\n{msg[1]}")
+                raise RuntimeError(f"worker replica {msg[1]} failed to run the wave:\n{msg[2]}")
             elif kind == "fatal":
                 self._dead = f"the engine is dead: worker rank {msg[1]} failed:\n{msg[2]}"
 
     def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
-        self._send(("batch", sched))
-        return self._wait_result()
+        return self._run("batch", self._split(sched))
 
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
-        self._send(("step", sched))
-        return self._wait_result()
+        return self._run("step", self._split(sched))
 
     def abort(self, request_ids: list[str]) -> None:
-        if not self._dead:
-            self.abort_q.put(list(request_ids))
+        if self._dead:
+            return
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            for i in ([self._assigned[rid]] if rid in self._assigned else range(len(self.replicas))):
+                by_replica.setdefault(i, []).append(rid)
+        for i, ids in by_replica.items():
+            self.abort_qs[i].put(ids)
 
     def release(self, request_ids: list[str]) -> set[str]:
-        self._send(("release", list(request_ids)))
-        return self._wait_result().held_ids
+        parts = {i: list(request_ids) for i in range(len(self.replicas))}
+        for rid in request_ids:
+            self._assigned.pop(rid, None)
+        return self._run("release", parts).held_ids
 
     def is_alive(self) -> bool:
         return self._dead is None
@@ -189,7 +238,7 @@ class MultiProcExecutor(DiffusionExecutor):
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         _kill_all(procs)
-        for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None), getattr(self, "abort_q", None)]:
+        for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None), *getattr(self, "abort_qs", [])]:
             if q is not None:
                 q.cancel_join_thread()
                 q.close()

@@ -23,6 +23,24 @@ def _drain(q: Any) -> list[str]:
             return ids
 
 
+def _replica_group(config: Any, rank: int, world_size: int) -> tuple[int, list[int], Any]:
+    """(replica index, the replica's ranks (leader first), its process group (None = the world)).
+
+    Data-parallel replicas run different requests, so per-step agreements (abort flags) happen inside a
+    replica. Every rank creates every replica's group, in order, as ``new_group`` requires.
+    """
+    import torch.distributed as dist
+
+    from omni_core.distributed.parallel_state import RankLayout
+
+    replicas = RankLayout.from_config(config.parallel_config).replicas()
+    index = next(i for i, ranks in enumerate(replicas) if rank in ranks)
+    if len(replicas) == 1:
+        return 0, replicas[0], None
+    groups = [dist.new_group(ranks) if len(ranks) > 1 else None for ranks in replicas]
+    return index, replicas[index], groups[index]
+
+
 def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_port: int, task_q: Any,
                 result_q: Any, abort_q: Any) -> None:
     try:
@@ -44,10 +62,13 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))
         _init_parallel_state(config, rank, world_size)
-        progress = (lambda rid, step, total: result_q.put(("progress", rid, step, total))) if rank == 0 else None
+        replica, replica_ranks, replica_group = _replica_group(config, rank, world_size)
+        is_leader = rank == replica_ranks[0]
+        progress = (lambda rid, step, total: result_q.put(("progress", rid, step, total))) if is_leader else None
         runner = ModelRunner(config, resolved, device=device, dtype=torch_dtype(config, platform), rank=rank,
                              world_size=world_size, on_progress=progress,
-                             poll_aborts=(lambda: _drain(abort_q)) if rank == 0 else None)
+                             poll_aborts=(lambda: _drain(abort_q)) if is_leader else None,
+                             stop_group=(replica_group, replica_ranks[0], len(replica_ranks)))
         runner.load_model()
         result_q.put(("ready", rank))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
@@ -70,11 +91,11 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
         except BaseException:  # noqa: BLE001
-            if rank == 0:
-                result_q.put(("error", traceback.format_exc()))
+            if is_leader:
+                result_q.put(("error", replica, traceback.format_exc()))
             continue
-        if rank == 0:
-            result_q.put(("result", out))
+        if is_leader:
+            result_q.put(("result", replica, out))
     try:
         _destroy_parallel_state()
         dist.destroy_process_group()

@@ -57,7 +57,8 @@ class _Control:
 class ModelRunner:
     def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
                  world_size: int = 1, on_progress: Callable[[str, int, int], None] | None = None,
-                 poll_aborts: Callable[[], list[str]] | None = None) -> None:
+                 poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None
+                 ) -> None:
         self.config = config
         self.resolved = resolved
         self.device = device
@@ -66,6 +67,8 @@ class ModelRunner:
         self.world_size = world_size
         self.on_progress = on_progress
         self.poll_aborts = poll_aborts
+        #: (process group, source rank, size) in which stop decisions are agreed: this data-parallel replica
+        self.stop_group = stop_group or (None, 0, world_size)
         self.pipeline: Any = None
         self.cache_backend: Any = None
         self.states: dict[str, StepState] = {}
@@ -102,19 +105,20 @@ class ModelRunner:
             self._abort_ids.update(request_ids)
 
     def agree_stopped(self, request_ids: list[str]) -> set[str]:
-        """Which of ``request_ids`` to stop; rank 0 decides and every rank learns the same answer."""
+        """Which of ``request_ids`` to stop; the replica's leader decides and its ranks learn the same answer."""
         if self.poll_aborts is not None:
             polled = self.poll_aborts()
             with self._abort_lock:
                 self._abort_ids.update(r for r in polled if r in self._in_flight)
         with self._abort_lock:
             flags = [rid in self._abort_ids for rid in request_ids]
-        if self.world_size > 1:
+        group, src, size = self.stop_group
+        if size > 1:
             import torch
             import torch.distributed as dist
 
             t = torch.tensor(flags, dtype=torch.uint8)
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, src=src, group=group)
             flags = [bool(x) for x in t.tolist()]
         return {rid for rid, f in zip(request_ids, flags) if f}
 

@@ -51,7 +51,9 @@ def reference(tiny_model):
     {"max_num_seqs": 4},
     {"step_execution": True, "max_num_seqs": 4},
     {"max_num_seqs": 1, "parallel_config": {"cfg_parallel_size": 2}},
-], ids=["request-batch", "step-batch", "two-workers"])
+    {"max_num_seqs": 4, "parallel_config": {"data_parallel_size": 2}},
+    {"step_execution": True, "max_num_seqs": 4, "parallel_config": {"data_parallel_size": 2}},
+], ids=["request-batch", "step-batch", "two-workers", "data-parallel", "data-parallel-step"])
 def test_mp_matches_in_process_output(tiny_model, reference, config):
     with Omni(tiny_model, executor="mp", **config) as omni:
         outs = omni.generate(PROMPTS, seed=11, guidance_scale=2.5, use_tqdm=False)
@@ -59,6 +61,9 @@ def test_mp_matches_in_process_output(tiny_model, reference, config):
         assert len(pids) == omni.config.world_size
         for a, b in zip(outs, reference):
             assert np.array_equal(pixels(a), pixels(b))
+        if omni.config.parallel_config.data_parallel_size == 2:
+            # the two compatible prompts of one wave went to different replicas
+            assert {outs[0].metrics["batch_size"], outs[2].metrics["batch_size"]} == {1}
         assert omni.stats()["tracked_requests"] == []
     assert not any(alive(p) for p in pids)
 
