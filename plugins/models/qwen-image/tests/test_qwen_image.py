@@ -2,7 +2,7 @@
 
 Parity: each Omni image equals the image diffusers makes for the same prompt alone with
 ``generator=torch.Generator("cpu").manual_seed(seed)`` -- at most one level of 255 apart per pixel -- and the
-final latents agree to 1e-5 (batching changes float summation order only).
+final latents agree to 5e-5 (batching changes float summation order only).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def assert_parity(state, output, ref):
     assert output.tensor.shape == ref_images.shape
     levels = ((output.tensor * 255).round() - (ref_images * 255).round()).abs().max().item()
     assert levels <= 1, f"{levels} levels of 255 apart from diffusers"
-    torch.testing.assert_close(state.latents, ref_latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(state.latents, ref_latents, atol=5e-5, rtol=0)
 
 
 def test_registered_through_entry_point(qwen_dir):
