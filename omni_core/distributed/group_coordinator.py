@@ -25,13 +25,14 @@ def _nbytes(t: torch.Tensor) -> int:
 class RingHandle:
     """Pending ring exchange: ``wait()`` returns the tensor received from the previous rank."""
 
-    def __init__(self, works: list, received: torch.Tensor) -> None:
-        self._works, self._received = works, received
+    def __init__(self, works: list, received: torch.Tensor, sent: torch.Tensor | None = None) -> None:
+        # the sent tensor stays referenced until the exchange completes
+        self._works, self._received, self._sent = works, received, sent
 
     def wait(self) -> torch.Tensor:
         for w in self._works:
             w.wait()
-        self._works = []
+        self._works, self._sent = [], None
         return self._received
 
 
@@ -187,7 +188,7 @@ class GroupCoordinator:
                dist.P2POp(dist.irecv, recv, self.prev_rank, self.group)]
         works = dist.batch_isend_irecv(ops)
         self._count("ring", _nbytes(x))
-        return RingHandle(works, recv)
+        return RingHandle(works, recv, x)
 
     def barrier(self) -> None:
         if self.world_size > 1:

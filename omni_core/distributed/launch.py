@@ -2,8 +2,9 @@
 
 ``spawn_workers("path/to/file.py:fn", 4)`` starts 4 spawned processes, joins them into a process group
 (gloo by default) on a free localhost port, calls ``fn(rank, world_size, *args)`` in each, and returns the
-per-rank return values (which must pickle). A failing rank ends the others and re-raises with the child's
-traceback; a run that exceeds ``timeout`` is terminated. Every child destroys its process group on exit.
+per-rank return values (which must pickle). A failing rank ends the others and the parent raises with every
+failed rank's traceback (the first rank noticed may only be a victim of another's failure); a run that
+exceeds ``timeout`` is terminated. Every child destroys its process group on exit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Callable
 
 
@@ -58,6 +60,10 @@ def _child(rank: int, world_size: int, port: int, target: Any, args: tuple, resu
         result = _resolve(target)(rank, world_size, *args)
         with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+    except BaseException:
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         from omni_core.distributed.parallel_state import destroy_parallel_state
 
@@ -85,6 +91,19 @@ def spawn_workers(target: str | Callable, world_size: int, args: tuple = (), *, 
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"spawn_workers: {world_size} processes running {target!r} did not finish "
                                        f"within {timeout:.0f} s")
+        except Exception as exc:
+            # the first rank torch notices may be a victim (its peer went away); report every rank's error
+            time.sleep(0.5)
+            errors = []
+            for rank in range(world_size):
+                path = os.path.join(result_dir, f"rank{rank}.err")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        errors.append(f"--- rank {rank} ---\n{f.read()}")
+            if errors:
+                raise RuntimeError(f"spawn_workers: {len(errors)} of {world_size} processes running {target!r} "
+                                   f"failed:\n" + "\n".join(errors)) from exc
+            raise
         finally:
             for p in ctx.processes:
                 if p.is_alive():

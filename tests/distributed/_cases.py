@@ -84,14 +84,15 @@ def _models():
     tiny = load_tiny()
     dit = tiny.build(tiny.TinyDiT, seed=0, heads=4)
     tok = tiny.build(tiny.TinyTokenModel, seed=1)
-    apply_sequence_parallel(dit)
-    apply_sequence_parallel(tok)
-    return tiny, dit, tok
+    wan = tiny.build(tiny.TinyWanLike, seed=2)
+    for model in (dit, tok, wan):
+        apply_sequence_parallel(model)
+    return tiny, dit, tok, wan
 
 
 def model_cases(dp_index: int):
     """(name, fn) pairs; ``dp_index`` picks the request a data-parallel replica serves."""
-    tiny, dit, tok = _models()
+    tiny, dit, tok, wan = _models()
     txt, tmask = tiny.text_inputs(2, 6)
     neg, nmask = tiny.text_inputs(2, 6, seed=7)
 
@@ -107,6 +108,7 @@ def model_cases(dp_index: int):
     hs = torch.randn(2, 37, 8, generator=g)
     cos, sin = tiny.rope_tables(torch.arange(37) * 0.5, 8)
     cases.append(("TinyTokenModel S=37", lambda: tok(hs, txt, cos, sin, encoder_mask=tmask)[0]))
+    cases.append(("TinyWanLike 6x14 (S=21)", lambda: wan(latents(6, 14, 12), txt)))
     x = latents(10, 14, 11)
     cases.append(("CFG guidance (TinyDiT)", lambda: cfg_parallel_guidance(
         lambda: dit(x, txt, tmask, t), lambda: dit(x, neg, nmask, t), 4.0, normalize=True)))
@@ -150,9 +152,11 @@ def worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, s
             init_parallel_state(pc)
             try:
                 outs = [attention_case(c, True) for c in ATTN_CASES]
-                reset_communication_stats()
-                outs += [fn() for _, fn in mcases]
-                model_bytes = communication_stats()["total"]
+                model_bytes = []
+                for _, fn in mcases:
+                    reset_communication_stats()
+                    outs.append(fn())
+                    model_bytes.append(communication_stats()["total"])
                 restored = failing_forward_leaves_no_region()
                 if pc.cfg_parallel_size > 1:
                     assert get_cfg_group().world_size == 2
@@ -163,5 +167,5 @@ def worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, s
                 assert out.shape == ref.shape, (label, name, out.shape, ref.shape)
                 rows.append((label, name, float((out - ref).abs().max())))
             rows.append((label, "forward context restored after a failing forward", restored))
-            rows.append((label, "bytes sent by the model cases", model_bytes))
+            rows += [(label, f"bytes sent by {name}", n) for (name, _), n in zip(mcases, model_bytes)]
     return rows

@@ -4,6 +4,8 @@
   output of ``x_embedder`` and of the rotary table module ``pos_embed``, and gathers before ``final_layer``.
   Blocks: joint text+image attention (text in front, key-padding mask on text), self-attention with rotary
   embeddings, cross-attention to the text.
+* ``TinyWanLike`` builds its tokens inline (conv, flatten, transpose): the plan shards the first block's input
+  and gathers the output of ``proj_out``.
 * ``TinyTokenModel`` takes tokens ``[B, S, C]`` and per-token rotary tables as forward arguments; the plan
   shards them and gathers the (tuple) output.
 """
@@ -169,6 +171,45 @@ class TinyTokenModel(nn.Module):
         h = self.blocks[1](h, rotary_cos, rotary_sin)
         h = self.blocks[2](h, txt, encoder_mask)
         return (self.proj_out(h),)
+
+
+class WanLikeBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.self_attn, self.cross_attn = SelfBlock(dim, heads), CrossBlock(dim, heads)
+
+    def forward(self, hidden_states, encoder_hidden_states, rotary_emb):
+        return self.cross_attn(self.self_attn(hidden_states, *rotary_emb), encoder_hidden_states, None)
+
+
+class TinyWanLike(nn.Module):
+    """Builds its tokens inline (conv patch embedding, flatten, transpose), as diffusers' Wan does: the plan
+    shards the first block's input and gathers the output of ``proj_out``."""
+
+    _sp_plan = {"shard_before": {"blocks.0": {"hidden_states": 1}}, "shard_after": {"rope": {0: 0, 1: 0}},
+                "gather_after": "proj_out", "gather": None}
+
+    def __init__(self, in_channels: int = 4, patch: int = 2, dim: int = 64, heads: int = 4, text_dim: int = 32,
+                 depth: int = 2) -> None:
+        super().__init__()
+        self.c, self.p = in_channels, patch
+        self.patch_embedding = nn.Conv2d(in_channels, dim, patch, stride=patch)
+        self.rope = PosEmbed(dim // heads)
+        self.text_embedding = nn.Linear(text_dim, dim)
+        self.blocks = nn.ModuleList([WanLikeBlock(dim, heads) for _ in range(depth)])
+        self.norm_out = nn.LayerNorm(dim)
+        self.proj_out = nn.Linear(dim, in_channels * patch * patch)
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        b, c, hh, ww = hidden_states.shape
+        p = self.p
+        rotary = self.rope(hh // p, ww // p)
+        h = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2)
+        txt = self.text_embedding(encoder_hidden_states)
+        for block in self.blocks:
+            h = block(h, txt, rotary)
+        out = self.proj_out(self.norm_out(h))
+        return out.reshape(b, hh // p, ww // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, hh, ww)
 
 
 def build(cls: type, seed: int = 0, **kwargs) -> nn.Module:

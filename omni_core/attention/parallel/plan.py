@@ -12,9 +12,13 @@ A denoiser opts in without touching its forward::
     apply_sequence_parallel(model)       # after init_parallel_state; a no-op while the sp group has one rank
 
 or, for a model whose forward already takes tokens, ``{"shard": {"hidden_states": 1, "rotary_emb": 0},
-"gather": 1}``. During each forward of the module: the declared inputs/outputs are split along their token
-dimension (padded to a multiple of the sp size), ``Attention`` layers inside run the sequence-parallel
-strategy chosen from the ulysses/ring groups, and the output is all-gathered with the padding stripped.
+"gather": 1}``; for one that builds its token sequence inline (Wan: conv, flatten, transpose), shard the
+arguments of the first block and gather the output of the last projection:
+``{"shard_before": {"blocks.0": {"hidden_states": 1}}, "shard_after": {"rope": {0: 1, 1: 1}},
+"gather_after": "proj_out", "gather": None}``. During each forward of the module: the declared
+inputs/outputs are split along their token dimension (padded to a multiple of the sp size), ``Attention``
+layers inside run the sequence-parallel strategy chosen from the ulysses/ring groups, and the output is
+all-gathered with the padding stripped.
 Everything per-token (rotary tables, positional embeddings, per-token masks) must be named in the plan so
 that it is sharded the same way as the tokens.
 """
@@ -61,6 +65,11 @@ class SequenceParallelPlan:
     gather_output_index: int = 0
     #: submodule path -> token dim of its first positional argument, gathered before it runs
     gather_before: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "gather_before"))
+    #: submodule path -> {argument name: token dim}: shard those arguments when the submodule first runs
+    #: (for models that build the token sequence inline, e.g. Wan: ``{"blocks.0": {"hidden_states": 1}}``)
+    shard_before: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "shard_before"))
+    #: submodule path -> token dim of its output (a tensor or a tuple's first element), gathered after it runs
+    gather_after: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "gather_after"))
     #: forward argument whose length along ``joint_text_dim`` is the replicated text length of joint attention
     joint_text_input: str | None = None
     joint_text_dim: int = 1
@@ -111,29 +120,31 @@ class SequenceParallelHandle:
         self.module, self.plan = module, plan
         self._hooks: list[Any] = []
         self._stack: list[tuple[Any, SPRegion] | None] = []
-        params = list(inspect.signature(module.forward).parameters.values())
-        self._positions = {p.name: i for i, p in enumerate(params)
-                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params)
-        known = {p.name for p in params}
-        for name in [*plan.shard_inputs, *([plan.joint_text_input] if plan.joint_text_input else [])]:
-            if name not in known and not takes_kwargs:
-                hint = suggest(name, sorted(known))
-                raise ConfigError(f"sequence-parallel plan of {type(module).__name__} names input {name!r}, which "
-                                  f"its forward does not take" + (f"; did you mean {hint!r}?" if hint else ""),
-                                  field="shard_inputs")
-        for name in [*plan.shard_outputs, *plan.gather_before]:
-            try:
-                module.get_submodule(name)
-            except AttributeError:
-                raise ConfigError(f"sequence-parallel plan of {type(module).__name__} names submodule {name!r}, "
-                                  f"which does not exist", field="shard_outputs") from None
+        self._positions = _argument_positions(module, [*plan.shard_inputs, *filter(None, [plan.joint_text_input])],
+                                              "shard_inputs")
+        for field in ("shard_outputs", "gather_before", "shard_before", "gather_after"):
+            for name in getattr(plan, field):
+                try:
+                    module.get_submodule(name)
+                except AttributeError:
+                    raise ConfigError(f"sequence-parallel plan of {type(module).__name__} names submodule {name!r} "
+                                      f"in {field}, which does not exist", field=field) from None
         self._hooks.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
         self._hooks.append(module.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
         for name, spec in plan.shard_outputs.items():
             self._hooks.append(module.get_submodule(name).register_forward_hook(self._shard_output_hook(name, spec)))
         for name, dim in plan.gather_before.items():
             self._hooks.append(module.get_submodule(name).register_forward_pre_hook(self._gather_hook(dim)))
+        for name, spec in plan.shard_before.items():
+            sub = module.get_submodule(name)
+            if not isinstance(spec, Mapping):
+                raise ConfigError(f"shard_before[{name!r}] must map argument names to token dims, got {spec!r}",
+                                  field="shard_before")
+            positions = _argument_positions(sub, list(spec), f"shard_before[{name!r}]")
+            self._hooks.append(sub.register_forward_pre_hook(self._shard_before_hook(name, spec, positions),
+                                                             with_kwargs=True))
+        for name, dim in plan.gather_after.items():
+            self._hooks.append(module.get_submodule(name).register_forward_hook(self._gather_after_hook(dim)))
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -143,17 +154,17 @@ class SequenceParallelHandle:
             del self.module._sp_handle
 
     # ------------------------------------------------------------------ argument access
-    def _get(self, args: tuple, kwargs: dict, name: str) -> Any:
+    def _get(self, args: tuple, kwargs: dict, name: str, positions: dict | None = None) -> Any:
         if name in kwargs:
             return kwargs[name]
-        i = self._positions.get(name)
+        i = (self._positions if positions is None else positions).get(name)
         return args[i] if i is not None and i < len(args) else None
 
-    def _set(self, args: list, kwargs: dict, name: str, value: Any) -> None:
+    def _set(self, args: list, kwargs: dict, name: str, value: Any, positions: dict | None = None) -> None:
         if name in kwargs:
             kwargs[name] = value
         else:
-            args[self._positions[name]] = value
+            args[(self._positions if positions is None else positions)[name]] = value
 
     def _region(self) -> SPRegion | None:
         region = current_region()
@@ -220,6 +231,31 @@ class SequenceParallelHandle:
             return _map_tokens(output, spec, lambda t, d: region.shard(t, d, name=f"output of {name}"))
         return hook
 
+    def _shard_before_hook(self, name: str, spec: Mapping[str, int], positions: dict) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            region = self._region()
+            if region is None or not region.active or name in region.fired:
+                return None
+            region.fired.add(name)  # once per forward: later calls already get sharded tokens
+            args, kwargs = list(args), dict(kwargs)
+            for arg, dim in spec.items():
+                value = self._get(args, kwargs, arg, positions)
+                if isinstance(value, torch.Tensor):
+                    self._set(args, kwargs, arg, region.shard(value, dim, name=f"{arg} of {name}"), positions)
+            return tuple(args), kwargs
+        return hook
+
+    def _gather_after_hook(self, dim: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            region = self._region()
+            if region is None or not region.active or region.seq_len is None:
+                return None
+            region.end()
+            if isinstance(output, torch.Tensor):
+                return region.gather(output, dim)
+            return _map_tokens(output, {0: dim}, lambda t, d: region.gather(t, d))
+        return hook
+
     def _gather_hook(self, dim: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> Any:
             region = self._region()
@@ -228,6 +264,20 @@ class SequenceParallelHandle:
             region.end()
             return (region.gather(args[0], dim), *args[1:])
         return hook
+
+
+def _argument_positions(module: nn.Module, names: list[str], field: str) -> dict[str, int]:
+    """Positions of ``module.forward``'s parameters; ConfigError when ``names`` has one it does not take."""
+    params = list(inspect.signature(module.forward).parameters.values())
+    known = {p.name for p in params}
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        for name in names:
+            if name not in known:
+                hint = suggest(name, sorted(known))
+                raise ConfigError(f"sequence-parallel plan ({field}) names argument {name!r}, which "
+                                  f"{type(module).__name__}.forward does not take"
+                                  + (f"; did you mean {hint!r}?" if hint else ""), field=field)
+    return {p.name: i for i, p in enumerate(params) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def apply_sequence_parallel(module: nn.Module, plan: Any = None) -> SequenceParallelHandle:

@@ -40,6 +40,8 @@ class SPRegion:
     #: False once the tokens were gathered (attention after that point runs locally)
     active: bool = True
     gathered: bool = False
+    #: one-shot hooks that already ran in this forward (``shard_before``)
+    fired: set = attrs.field(factory=set)
     #: who opened the region (a plan's hooks use it to ignore regions that are not theirs)
     owner: Any = None
 
