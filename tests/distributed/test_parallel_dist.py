@@ -5,7 +5,8 @@ the ``Attention`` layer on uneven lengths (37 tokens on 2 and 4 ranks, 3 tokens 
 text+image attention with the text replicated (text in front with a per-sample key-padding mask, and text
 at the back), a key mask on the sharded tokens, cross-attention; three tiny transformers opted in through a
 plan (one patchifies inside its forward, one builds its tokens inline like Wan); CFG-parallel guidance;
-data-parallel replicas serving different requests. Every rank compares with the single-process result of the same inputs.
+data-parallel replicas serving different requests. Every rank compares with the single-process result
+of the same inputs.
 """
 
 from __future__ import annotations
