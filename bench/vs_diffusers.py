@@ -60,10 +60,7 @@ def bench(kind: str, folder: str, args: argparse.Namespace) -> list[tuple[str, f
     import torch
 
     from omni_core import Omni
-    from omni_core.pipelines.base import read_model_index
 
-    index = read_model_index(folder) or {}
-    kind = "wan" if index.get("_class_name") == "WanPipeline" else "qwen"
     kwargs = call_kwargs(kind, args)
 
     from diffusers import DiffusionPipeline
@@ -92,7 +89,7 @@ def bench(kind: str, folder: str, args: argparse.Namespace) -> list[tuple[str, f
             thr_d.append(n / timed(lambda: [run_diffusers(p, r) for p in PROMPTS]))
     lo, ld = statistics.median(lat_o), statistics.median(lat_d)
     to, td = statistics.median(thr_o), statistics.median(thr_d)
-    return [(f"latency, 1 request (s, lower is better)", lo, ld, f"{lo / ld:.2f}x"),
+    return [("latency, 1 request (s, lower is better)", lo, ld, f"{lo / ld:.2f}x"),
             (f"throughput, {n} concurrent (req/s, higher is better)", to, td, f"{to / td:.2f}x")]
 
 
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--height", type=int, default=None, help="default: 64 (Qwen-Image), 32 (Wan)")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--frames", type=int, default=9)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
@@ -115,17 +112,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         kinds = ["qwen", "wan"] if args.model == "both" else [args.model]
-        for kind in kinds if args.folder is None else ["folder"]:
+        if args.folder is not None:
+            from omni_core.pipelines.base import read_model_index
+
+            kinds = ["wan" if (read_model_index(args.folder) or {}).get("_class_name") == "WanPipeline" else "qwen"]
+        for kind in kinds:
             folder = args.folder or build_folder(kind, root)
             size = 64 if kind == "qwen" else 32
             a = argparse.Namespace(**{**vars(args), "height": args.height or size, "width": args.width or size})
-            name = {"qwen": "Qwen-Image (tiny)", "wan": "Wan 2.2 2-expert (tiny)"}.get(kind, folder)
+            name = args.folder or {"qwen": "Qwen-Image (tiny)", "wan": "Wan 2.2 2-expert (tiny)"}[kind]
             shape = f"{a.height}x{a.width}" + ("" if kind == "qwen" else f"x{a.frames}f")
             for metric, omni, diff, ratio in bench(kind, folder, a):
                 rows.append((f"{name} {shape}", metric, omni, diff, ratio))
-    print(f"\n{'model':<34} {'metric':<46} {'omni':>9} {'diffusers':>10} {'omni/diffusers':>15}")
+    print(f"\n{'model':<34} {'metric':<52} {'omni':>9} {'diffusers':>10} {'omni/diffusers':>15}")
     for model, metric, omni, diff, ratio in rows:
-        print(f"{model:<34} {metric:<46} {omni:>9.3f} {diff:>10.3f} {ratio:>15}")
+        print(f"{model:<34} {metric:<52} {omni:>9.3f} {diff:>10.3f} {ratio:>15}")
     return 0
 
 
