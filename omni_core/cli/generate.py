@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from typing import Any
 
+from omni_core.cli.options import add_engine_options, engine_options
 from omni_core.errors import ConfigError
 
 
@@ -32,34 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fps", type=int, default=16, help="frames per second of a video file")
     p.add_argument("--native-size", action="store_true",
                    help="write images at the model's size (by default small images are upscaled for display)")
-    eng = p.add_argument_group("engine options")
-    eng.add_argument("--attention-backend", default=None)
-    eng.add_argument("--cache-backend", default=None)
-    eng.add_argument("--cache-config", default=None, help="JSON object")
-    eng.add_argument("--dtype", default=None)
-    eng.add_argument("--executor", default=None)
-    eng.add_argument("--parallel-config", default=None, help='JSON object, e.g. \'{"ulysses_degree": 2}\'')
-    eng.add_argument("--step-execution", action="store_true")
+    add_engine_options(p)
     p.set_defaults(func=run_generate)
-
-
-def _json_arg(value: str | None, name: str) -> Any:
-    if value is None:
-        return None
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--{name} must be a JSON object: {exc}", field=name) from None
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
-            "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
-            "executor": args.executor, "parallel_config": _json_arg(args.parallel_config, "parallel-config")}
-    opts = {k: v for k, v in opts.items() if v is not None}
-    if args.step_execution:
-        opts["step_execution"] = True
-    return opts
 
 
 def run_generate(args: argparse.Namespace) -> int:

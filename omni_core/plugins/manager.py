@@ -39,6 +39,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "builtin-executors": "omni_core.builtin.executors",
     "builtin-commands": "omni_core.builtin.commands",
     "builtin-command-generate": "omni_core.builtin.command_generate",
+    "builtin-command-serve": "omni_core.builtin.command_serve",
 }
 
 ACTIVE, SKIPPED, FAILED, DISABLED = "active", "skipped", "failed", "disabled"

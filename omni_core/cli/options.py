@@ -1,0 +1,45 @@
+"""Command-line flags shared by the commands that start an engine (``omni generate``, ``omni serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from omni_core.errors import ConfigError
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the "engine options" group; returns it so a command can add its own engine flags to it."""
+    eng = parser.add_argument_group("engine options")
+    eng.add_argument("--attention-backend", default=None, help="default attention backend (e.g. TORCH_SDPA)")
+    eng.add_argument("--cache-backend", default=None, help="cache backend (e.g. cache_dit, tea_cache; default none)")
+    eng.add_argument("--cache-config", default=None, help="JSON object of cache backend options")
+    eng.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    eng.add_argument("--executor", default=None, help="uni or mp (default: by the number of processes)")
+    eng.add_argument("--parallel-config", default=None, help='JSON object, e.g. \'{"ulysses_degree": 2}\'')
+    eng.add_argument("--step-execution", action="store_true", help="run requests step by step (step batching)")
+    return eng
+
+
+def _json_arg(value: str | None, name: str) -> Any:
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--{name} must be a JSON object: {exc}", field=name) from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"--{name} must be a JSON object, got {type(parsed).__name__}", field=name)
+    return parsed
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``OmniDiffusionConfig`` keyword arguments from the engine options that were given."""
+    opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
+            "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
+            "executor": args.executor, "parallel_config": _json_arg(args.parallel_config, "parallel-config")}
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if args.step_execution:
+        opts["step_execution"] = True
+    return opts

@@ -1,0 +1,149 @@
+"""Server metrics in the Prometheus text format, written by hand (no ``prometheus_client`` dependency).
+
+The server keeps HTTP counters and latency histograms; engine gauges and counters (queue depth, running
+requests, denoising steps) are read from ``DiffusionEngine.stats()`` at scrape time. Steps per second is a
+gauge over a sliding window fed by :meth:`ServerMetrics.sample_steps` (the server samples once a second).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+STEPS_WINDOW_S = 10.0
+
+
+def _labels(labels: Mapping[str, Any]) -> str:
+    if not labels:
+        return ""
+    esc = (str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for v in labels.values())
+    return "{" + ",".join(f'{k}="{v}"' for k, v in zip(labels, esc)) + "}"
+
+
+def _num(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class Histogram:
+    def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS) -> None:
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str, labels: Mapping[str, Any]) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts):
+            total += n
+            out.append(f"{name}_bucket{_labels({**labels, 'le': _num(bound)})} {total}")
+        out.append(f"{name}_sum{_labels(labels)} {_num(self.sum)}")
+        out.append(f"{name}_count{_labels(labels)} {self.count}")
+        return out
+
+
+class ServerMetrics:
+    """Thread-safe counters and histograms of one server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.http_requests: collections.Counter = collections.Counter()  # (method, path, status) -> n
+        self.http_latency: dict[str, Histogram] = {}
+        self.e2e_latency: dict[str, Histogram] = {}  # by endpoint kind: image, video
+        self.queue_time = Histogram()
+        self.client_disconnects = 0
+        self.refused: collections.Counter = collections.Counter()  # reason -> n
+        self._steps: collections.deque = collections.deque()  # (monotonic time, total steps)
+
+    def observe_http(self, method: str, path: str, status: int, seconds: float) -> None:
+        with self._lock:
+            self.http_requests[(method, path, status)] += 1
+            self.http_latency.setdefault(path, Histogram()).observe(seconds)
+
+    def observe_generation(self, kind: str, metrics: Mapping[str, Any]) -> None:
+        """Engine-measured latencies of a completed request (``DiffusionOutput.metrics``)."""
+        with self._lock:
+            if "e2e_latency_s" in metrics:
+                self.e2e_latency.setdefault(kind, Histogram()).observe(metrics["e2e_latency_s"])
+            if "queue_time_s" in metrics:
+                self.queue_time.observe(metrics["queue_time_s"])
+
+    def count_disconnect(self) -> None:
+        with self._lock:
+            self.client_disconnects += 1
+
+    def count_refused(self, reason: str) -> None:
+        with self._lock:
+            self.refused[reason] += 1
+
+    def sample_steps(self, total_steps: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._steps.append((now, total_steps))
+            while len(self._steps) > 2 and now - self._steps[1][0] >= STEPS_WINDOW_S:
+                self._steps.popleft()
+
+    def steps_per_second(self) -> float:
+        with self._lock:
+            if len(self._steps) < 2:
+                return 0.0
+            (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
+            return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def render(self, stats: Mapping[str, Any], *, model: str, video_jobs: Mapping[str, int]) -> str:
+        """The Prometheus exposition text: engine state from ``stats`` plus the server's own metrics."""
+        m = {"model": model}
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: Iterable[tuple[Mapping[str, Any], float]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(f"{name}{_labels(labels)} {_num(value)}" for labels, value in samples)
+
+        def histogram(name: str, help_: str, hists: Iterable[tuple[Mapping[str, Any], Histogram]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} histogram")
+            for labels, h in hists:
+                lines.extend(h.lines(name, labels))
+
+        metric("omni_num_requests_waiting", "gauge", "Requests in the engine's queue (queue depth).",
+               [(m, stats.get("waiting", 0))])
+        metric("omni_num_requests_running", "gauge", "Requests the engine is running.",
+               [(m, stats.get("running", 0))])
+        metric("omni_engine_dead", "gauge", "1 when the engine's workers died.", [(m, 1 if stats.get("dead") else 0)])
+        metric("omni_engine_requests_total", "counter", "Requests the engine admitted and how they ended.",
+               [({**m, "outcome": k}, stats.get(f"requests_{k}", 0))
+                for k in ("added", "completed", "aborted", "failed")])
+        metric("omni_denoise_steps_total", "counter", "Denoising steps run (one per request per step).",
+               [(m, stats.get("denoise_steps", 0))])
+        metric("omni_denoise_steps_per_second", "gauge",
+               f"Denoising steps per second over the last {STEPS_WINDOW_S:g} s.", [(m, self.steps_per_second())])
+        with self._lock:
+            metric("omni_http_requests_total", "counter", "HTTP requests by method, route and status code.",
+                   [({"method": k[0], "path": k[1], "status": k[2]}, v) for k, v in sorted(self.http_requests.items())])
+            histogram("omni_http_request_duration_seconds",
+                      "Time from request to the end of the response (streams included).",
+                      [({"path": p}, h) for p, h in sorted(self.http_latency.items())])
+            histogram("omni_request_e2e_latency_seconds",
+                      "Engine latency of completed generations, from admission to the final output.",
+                      [({**m, "kind": k}, h) for k, h in sorted(self.e2e_latency.items())])
+            histogram("omni_request_queue_time_seconds", "Time completed generations waited in the engine's queue.",
+                      [(m, self.queue_time)])
+            metric("omni_client_disconnects_total", "counter",
+                   "Clients that went away before their result (their requests were aborted).",
+                   [({}, self.client_disconnects)])
+            metric("omni_requests_refused_total", "counter", "Requests refused by reason.",
+                   [({"reason": r}, n) for r, n in sorted(self.refused.items())] or [({"reason": "queue_full"}, 0)])
+        metric("omni_video_jobs", "gauge", "Video jobs in the job table by status.",
+               [({"status": s}, n) for s, n in sorted(video_jobs.items())])
+        return "\n".join(lines) + "\n"

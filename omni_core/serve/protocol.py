@@ -1,0 +1,286 @@
+"""Request bodies of the OpenAI-compatible endpoints: parsing, validation, errors (no web framework here).
+
+Every refusal is an :class:`APIError` that renders as OpenAI's error object
+``{"error": {"message", "type", "param", "code"}}``; ``param`` names the offending request field.
+Range checks reuse :class:`~omni_core.config.SamplingParams` and the pipeline's ``check_sampling_params``:
+their :class:`~omni_core.errors.ConfigError` ``field`` is mapped back to the request field the client sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import re
+from typing import Any, Mapping
+
+import attrs
+
+from omni_core.config import SamplingParams
+from omni_core.errors import ConfigError
+
+
+class APIError(Exception):
+    """An HTTP error answered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+#: SamplingParams / pipeline field -> the request field a client sends
+_PARAM_OF_FIELD = {"num_outputs_per_prompt": "n", "height": "size", "width": "size", "extra_args": "extra_args"}
+
+
+def config_error(exc: ConfigError, extra: Mapping[str, str] | None = None) -> APIError:
+    """A validation error of omni's config/pipeline as a 400 naming the request field."""
+    field = exc.field
+    param = {**_PARAM_OF_FIELD, **(extra or {})}.get(field, field) if field else None
+    return invalid(str(exc), param)
+
+
+# ------------------------------------------------------------------------------------------ field checks
+_KINDS = {"str": "a string", "int": "an integer", "number": "a number", "bool": "a boolean", "object": "a JSON object",
+          "str|number": "a string or a number"}
+
+
+def _coerce_form(value: Any, kind: str) -> Any:
+    """multipart/form-data sends every field as text: read it as the kind the field needs."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if kind == "int":
+            return int(text)
+        if kind in ("number", "str|number"):
+            return value if kind == "str|number" else float(text)
+        if kind == "bool":
+            if text.lower() in ("true", "1"):
+                return True
+            if text.lower() in ("false", "0"):
+                return False
+        if kind == "object":
+            return json.loads(text)
+    except (ValueError, json.JSONDecodeError):
+        pass
+    return value
+
+
+def _check(name: str, value: Any, kind: str) -> Any:
+    ok = {
+        "str": isinstance(value, str),
+        "int": isinstance(value, numbers.Integral) and not isinstance(value, bool),
+        "number": isinstance(value, numbers.Real) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "object": isinstance(value, dict),
+        "str|number": isinstance(value, (str, numbers.Real)) and not isinstance(value, bool),
+    }[kind]
+    if not ok:
+        raise invalid(f"'{name}' must be {_KINDS[kind]}, got {type(value).__name__} {value!r}", name,
+                      code="invalid_type")
+    if kind == "number" and not math.isfinite(value):
+        raise invalid(f"'{name}' must be a finite number, got {value!r}", name)
+    return value
+
+
+def _read_fields(body: Any, fields: Mapping[str, str], *, accepted_defaults: Mapping[str, tuple] = (),
+                 ignored: tuple[str, ...] = (), unsupported: Mapping[str, str] | None = None,
+                 from_form: bool = False) -> dict[str, Any]:
+    """Type-check ``body`` against ``fields`` (name -> kind); unknown fields are refused, naming them."""
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}", None,
+                      code="invalid_body")
+    out: dict[str, Any] = {}
+    accepted_defaults = dict(accepted_defaults)
+    for name, value in body.items():
+        if name in ignored:
+            continue
+        if unsupported and name in unsupported:
+            raise invalid(f"'{name}' is not supported by this server: {unsupported[name]}", name,
+                          code="unsupported_parameter")
+        if name in accepted_defaults:
+            if value is not None and value not in accepted_defaults[name]:
+                allowed = ", ".join(repr(v) for v in accepted_defaults[name])
+                raise invalid(f"'{name}'={value!r} is not supported by this server; allowed: {allowed}", name,
+                              code="unsupported_value")
+            continue
+        if name not in fields:
+            raise invalid(f"unrecognized request argument '{name}'; supported: {', '.join(sorted(fields))}", name,
+                          code="unknown_parameter")
+        if value is None:
+            continue  # null means "the default", as in OpenAI's API
+        if from_form:
+            value = _coerce_form(value, fields[name])
+        out[name] = _check(name, value, fields[name])
+    return out
+
+
+_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+
+
+def parse_size(value: str | None, param: str = "size") -> tuple[int, int] | None:
+    """``"WIDTHxHEIGHT"`` -> ``(width, height)``; ``None`` or ``"auto"`` -> None (the model's default)."""
+    if value is None or value.strip().lower() == "auto":
+        return None
+    m = _SIZE.match(value)
+    if not m:
+        raise invalid(f"'{param}'={value!r} is invalid: expected 'WIDTHxHEIGHT' (e.g. '512x512') or 'auto'", param)
+    width, height = int(m.group(1)), int(m.group(2))
+    if width < 1 or height < 1:
+        raise invalid(f"'{param}'={value!r} is invalid: width and height must be positive", param)
+    return width, height
+
+
+def _prompt(fields: dict[str, Any]) -> str:
+    prompt = fields.get("prompt")
+    if prompt is None:
+        raise invalid("'prompt' is required", "prompt", code="missing_required_parameter")
+    if not prompt.strip():
+        raise invalid("'prompt' must not be empty", "prompt")
+    return prompt
+
+
+def _sampling(fields: dict[str, Any], names: Mapping[str, str], **fixed: Any) -> SamplingParams:
+    kwargs = {target: fields[name] for name, target in names.items() if name in fields}
+    size = parse_size(fields.get("size"))
+    if size is not None:
+        kwargs["width"], kwargs["height"] = size
+    try:
+        return SamplingParams.from_kwargs(**kwargs, **fixed)
+    except ConfigError as exc:
+        raise config_error(exc, {v: k for k, v in names.items()}) from None
+
+
+# ------------------------------------------------------------------------------------------ images
+IMAGE_FIELDS = {
+    "prompt": "str", "model": "str", "n": "int", "size": "str", "response_format": "str", "stream": "bool",
+    "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "true_cfg_scale": "number",
+    "seed": "int", "extra_args": "object",
+}
+#: OpenAI fields accepted only at the value this server produces anyway
+IMAGE_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "style": ("vivid", "natural"),
+                           "background": ("auto", "opaque"), "output_format": ("png",),
+                           "moderation": ("auto", "low")}
+IMAGE_UNSUPPORTED = {"partial_images": "a stream sends one preview per denoising step",
+                     "output_compression": "images are PNG", "svg": "images are PNG"}
+_IMAGE_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
+                   "guidance_scale": "guidance_scale", "true_cfg_scale": "true_cfg_scale", "seed": "seed",
+                   "extra_args": "extra_args"}
+
+
+@attrs.frozen
+class ImageRequest:
+    prompt: str
+    negative_prompt: str | None
+    params: SamplingParams
+    model: str | None
+    stream: bool
+
+
+def parse_image_request(body: Any) -> ImageRequest:
+    """``POST /v1/images/generations`` body -> validated :class:`ImageRequest` (or a 400 naming the field)."""
+    fields = _read_fields(body, IMAGE_FIELDS, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
+                          ignored=("user", "safety_identifier"), unsupported=IMAGE_UNSUPPORTED)
+    prompt = _prompt(fields)
+    fmt = fields.get("response_format", "b64_json")
+    if fmt != "b64_json":
+        raise invalid(f"'response_format'={fmt!r} is not supported: this server returns images inline, use "
+                      f"'b64_json'", "response_format", code="unsupported_value")
+    params = _sampling(fields, _IMAGE_SAMPLING)
+    return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
+                        model=fields.get("model"), stream=fields.get("stream", False))
+
+
+# ------------------------------------------------------------------------------------------ videos
+VIDEO_FIELDS = {
+    "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
+    "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number",
+    "guidance_scale_2": "number", "seed": "int", "extra_args": "object",
+}
+VIDEO_UNSUPPORTED = {"input_reference": "only text-to-video is served",
+                     "remixed_from_video_id": "remixing is not supported"}
+_VIDEO_SAMPLING = {"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
+                   "guidance_scale": "guidance_scale", "guidance_scale_2": "guidance_scale_2", "seed": "seed",
+                   "extra_args": "extra_args"}
+MAX_FPS = 120
+DEFAULT_FPS = 16
+
+
+@attrs.frozen
+class VideoRequest:
+    prompt: str
+    negative_prompt: str | None
+    params: SamplingParams
+    model: str | None
+    fps: int
+    #: as the client gave it (OpenAI sends strings such as "4"), or None
+    seconds: str | None
+
+
+def frames_for_seconds(seconds: float, fps: int, frame_multiple: int) -> int:
+    """The frame count closest to ``seconds`` at ``fps`` that the model accepts (``(n - 1) % multiple == 0``)."""
+    target = max(1.0, seconds * fps)
+    k = max(0, math.floor((target - 1) / frame_multiple + 0.5))  # half rounds up
+    return k * frame_multiple + 1
+
+
+def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool = False) -> VideoRequest:
+    """``POST /v1/videos`` body (JSON or form fields) -> validated :class:`VideoRequest`."""
+    fields = _read_fields(body, VIDEO_FIELDS, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
+                          accepted_defaults={"quality": ("auto", "standard")}, from_form=from_form)
+    prompt = _prompt(fields)
+    fps = fields.get("fps", DEFAULT_FPS)
+    if not 1 <= fps <= MAX_FPS:
+        raise invalid(f"'fps'={fps} is invalid: must be between 1 and {MAX_FPS}", "fps")
+    seconds = fields.get("seconds")
+    fixed: dict[str, Any] = {}
+    if seconds is not None:
+        if "num_frames" in fields:
+            raise invalid("give either 'seconds' or 'num_frames', not both", "seconds")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value <= 0 or value > 3600:
+            raise invalid(f"'seconds'={seconds!r} is invalid: expected a positive number of seconds (e.g. '4')",
+                          "seconds")
+        fixed["num_frames"] = frames_for_seconds(value, fps, frame_multiple)
+        seconds = str(seconds)
+    params = _sampling(fields, _VIDEO_SAMPLING, **fixed)
+    return VideoRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
+                        model=fields.get("model"), fps=fps, seconds=seconds)
+
+
+def parse_form(body: bytes, content_type: str) -> dict[str, Any]:
+    """Fields of a ``multipart/form-data`` body (what the ``openai`` client sends to ``/v1/videos``).
+
+    Parsed with the standard library's MIME parser so the server needs no extra dependency. A file part
+    comes back as ``bytes`` (and is then refused by the field checks).
+    """
+    from email.parser import BytesParser
+    from email.policy import HTTP
+
+    msg = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n"
+                                              + body)
+    if not msg.is_multipart():
+        raise invalid("malformed multipart/form-data body", None, code="invalid_body")
+    fields: dict[str, Any] = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            continue
+        payload = part.get_payload(decode=True) or b""
+        if part.get_filename() is not None:
+            fields[name] = payload
+        else:
+            fields[name] = payload.decode(part.get_content_charset() or "utf-8", errors="replace")
+    return fields

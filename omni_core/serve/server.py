@@ -1,0 +1,71 @@
+"""Running the app on uvicorn: in the foreground (``omni serve``) or on a background thread (tests, notebooks)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+
+def _uvicorn_server(app: Any, host: str, port: int, log_level: str, on_ready: Callable[[str, int], None] | None,
+                    access_log: bool = True):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and on_ready is not None:
+                bound_host, bound_port = self.servers[0].sockets[0].getsockname()[:2]
+                on_ready(bound_host, bound_port)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=access_log,
+                            timeout_graceful_shutdown=10)
+    return Server(config)
+
+
+def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+               access_log: bool = True, on_ready: Callable[[str, int], None] | None = None) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM; ``on_ready(host, port)`` runs once listening (``port=0`` picks one)."""
+    _uvicorn_server(app, host, port, log_level, on_ready, access_log).run()
+
+
+class ServerThread:
+    """``app`` served by uvicorn on a background thread (own event loop) at ``http://host:port``.
+
+        with ServerThread(build_app(engine)) as srv:
+            httpx.get(f"{srv.url}/health")
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+                 start_timeout: float = 60.0) -> None:
+        self.host, self.port = host, port
+        self._ready = threading.Event()
+
+        def ready(bound_host: str, bound_port: int) -> None:
+            self.host, self.port = bound_host, bound_port
+            self._ready.set()
+
+        self.server = _uvicorn_server(app, host, port, log_level, ready, access_log=False)
+        self._thread = threading.Thread(target=self.server.run, name="omni-serve", daemon=True)
+        self._thread.start()
+        while not self._ready.wait(0.05):
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server on {host}:{port} failed to start (see the log above)")
+            start_timeout -= 0.05
+            if start_timeout <= 0:
+                self.stop()
+                raise TimeoutError(f"the server on {host}:{port} did not start")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Graceful shutdown (runs the app's lifespan shutdown) and join the thread."""
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

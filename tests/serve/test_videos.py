@@ -1,0 +1,188 @@
+"""``/v1/videos`` jobs against a tiny random Wan 2.1 folder (``omni-model-wan``'s own test builder)."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import pytest
+
+pytest.importorskip("omni_model_wan", reason="the video tests use the Wan model plugin (omni-model-wan)")
+pytest.importorskip("imageio_ffmpeg", reason="MP4 writing needs imageio-ffmpeg")
+
+QUICK = {"prompt": "a cat walking", "size": "16x16", "num_frames": 5, "num_inference_steps": 2, "seed": 0}
+
+
+@pytest.fixture(scope="session")
+def wan_model(tmp_path_factory) -> str:
+    from omni_model_wan.testing import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan"))
+
+
+@pytest.fixture(scope="module")
+def video_server(wan_model, start_server, tmp_path_factory):
+    # no warmup: the start-up warmup runs the model's default 832x480x81 size, far too big for a tiny test
+    return start_server(wan_model, {"streaming_output": True, "warmup": False, "max_num_seqs": 2},
+                        served_model_name="tiny-wan", max_video_jobs=3,
+                        video_dir=str(tmp_path_factory.mktemp("videos")))
+
+
+def poll(client, job_id: str, until=("completed", "failed", "cancelled"), timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/v1/videos/{job_id}").json()
+        if job["status"] in until:
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} stuck in {job['status']}"
+        time.sleep(0.05)
+
+
+def mp4_frames(data: bytes, tmp_path) -> list:
+    import imageio.v2 as imageio
+
+    path = tmp_path / "v.mp4"
+    path.write_bytes(data)
+    with imageio.get_reader(str(path)) as reader:
+        return [frame for frame in reader]
+
+
+def test_video_job_lifecycle(video_server, tmp_path, wait_idle):
+    with video_server.client() as c:
+        created = c.post("/v1/videos", json={**QUICK, "model": "tiny-wan", "fps": 8})
+        assert created.status_code == 200, created.text
+        job = created.json()
+        assert job["object"] == "video" and job["id"].startswith("video_") and job["status"] in ("queued", "in_progress")
+        assert job["size"] == "16x16" and job["num_frames"] == 5 and job["seconds"] == "0.625" and job["model"] == "tiny-wan"
+        done = poll(c, job["id"])
+        assert done["status"] == "completed" and done["progress"] == 100 and done["error"] is None
+        assert done["expires_at"] > done["completed_at"] >= done["created_at"]
+        listed = c.get("/v1/videos").json()
+        assert job["id"] in [j["id"] for j in listed["data"]]
+        content = c.get(f"/v1/videos/{job['id']}/content")
+        assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+        assert content.content[4:8] == b"ftyp"
+        frames = mp4_frames(content.content, tmp_path)
+        assert len(frames) == 5 and frames[0].shape == (16, 16, 3)
+        path = os.path.join(video_server.app.state.omni.videos.directory, f"{job['id']}.mp4")
+        assert os.path.isfile(path)
+        deleted = c.delete(f"/v1/videos/{job['id']}").json()
+        assert deleted == {"id": job["id"], "object": "video.deleted", "deleted": True, "status": "completed"}
+        assert not os.path.exists(path)
+        assert c.get(f"/v1/videos/{job['id']}").status_code == 404
+        gone = c.get(f"/v1/videos/{job['id']}/content")
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "video_id"
+    assert wait_idle(video_server.engine)["tracked_requests"] == []
+
+
+def test_same_seed_same_video(video_server, tmp_path):
+    with video_server.client() as c:
+        ids = [c.post("/v1/videos", json=QUICK).json()["id"] for _ in range(2)]
+        blobs = []
+        for job_id in ids:
+            assert poll(c, job_id)["status"] == "completed"
+            blobs.append(c.get(f"/v1/videos/{job_id}/content").content)
+            c.delete(f"/v1/videos/{job_id}")
+    import numpy as np
+
+    a, b = (np.stack(mp4_frames(blob, tmp_path)) for blob in blobs)
+    assert np.array_equal(a, b)
+
+
+def test_deleting_a_running_job_aborts_its_request(video_server, wait_idle):
+    engine = video_server.engine
+    before = engine.stats()
+    with video_server.client() as c:
+        job = c.post("/v1/videos", json={**QUICK, "num_inference_steps": 1000}).json()
+        running = poll(c, job["id"], until=("in_progress",))
+        assert 0 <= running["progress"] < 100
+        deleted = c.delete(f"/v1/videos/{job['id']}").json()
+        assert deleted["deleted"] is True and deleted["status"] == "cancelled"
+        assert c.get(f"/v1/videos/{job['id']}").status_code == 404
+    stats = wait_idle(engine)
+    assert stats["tracked_requests"] == [] and stats["requests_aborted"] == before["requests_aborted"] + 1
+    assert os.listdir(video_server.app.state.omni.videos.directory) == []
+
+
+def test_content_before_completion_is_409(video_server, wait_idle):
+    with video_server.client() as c:
+        job = c.post("/v1/videos", json={**QUICK, "num_inference_steps": 1000}).json()
+        r = c.get(f"/v1/videos/{job['id']}/content")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "video_not_ready"
+        bad = c.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "variant"
+        c.delete(f"/v1/videos/{job['id']}")
+    wait_idle(video_server.engine)
+
+
+def test_job_table_is_bounded_and_expires(video_server, wait_idle):
+    jobs = video_server.app.state.omni.videos
+    with video_server.client() as c:
+        slow = [c.post("/v1/videos", json={**QUICK, "num_inference_steps": 1000}).json()["id"] for _ in range(3)]
+        full = c.post("/v1/videos", json=QUICK)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "too_many_video_jobs"
+        assert "retry-after" in full.headers
+        for job_id in slow:
+            c.delete(f"/v1/videos/{job_id}")
+        wait_idle(video_server.engine)
+        done = [c.post("/v1/videos", json=QUICK).json()["id"] for _ in range(3)]
+        for job_id in done:
+            poll(c, job_id)
+        newest = c.post("/v1/videos", json=QUICK).json()["id"]  # evicts the oldest finished job
+        assert c.get(f"/v1/videos/{done[0]}").status_code == 404
+        assert not os.path.exists(jobs.path_for(done[0]))
+        finished = poll(c, newest)
+        assert finished["status"] == "completed"
+        assert jobs.sweep(now=finished["expires_at"] + 1) == 3  # every finished job expired
+        assert c.get(f"/v1/videos/{newest}").status_code == 404
+        assert os.listdir(jobs.directory) == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**QUICK, "size": "20x16"}, "size"),
+    ({**QUICK, "num_frames": 6}, "num_frames"),
+    ({**QUICK, "true_cfg_scale": 2.0}, "true_cfg_scale"),
+    ({**QUICK, "seconds": "4"}, "seconds"),  # seconds and num_frames together
+    ({**QUICK, "model": "sora-2"}, "model"),
+])
+def test_invalid_video_requests(video_server, body, param):
+    with video_server.client() as c:
+        r = c.post("/v1/videos", json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+def test_image_endpoint_on_a_video_model_and_video_endpoint_on_an_image_model(video_server, server):
+    with video_server.client() as c:
+        r = c.post("/v1/images/generations", json={"prompt": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert c.get("/v1/models").json()["data"][0]["modality"] == "video"
+    with server.client() as c:
+        r = c.post("/v1/videos", json={"prompt": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert "makes images" in r.json()["error"]["message"]
+
+
+def test_openai_client_video_jobs(video_server, tmp_path):
+    """The official client sends multipart/form-data to /v1/videos; retrieve, download and delete work too."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{video_server.url}/v1", api_key="test-key", max_retries=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the client marks its Sora API deprecated
+        video = client.videos.create(prompt="a dog running", model="tiny-wan", seconds="1", size="16x16",
+                                     extra_body={"fps": 8, "num_inference_steps": 2, "seed": 1})
+        assert video.status in ("queued", "in_progress") and video.seconds == "1" and video.size == "16x16"
+        while video.status in ("queued", "in_progress"):
+            time.sleep(0.05)
+            video = client.videos.retrieve(video.id)
+        assert video.status == "completed" and video.progress == 100
+        data = client.videos.download_content(video.id).read()
+        frames = mp4_frames(data, tmp_path)
+        assert len(frames) == 9  # 1 s at 8 fps, rounded to Wan's 4k+1 frames
+        assert client.videos.delete(video.id).deleted is True
+        with pytest.raises(openai.NotFoundError):
+            client.videos.retrieve(video.id)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.videos.create(prompt="x", seconds="1", size="17x16")
+        assert info.value.body["param"] == "size"
