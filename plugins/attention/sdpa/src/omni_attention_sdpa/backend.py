@@ -41,6 +41,23 @@ class TorchSDPAImpl(AttentionImpl):
                                              scale=self.softmax_scale)
         return out.transpose(1, 2)
 
+    def forward_with_lse(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output and float32 log-sum-exp ``[batch, heads, seq_q]`` (what Ring attention merges).
+
+        On CPU the fused flash kernel returns both (about 10x faster than the generic float32 math);
+        elsewhere the base class's math is used.
+        """
+        if query.device.type != "cpu":
+            return super().forward_with_lse(query, key, value)
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, self.causal, scale=self.softmax_scale)
+        return out.transpose(1, 2), lse.float()
+
 
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
