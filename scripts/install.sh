@@ -17,11 +17,14 @@ pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-ch
 echo "install: $TORCH"
 pip_install "$TORCH"
 
-plugins=()
+plugins=()  # every plugin folder, so plugins added later are installed with no edit here
+names=()
 for pyproject in plugins/*/*/pyproject.toml; do
-    [ -e "$pyproject" ] && plugins+=(-e "$(dirname "$pyproject")")
+    [ -e "$pyproject" ] || continue
+    plugins+=(-e "$(dirname "$pyproject")")
+    names+=("$(dirname "$pyproject")")
 done
-echo "install: omni-core and ${#plugins[@]} plugin(s): $(printf '%s ' "${plugins[@]}" | sed 's/-e //g')"
+echo "install: omni-core and ${#names[@]} plugin(s): ${names[*]}"
 pip_install "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
     pytest httpx openai \
     diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg
