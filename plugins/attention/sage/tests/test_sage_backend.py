@@ -13,7 +13,6 @@ import omni_attention_sage.backend as sb
 from omni_attention_sage import reference
 from omni_core.errors import ComponentUnavailableError, ConfigError
 from omni_core.testing import AttentionBackendContract, reference_attention
-from omni_core.testing import attention as contract
 
 
 @pytest.fixture
@@ -33,12 +32,6 @@ def reference_sage(monkeypatch):
 
 class _SageContract(AttentionBackendContract):
     backend_name = "SAGE_ATTN"
-
-    @pytest.fixture(autouse=True)
-    def _square_with_a_sage_head_size(self, monkeypatch):
-        # The contract's dtype/device refusal tests build SHAPES["square"] (head_dim 32) without checking the
-        # head size, so for SAGE_ATTN (64/96/128) they would fail on the head size instead of the dtype/device.
-        monkeypatch.setitem(contract.SHAPES, "square", (2, 16, 16, 4, 4, 64))
 
 
 class TestSageContractOnReference(_SageContract):
