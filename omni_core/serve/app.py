@@ -58,6 +58,15 @@ def _preview_image(tensor: Any, max_side: int) -> Any:
     return image
 
 
+def _pil_outputs(out: Any) -> list:
+    """The output's images as PIL (a list of frames per video). The server asks the engine for tensors
+    (``output_type="pt"``) and converts them itself, so a client gets the model's pixels at the ``size`` it
+    asked for (a plugin's display tweaks for PIL output, such as upscaling, do not apply)."""
+    from omni_core.pipelines.base import tensor_to_pil
+
+    return [im if not hasattr(im, "dim") else tensor_to_pil(im) for im in (out.images or [])]
+
+
 def _size_of(image: Any) -> str:
     if isinstance(image, list):  # video frames
         image = image[0]
@@ -126,6 +135,7 @@ class OmniServer:
         """
         from omni_core.engine.engine import QueueFullError
 
+        params = params.replace(output_type="pt")  # see _pil_outputs
         request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params)
         try:
             stream = self.engine._admit(self.engine.prepare_request(request))
@@ -172,7 +182,7 @@ class OmniServer:
 
     # ------------------------------------------------------------------ images
     def image_payload(self, out: Any) -> dict[str, Any]:
-        images = out.images or []
+        images = _pil_outputs(out)
         return {"created": int(time.time()), "data": [{"b64_json": _png_b64(im), "revised_prompt": None}
                                                       for im in images],
                 "output_format": "png", "size": _size_of(images[0]) if images else None,
@@ -185,7 +195,19 @@ class OmniServer:
         return APIError(500, f"generation failed: {out.error}", code="generation_failed", type="server_error")
 
     async def image_events(self, req: ImageRequest, stream: Any, request_id: str, state: dict):
-        """Server-sent events: a partial image per denoising step, then one completed event per image."""
+        """Server-sent events: a partial image per denoising step, then one completed event per image.
+
+        A failure while streaming ends the stream with an ``error`` event (what the ``openai`` client raises)."""
+        try:
+            async for event in self._image_events(req, stream, state):
+                yield event
+        except Exception as exc:  # noqa: BLE001 - e.g. an image that cannot be encoded
+            logger.exception("streaming request %s failed", request_id)
+            state["server_error"] = True
+            yield _sse("error", APIError(500, f"streaming failed: {type(exc).__name__}: {exc}", type="server_error",
+                                         code="internal_error").body())
+
+    async def _image_events(self, req: ImageRequest, stream: Any, state: dict):
         index, last_size, had_preview = 0, None, False
         common = {"quality": "auto", "background": "opaque", "output_format": "png"}
         size = f"{req.params.width}x{req.params.height}"
@@ -208,7 +230,7 @@ class OmniServer:
                 yield _sse("error", err.body())
                 return
             self.metrics.observe_generation("image", out.metrics)
-            images = out.images or []
+            images = await asyncio.to_thread(_pil_outputs, out)
             steps = out.metrics.get("steps_run", out.step_index)
             if images and (had_preview or steps <= 1) and index < steps:
                 # the last step's preview: its latents are already decoded, so show the decoded image, small
@@ -246,7 +268,7 @@ class OmniServer:
                 return
             self.metrics.observe_generation("video", out.metrics)
             job.seed = out.metrics.get("seed")
-            frames = out.images[0]
+            (frames,) = await asyncio.to_thread(_pil_outputs, out)
             if not isinstance(frames, list):  # an image model's output: one frame
                 frames = [frames]
             path = self.videos.path_for(job.id)
@@ -411,8 +433,9 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                                params=omni_req.sampling_params, model=req.model, stream=True)
 
             def on_close() -> None:
-                if not state["finished"]:
-                    server.metrics.count_disconnect()
+                if not state["finished"]:  # the client left (or the stream failed) before the end
+                    if not state.get("server_error"):
+                        server.metrics.count_disconnect()
                     engine.abort(rid)
 
             return EventStream(server.image_events(req, stream, rid, state), on_close)

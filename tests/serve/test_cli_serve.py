@@ -36,8 +36,8 @@ class CliServer:
         while self.url is None:
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
-                self.stop()
-                raise AssertionError(f"omni serve did not start: {lines}\n{self.proc.stderr.read()}")
+                code, stderr = self.stop()
+                raise AssertionError(f"omni serve did not start (exit {code}): {''.join(lines)}\n{stderr}")
             ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 0.5))
             if ready:
                 line = self.proc.stdout.readline()
@@ -129,6 +129,17 @@ def test_omni_serve_without_previews_stops_on_ctrl_c(tiny_model, cli_server):
     assert code == 0 and "Traceback" not in stderr, stderr
 
 
+def test_serve_command_stays_import_light():
+    """``omni --help`` and ``omni serve --help`` list the command without importing FastAPI, uvicorn or torch."""
+    code = ("import sys, json\nfrom omni_core.cli.main import main\nfor argv in (['--help'], ['serve', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(json.dumps(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'torch', 'httpx') "
+            "if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "omni serve" in out or "serve" in out
+    assert out.strip().splitlines()[-1] == "[]"
+
+
 def test_omni_serve_refuses_bad_options(tiny_model):
     proc = subprocess.run([*_omni_command(), "serve", tiny_model, "--port", "70000"], capture_output=True, text=True,
                           timeout=60)
@@ -138,11 +149,23 @@ def test_omni_serve_refuses_bad_options(tiny_model):
     assert proc.returncode == 1 and "no-such-model" in proc.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("omni_model_shapes") is None
-                    or importlib.util.find_spec("omni_model_shapes.pipeline") is None,
-                    reason="the shapes demo model (omni-model-shapes) is not installed yet")
+def _shapes_shipped() -> bool:
+    """omni-model-shapes is installed with its pipeline and a weights folder (trained or not)."""
+    if importlib.util.find_spec("omni_model_shapes") is None:
+        return False
+    try:
+        from omni_core.pipelines.base import read_model_index
+        from omni_core.pipelines.loader import resolve_model
+
+        return read_model_index(resolve_model("shapes").model_path) is not None
+    except Exception:  # noqa: BLE001 - not registered or no weights yet
+        return False
+
+
 def test_openai_client_generates_an_image_against_omni_serve_shapes(cli_server):
     """The issue's acceptance test: the official client against ``omni serve shapes``, whatever weights ship."""
+    if not _shapes_shipped():
+        pytest.skip("the shapes demo model (omni-model-shapes) has not shipped its pipeline and weights yet")
     srv = cli_server("shapes", "--port", "0", "--api-key", KEY, "--log-level", "warning")
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY)
     result = client.images.generate(model="shapes", prompt="a red circle in the top left", size="32x32",

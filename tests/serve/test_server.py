@@ -53,6 +53,7 @@ def test_health_models_and_metrics_need_no_key_but_v1_does(server):
     with server.client(key=None) as c:
         assert c.get("/health").json()["status"] == "ok"
         assert c.get("/metrics").status_code == 200
+        assert c.get("/openapi.json").json()["info"]["title"] == "Omni"
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/images/generations"), ("POST", "/v1/videos"),
                              ("GET", "/v1/videos/video_x")]:
             r = c.request(method, path, json={"prompt": "x"})
