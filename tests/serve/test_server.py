@@ -276,3 +276,30 @@ def test_api_error_shape():
     err = APIError(429, "busy", code="queue_full", type="rate_limit_error", headers={"Retry-After": "1"})
     assert err.body() == {"error": {"message": "busy", "type": "rate_limit_error", "param": None,
                                     "code": "queue_full"}}
+
+
+def test_build_app_takes_an_async_omni_and_runs_over_asgi_transport(tiny_model, decode_png):
+    """No socket needed for plain request/response: httpx's ASGI transport drives the app in-process."""
+    import asyncio
+
+    import httpx
+
+    from omni_core import AsyncOmni
+    from omni_core.serve import build_app
+
+    async def main():
+        omni = AsyncOmni(tiny_model, streaming_output=True, warmup=False)
+        try:
+            app = build_app(omni, served_model_name="tiny")
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://omni") as c:
+                r = await c.post("/v1/images/generations", json={"prompt": "x", "model": "tiny", "seed": 2})
+                via_api = [o async for o in omni.generate("x", {"seed": 2, "output_type": "pt"})][-1]
+            return r, via_api
+        finally:
+            await omni.close()
+
+    r, via_api = asyncio.run(main())
+    assert r.status_code == 200
+    expected = (via_api.images[0].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+    assert np.array_equal(decode_png(r.json()["data"][0]["b64_json"]), expected)
