@@ -10,5 +10,6 @@ def omni_register_pipelines():
         name="QwenImagePipeline",
         impl="omni_model_qwen_image.pipeline:QwenImagePipeline",
         requires=("torch", "diffusers", "transformers"),
+        supported_parallel=("ulysses", "ring", "cfg"),
         description="Qwen-Image text-to-image (true CFG with norm rescale); request batching and step-wise",
     )]

@@ -30,6 +30,14 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512
 DEFAULT_SAMPLE_SIZE = 128
 MAX_SEQUENCE_LENGTH_LIMIT = 1024
 
+#: sequence-parallel plan of diffusers' ``QwenImageTransformer2DModel`` (checked against its forward): the
+#: packed latents enter as ``hidden_states [B, S, C]`` and are sharded on the token dim; the image half of the
+#: rotary table (``pos_embed`` returns ``(image [S, D/2], text)``) is sharded the same way; the text stream
+#: stays whole on every rank and joins each joint attention in front of the image tokens; the output
+#: ``[B, S, C']`` is gathered on dim 1.
+SP_PLAN = {"shard": {"hidden_states": 1}, "shard_after": {"pos_embed": {0: 0}}, "gather": 1,
+           "joint_text": "encoder_hidden_states"}
+
 
 def _read_json(path: str) -> dict | None:
     if not path or not os.path.isfile(path):
@@ -76,7 +84,7 @@ class QwenImagePipeline(OmniPipeline):
 
     supports_request_batch = True
     supports_step_execution = True
-    supported_parallel: ClassVar[tuple[str, ...]] = ()
+    supported_parallel: ClassVar[tuple[str, ...]] = ("ulysses", "ring", "cfg")
     size_multiple = 16
     default_height = 1024
     default_width = 1024
@@ -122,6 +130,16 @@ class QwenImagePipeline(OmniPipeline):
                               f"required", field="guidance_scale")
         return params
 
+    @classmethod
+    def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
+        """Ulysses splits attention heads: its degree must divide the transformer's head count (read from the
+        folder, so the engine refuses before starting workers)."""
+        from omni_core.distributed import validate_parallel_config
+
+        tcfg = _read_json(os.path.join(model_path, "transformer", "config.json")) if model_path else None
+        validate_parallel_config(parallel_config, num_heads=(tcfg or {}).get("num_attention_heads"),
+                                 supported=(*cls.supported_parallel, "data"), model=cls.__name__)
+
     # ------------------------------------------------------------------ worker process
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
         self.pipe = pipe
@@ -147,6 +165,7 @@ class QwenImagePipeline(OmniPipeline):
         pipe.to(device)
         with use_config(config) if config is not None else contextlib.nullcontext():
             layers = install_omni_attention(pipe.transformer)
+        setup_parallel(cls, pipe.transformer, config)
         return cls(pipe, device, dtype, layers)
 
     # -- step-wise protocol
@@ -193,10 +212,7 @@ class QwenImagePipeline(OmniPipeline):
         with torch.no_grad():
             for (height, width, _), idx in groups.items():
                 group = [states[i] for i in idx]
-                cond = self._run_branch(group, "cond", height, width)
-                cfg_states = [s for s in group if s.extra["do_cfg"]]
-                uncond = self._run_branch(cfg_states, "uncond", height, width) if cfg_states else []
-                uncond_of = dict(zip(map(id, cfg_states), uncond))
+                cond, uncond_of = self._branches(group, height, width)
                 for i, s, noise_pred in zip(idx, group, cond):
                     if s.extra["do_cfg"]:
                         neg = uncond_of[id(s)]
@@ -206,6 +222,26 @@ class QwenImagePipeline(OmniPipeline):
                         noise_pred = comb * (cond_norm / noise_norm)
                     preds[i] = noise_pred
         return [preds[i] for i in range(len(states))]
+
+    def _branches(self, group: list[StepState], height: int, width: int) -> tuple[list, dict]:
+        """(cond prediction per state, {id(state): uncond prediction} for the CFG states).
+
+        With a cfg group of two ranks the CFG states' cond and uncond calls run on cfg ranks 0 and 1 at the
+        same time and are exchanged (``cfg_parallel_predict``); states without CFG run on both ranks."""
+        from omni_core.distributed import cfg_parallel_predict, get_cfg_group
+
+        cfg_states = [s for s in group if s.extra["do_cfg"]]
+        if get_cfg_group().world_size == 1 or not cfg_states:
+            cond = self._run_branch(group, "cond", height, width)
+            uncond = self._run_branch(cfg_states, "uncond", height, width) if cfg_states else []
+            return cond, dict(zip(map(id, cfg_states), uncond))
+        rows = [s.latents.shape[0] for s in cfg_states]
+        pos, neg = cfg_parallel_predict(lambda: torch.cat(self._run_branch(cfg_states, "cond", height, width)),
+                                        lambda: torch.cat(self._run_branch(cfg_states, "uncond", height, width)))
+        cond_of = dict(zip(map(id, cfg_states), pos.split(rows)))
+        plain = [s for s in group if not s.extra["do_cfg"]]
+        cond_of.update(zip(map(id, plain), self._run_branch(plain, "cond", height, width) if plain else []))
+        return [cond_of[id(s)] for s in group], dict(zip(map(id, cfg_states), neg.split(rows)))
 
     def _run_branch(self, states: list[StepState], branch: str, height: int, width: int) -> list[torch.Tensor]:
         """One transformer call over every row of ``states``; returns each state's noise prediction."""
@@ -261,6 +297,23 @@ class QwenImagePipeline(OmniPipeline):
         lat = self.pipe._unpack_latents(state.latents[:1], state.extra["height"], state.extra["width"],
                                         self.pipe.vae_scale_factor)[0, :, 0].float()
         return latents_to_rgb(lat)
+
+
+def setup_parallel(cls: type, transformer: torch.nn.Module, config: Any) -> None:
+    """Check the parallel config against the denoiser (heads, supported strategies) and install the SP plan's
+    hooks when the sp group has more than one rank. Runs in each worker after ``init_parallel_state``."""
+    from omni_core.attention.parallel import apply_sequence_parallel
+    from omni_core.distributed import get_sp_group, validate_parallel_config
+
+    pc = getattr(config, "parallel_config", None)
+    validate_parallel_config(pc, num_heads=transformer.config.num_attention_heads,
+                             supported=(*cls.supported_parallel, "data"), model=cls.__name__)
+    transformer._sp_plan = SP_PLAN
+    if get_sp_group().world_size > 1:
+        if getattr(transformer.config, "zero_cond_t", False):
+            raise ConfigError(f"{cls.__name__}: sequence parallelism does not support zero_cond_t transformers "
+                              f"(per-token modulation index); use cfg or data parallelism", field="parallel_config")
+        apply_sequence_parallel(transformer)
 
 
 def latents_to_rgb(lat: torch.Tensor) -> torch.Tensor:

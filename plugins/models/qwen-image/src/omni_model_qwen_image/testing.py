@@ -23,11 +23,12 @@ def qwen_tokenizer():
     return tok
 
 
-def tiny_qwen_image_components(num_layers: int = 2, sharpen: float = 4.0) -> dict:
+def tiny_qwen_image_components(num_layers: int = 2, sharpen: float = 4.0, num_heads: int = 3) -> dict:
     """Components with diffusers' test configs. ``sharpen`` scales the joint attention's QK-norm weights:
     with the plain random init the image tokens attend almost uniformly over ~130 mostly-template text
     tokens, so the prompt moves pixels by well under one level and parity tests could not see text handling
-    (padding, masks, CFG); x4 makes prompts and CFG change the image by several levels."""
+    (padding, masks, CFG); x4 makes prompts and CFG change the image by several levels. ``num_heads`` (3 as
+    in diffusers' tests) must be divisible by a Ulysses degree: 4 serves degrees 2 and 4."""
     import torch
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -35,7 +36,7 @@ def tiny_qwen_image_components(num_layers: int = 2, sharpen: float = 4.0) -> dic
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers, attention_head_dim=16,
-        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+        num_attention_heads=num_heads, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
     with torch.no_grad():
         for block in transformer.transformer_blocks:
             for norm in (block.attn.norm_q, block.attn.norm_k, block.attn.norm_added_q, block.attn.norm_added_k):
@@ -55,12 +56,13 @@ def tiny_qwen_image_components(num_layers: int = 2, sharpen: float = 4.0) -> dic
             "scheduler": FlowMatchEulerDiscreteScheduler()}
 
 
-def build_tiny_qwen_image(path: str | os.PathLike, num_layers: int = 2, sharpen: float = 4.0) -> str:
+def build_tiny_qwen_image(path: str | os.PathLike, num_layers: int = 2, sharpen: float = 4.0,
+                          num_heads: int = 3) -> str:
     """Save a tiny random Qwen-Image pipeline (safetensors) into ``path``; returns the folder."""
     from diffusers import QwenImagePipeline
 
     path = os.fspath(path)
-    QwenImagePipeline(**tiny_qwen_image_components(num_layers, sharpen)).save_pretrained(path, safe_serialization=True)
+    QwenImagePipeline(**tiny_qwen_image_components(num_layers, sharpen, num_heads)).save_pretrained(path, safe_serialization=True)
     return path
 
 

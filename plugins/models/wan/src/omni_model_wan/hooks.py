@@ -10,5 +10,6 @@ def omni_register_pipelines():
         name="WanPipeline",
         impl="omni_model_wan.pipeline:WanPipeline",
         requires=("torch", "diffusers", "transformers"),
+        supported_parallel=("ulysses", "ring", "cfg"),
         description="Wan 2.1 / 2.2 (two experts) text-to-video; request batching and step-wise",
     )]

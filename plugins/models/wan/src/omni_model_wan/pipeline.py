@@ -27,6 +27,17 @@ from omni_core.pipelines import OmniPipeline, StepState
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
+#: sequence-parallel plan of diffusers' ``WanTransformer3DModel`` (checked against its forward): the token
+#: sequence is built inline (conv patch embedding, flatten, transpose), so the first block's
+#: ``hidden_states [B, S, D]`` is sharded on dim 1, and so are both rotary tables ``rope`` returns
+#: (``[1, S, 1, d]`` each); cross-attention (role "cross") keeps the text whole and runs locally; the tokens
+#: are gathered after ``proj_out``, before the unpatchify reshape.
+SP_PLAN = {"shard_before": {"blocks.0": {"hidden_states": 1}}, "shard_after": {"rope": {0: 1, 1: 1}},
+           "gather_after": "proj_out", "gather": None}
+#: Wan 2.2 TI2V (``expand_timesteps``) passes one timestep per token (``timestep [B, S]``): shard it too, so
+#: the per-token modulation matches the sharded tokens
+SP_PLAN_EXPANDED = {**SP_PLAN, "shard": {"timestep": 1}}
+
 
 def _read_json(path: str) -> dict | None:
     if not path or not os.path.isfile(path):
@@ -80,7 +91,7 @@ class WanPipeline(OmniPipeline):
 
     supports_request_batch = True
     supports_step_execution = True
-    supported_parallel: ClassVar[tuple[str, ...]] = ()
+    supported_parallel: ClassVar[tuple[str, ...]] = ("ulysses", "ring", "cfg")
     is_video = True
     size_multiple = 16
     frame_multiple = 4
@@ -127,6 +138,19 @@ class WanPipeline(OmniPipeline):
                               f"model_index.json); {model_path!r} has none", field="guidance_scale_2")
         return params
 
+    @classmethod
+    def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
+        """Ulysses splits attention heads: its degree must divide every expert's head count (read from the
+        folder, so the engine refuses before starting workers)."""
+        from omni_core.distributed import validate_parallel_config
+
+        for name in ("transformer", "transformer_2"):
+            tcfg = _read_json(os.path.join(model_path, name, "config.json")) if model_path else None
+            if tcfg or name == "transformer":
+                validate_parallel_config(parallel_config, num_heads=(tcfg or {}).get("num_attention_heads"),
+                                         supported=(*cls.supported_parallel, "data"),
+                                         model=f"{cls.__name__} ({name})")
+
     # ------------------------------------------------------------------ worker process
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
         self.pipe = pipe
@@ -163,7 +187,25 @@ class WanPipeline(OmniPipeline):
             for name in ("transformer", "transformer_2"):
                 if getattr(pipe, name, None) is not None:
                     layers += install_omni_attention(getattr(pipe, name), prefix=f"{name}.")
-        return cls(pipe, device, dtype, layers)
+        pipeline = cls(pipe, device, dtype, layers)
+        pipeline.setup_parallel(config)
+        return pipeline
+
+    def setup_parallel(self, config: Any) -> None:
+        """Check the parallel config against the experts (heads, supported strategies) and install the SP
+        plan's hooks on each expert when the sp group has more than one rank (runs after
+        ``init_parallel_state``)."""
+        from omni_core.attention.parallel import apply_sequence_parallel
+        from omni_core.distributed import get_sp_group, validate_parallel_config
+
+        pc = getattr(config, "parallel_config", None)
+        for name, model in self.experts.items():
+            validate_parallel_config(pc, num_heads=model.config.num_attention_heads,
+                                     supported=(*self.supported_parallel, "data"),
+                                     model=f"{type(self).__name__} ({name})")
+            model._sp_plan = SP_PLAN_EXPANDED if self.expand_timesteps else SP_PLAN
+            if get_sp_group().world_size > 1:
+                apply_sequence_parallel(model)
 
     # -- step-wise protocol
     def prepare_encode(self, state: StepState) -> StepState:
@@ -212,10 +254,7 @@ class WanPipeline(OmniPipeline):
         with torch.no_grad():
             for (expert, _), idx in groups.items():
                 group = [states[i] for i in idx]
-                cond = self._run_branch(expert, group, "cond")
-                cfg_states = [s for s in group if s.extra["do_cfg"]]
-                uncond = self._run_branch(expert, cfg_states, "uncond") if cfg_states else []
-                uncond_of = dict(zip(map(id, cfg_states), uncond))
+                cond, uncond_of = self._branches(expert, group)
                 for i, s, noise_pred in zip(idx, group, cond):
                     if s.extra["do_cfg"]:
                         noise_uncond = uncond_of[id(s)]
@@ -223,6 +262,26 @@ class WanPipeline(OmniPipeline):
                         noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
                     preds[i] = noise_pred
         return [preds[i] for i in range(len(states))]
+
+    def _branches(self, expert: str, group: list[StepState]) -> tuple[list, dict]:
+        """(cond prediction per state, {id(state): uncond prediction} for the CFG states).
+
+        With a cfg group of two ranks the CFG states' cond and uncond calls run on cfg ranks 0 and 1 at the
+        same time and are exchanged (``cfg_parallel_predict``); states without CFG run on both ranks."""
+        from omni_core.distributed import cfg_parallel_predict, get_cfg_group
+
+        cfg_states = [s for s in group if s.extra["do_cfg"]]
+        if get_cfg_group().world_size == 1 or not cfg_states:
+            cond = self._run_branch(expert, group, "cond")
+            uncond = self._run_branch(expert, cfg_states, "uncond") if cfg_states else []
+            return cond, dict(zip(map(id, cfg_states), uncond))
+        rows = [s.latents.shape[0] for s in cfg_states]
+        pos, neg = cfg_parallel_predict(lambda: torch.cat(self._run_branch(expert, cfg_states, "cond")),
+                                        lambda: torch.cat(self._run_branch(expert, cfg_states, "uncond")))
+        cond_of = dict(zip(map(id, cfg_states), pos.split(rows)))
+        plain = [s for s in group if not s.extra["do_cfg"]]
+        cond_of.update(zip(map(id, plain), self._run_branch(expert, plain, "cond") if plain else []))
+        return [cond_of[id(s)] for s in group], dict(zip(map(id, cfg_states), neg.split(rows)))
 
     def _run_branch(self, expert: str, states: list[StepState], branch: str) -> list[torch.Tensor]:
         model = self.experts[expert]
