@@ -107,6 +107,12 @@ class OmniPipeline:
         return params
 
     @classmethod
+    def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
+        """Reject a parallel config this model cannot run (e.g. a Ulysses degree that does not divide the
+        denoiser's head count) with a ``ConfigError``, in the engine's process before any worker starts.
+        ``supported_parallel`` is checked separately; the default accepts everything."""
+
+    @classmethod
     def post_process(cls, output: DiffusionOutput, request: OmniDiffusionRequest) -> DiffusionOutput:
         """Turn the raw tensor into what ``output_type`` asks for (PIL by default)."""
         if not output.finished or output.tensor is None:

@@ -66,6 +66,9 @@ def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> Non
             f"pipeline {resolved.spec.name!r} does not support {', '.join(unsupported)} parallelism; it supports: "
             f"{', '.join(sorted(supported)) or 'none'} (data parallel always works)",
             field="parallel_config")
+    check = getattr(resolved.pipeline_cls(), "check_parallel_config", None)
+    if check is not None:  # model-specific limits (head counts), before any worker starts
+        check(parallel_config, resolved.model_path)
 
 
 def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any) -> Any:
