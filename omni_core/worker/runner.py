@@ -31,6 +31,14 @@ def torch_dtype(config: Any, platform: Any) -> Any:
     return getattr(torch, DTYPES[name])
 
 
+def sent_bytes() -> int:
+    """Bytes this process has sent over its parallel groups so far (0 without parallelism); the difference
+    around a wave goes into each output's ``metrics["communication_bytes"]``."""
+    from omni_core.distributed import communication_stats
+
+    return communication_stats()["total"]
+
+
 def error_output(request_id: str, exc: BaseException | str, state: StepState | None = None) -> DiffusionOutput:
     msg = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
     return DiffusionOutput(request_id=request_id, finished=True, status="error", error=msg,
@@ -158,7 +166,7 @@ class ModelRunner:
         with self._abort_lock:
             self._abort_ids &= batch_ids  # stale aborts of requests that already ended
         self._in_flight.update(batch_ids)
-        t0 = time.perf_counter()
+        t0, sent0 = time.perf_counter(), sent_bytes()
         outputs: dict[str, DiffusionOutput] = {}
         try:
             with torch.inference_mode():
@@ -183,9 +191,10 @@ class ModelRunner:
             logger.debug("request failed", exc_info=True)
             for r in reqs:
                 outputs[r.request_id] = error_output(r.request_id, exc)
-        elapsed = time.perf_counter() - t0
+        elapsed, sent = time.perf_counter() - t0, sent_bytes() - sent0
         for r in reqs:
-            outputs[r.request_id].metrics.update({"execution_time_s": elapsed, "batch_size": len(reqs)})
+            outputs[r.request_id].metrics.update({"execution_time_s": elapsed, "batch_size": len(reqs),
+                                                  "communication_bytes": sent})
             self._forget(r.request_id)
         return RunnerOutput(outputs=outputs, held_ids=self.held_ids())
 
@@ -199,7 +208,7 @@ class ModelRunner:
 
         self.release(sched.finished_ids)
         outputs: dict[str, DiffusionOutput] = {}
-        t0 = time.perf_counter()
+        t0, sent0 = time.perf_counter(), sent_bytes()
         with torch.inference_mode():
             for req in sched.new_requests:
                 state = self.new_state(req)
@@ -217,7 +226,7 @@ class ModelRunner:
                 except Exception as exc:  # noqa: BLE001
                     outputs[state.request_id] = error_output(state.request_id, exc, state)
                     self._forget(state.request_id)
-            elapsed = time.perf_counter() - t0
+            elapsed, sent = time.perf_counter() - t0, sent_bytes() - sent0
             for rid in sched.scheduled_ids:
                 state = self.states.get(rid)
                 if state is None or rid in outputs:
@@ -233,6 +242,7 @@ class ModelRunner:
                     out = DiffusionOutput(request_id=rid, finished=False, preview=preview,
                                           step_index=state.step_index, num_steps=state.num_steps)
                 out.metrics["step_time_s"] = elapsed
+                out.metrics["communication_bytes"] = sent
                 out.metrics["batch_size"] = len(active)
                 outputs[rid] = out
         return RunnerOutput(outputs=outputs, held_ids=self.held_ids())
