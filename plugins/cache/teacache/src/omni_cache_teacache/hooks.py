@@ -1,0 +1,23 @@
+"""Entry-point module: registers the ``tea_cache`` backend and the ``omni cache calibrate`` command. Imports
+nothing heavy."""
+
+from omni_core import hookimpl
+from omni_core.plugins.types import CacheBackendSpec
+
+
+@hookimpl
+def omni_register_cache_backends():
+    return [CacheBackendSpec(
+        name="tea_cache",
+        impl="omni_cache_teacache.backend:TeaCacheBackend",
+        requires=("torch", "numpy"),
+        description="TeaCache: skip the transformer blocks while the timestep-modulated input barely moves; "
+                    "per-request decisions (batches, step batching, CFG branches, Wan 2.2 experts)",
+    )]
+
+
+@hookimpl
+def omni_register_commands(subparsers):
+    from omni_cache_teacache.calibrate import add_parser
+
+    add_parser(subparsers)
