@@ -1,0 +1,15 @@
+"""Entry-point module: registers the ``cache_dit`` backend. Imports nothing heavy (not even cache_dit)."""
+
+from omni_core import hookimpl
+from omni_core.plugins.types import CacheBackendSpec
+
+
+@hookimpl
+def omni_register_cache_backends():
+    return [CacheBackendSpec(
+        name="cache_dit",
+        impl="omni_cache_dit.backend:CacheDiTBackend",
+        requires=("cache_dit",),
+        description="cache-dit DBCache (Fn/Bn compute blocks, residual threshold, warmup, TaylorSeer, SCM); "
+                    "a cache context per request, CFG branch and expert",
+    )]

@@ -1,0 +1,42 @@
+"""Session fixtures: tiny Qwen-Image and Wan 2.1 / 2.2 folders, loaded once through Omni's real loader."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from omni_model_qwen_image.testing import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("dit-qwen"), num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def wan22_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from omni_model_wan.testing import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("dit-wan22"), two_experts=True)
+
+
+def load(path: str):
+    import torch
+
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.pipelines import load_pipeline, resolve_model
+
+    return load_pipeline(resolve_model(path), OmniDiffusionConfig(model=path, dtype="float32"), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def qwen(qwen_dir: str):
+    return load(qwen_dir)
+
+
+@pytest.fixture(scope="session")
+def wan22(wan22_dir: str):
+    return load(wan22_dir)
