@@ -1,0 +1,250 @@
+"""``ShapesPipeline``: text -> 32x32 RGB picture of a coloured shape, step-wise and request-batched.
+
+Per request, ``prepare_encode`` draws the initial noise from the request's own generator (so an image does
+not depend on what else is in the batch), builds the request's own ``FlowMatchEulerDiscreteScheduler`` and
+encodes the prompt and the negative prompt. ``denoise_step`` evaluates the transformer once for every
+state it is given -- each at its own timestep, both CFG branches included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, ClassVar
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from omni_core.config import SamplingParams
+from omni_core.errors import ConfigError
+from omni_core.outputs import DiffusionOutput
+from omni_core.pipelines import OmniPipeline, StepState
+from omni_core.pipelines.base import read_model_index
+from omni_core.request import OmniDiffusionRequest
+from omni_model_shapes.models import ShapesTextEncoder, ShapesTransformer2DModel, velocity
+from omni_model_shapes.tokenizer import ShapesTokenizer
+
+logger = logging.getLogger(__name__)
+
+#: ``SamplingParams.extra_args`` this pipeline understands
+EXTRA_ARGS = {"upscale": "integer 1..32: nearest-neighbour upscaling of PIL outputs for display (default 8)"}
+DEFAULT_UPSCALE = 8
+
+
+class ShapesPipeline(OmniPipeline):
+    supports_request_batch = True
+    supports_step_execution = True
+    supported_parallel = ("ulysses", "ring", "cfg")
+    size_multiple = 4
+    default_height = 32
+    default_width = 32
+    default_num_inference_steps = 20
+    default_guidance_scale = 4.0
+
+    text_encoder: ShapesTextEncoder
+    transformer: ShapesTransformer2DModel
+    component_names: ClassVar[tuple[str, ...]] = ("transformer", "text_encoder", "tokenizer", "scheduler")
+
+    def __init__(self, transformer: ShapesTransformer2DModel, text_encoder: ShapesTextEncoder,
+                 tokenizer: ShapesTokenizer, scheduler: FlowMatchEulerDiscreteScheduler,
+                 device: Any = "cpu", dtype: Any = torch.float32) -> None:
+        for model in (transformer, text_encoder):
+            model.to(device)
+            if model.dtype != dtype:
+                model.to(dtype)
+            model.eval()
+        self.transformer = transformer
+        self.transformer.batch_invariant = True
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    # ------------------------------------------------------------------ engine process
+    @classmethod
+    def check_sampling_params(cls, params: SamplingParams, model_path: str | None = None) -> SamplingParams:
+        params = super().check_sampling_params(params, model_path)
+        unknown = sorted(set(params.extra_args) - set(EXTRA_ARGS))
+        if unknown:
+            raise ConfigError(f"extra_args {unknown} are not understood by {cls.__name__}; allowed: "
+                              + "; ".join(f"{k} ({v})" for k, v in EXTRA_ARGS.items()), field="extra_args")
+        up = params.extra_args.get("upscale", DEFAULT_UPSCALE)
+        if isinstance(up, bool) or not isinstance(up, int) or not 1 <= up <= 32:
+            raise ConfigError(f"extra_args.upscale={up!r} is not allowed: an integer from 1 to 32",
+                              field="extra_args.upscale")
+        return params
+
+    @classmethod
+    def post_process(cls, output: DiffusionOutput, request: OmniDiffusionRequest) -> DiffusionOutput:
+        """As the base class; PIL images are also upscaled (nearest) so a 32x32 picture is viewable."""
+        output = super().post_process(output, request)
+        up = request.sampling_params.extra_args.get("upscale", DEFAULT_UPSCALE)
+        if output.finished and output.images and request.sampling_params.output_type == "pil" and up > 1:
+            from PIL import Image
+
+            output.images = [im.resize((im.width * up, im.height * up), Image.NEAREST) for im in output.images]
+        return output
+
+    # ------------------------------------------------------------------ worker process
+    @classmethod
+    def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> ShapesPipeline:
+        index = read_model_index(model_path)
+        if index is None or index.get("_class_name") != "ShapesPipeline":
+            raise ConfigError(f"{model_path!r} is not a ShapesPipeline folder (model_index.json with "
+                              f"_class_name 'ShapesPipeline' expected)", field="model")
+        missing = [c for c in cls.component_names if not os.path.isdir(os.path.join(model_path, c))]
+        if missing:
+            raise ConfigError(f"model folder {model_path!r} lacks the component folder(s) {missing}", field="model")
+        dtype = dtype or torch.float32
+        pipeline = cls(
+            transformer=ShapesTransformer2DModel.from_pretrained(os.path.join(model_path, "transformer"),
+                                                                 torch_dtype=dtype),
+            text_encoder=ShapesTextEncoder.from_pretrained(os.path.join(model_path, "text_encoder"),
+                                                           torch_dtype=dtype),
+            tokenizer=ShapesTokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(model_path, "scheduler")),
+            device=device, dtype=dtype)
+        pipeline.setup_parallel(config)
+        return pipeline
+
+    def setup_parallel(self, config: Any) -> None:
+        """Check the parallel config against the heads and the supported strategies; install the transformer's
+        sequence-parallel plan when the sp group has more than one rank."""
+        from omni_core.attention.parallel import apply_sequence_parallel
+        from omni_core.distributed import get_sp_group, validate_parallel_config
+
+        validate_parallel_config(getattr(config, "parallel_config", None),
+                                 num_heads=self.transformer.config.num_heads,
+                                 supported=(*self.supported_parallel, "data"), model=type(self).__name__)
+        if get_sp_group().world_size > 1:
+            apply_sequence_parallel(self.transformer)
+
+    @torch.no_grad()
+    def encode_prompt(self, prompt: str, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([1, L, D] states, [1, L] bool mask)``; unknown words become ``<unk>`` (and are logged)."""
+        unknown = self.tokenizer.unknown_words(prompt)
+        if unknown:
+            logger.warning("shapes: words outside the model's vocabulary are ignored: %s", ", ".join(unknown))
+        ids, mask = self.tokenizer([prompt])
+        if max_length is not None and max_length < ids.shape[1]:
+            ids[:, max_length:] = self.tokenizer.pad_id
+            mask[:, max_length:] = False
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return self.text_encoder(ids, mask), mask
+
+    def prepare_encode(self, state: StepState) -> StepState:
+        sp = state.sampling_params
+        height = sp.height or self.default_height
+        width = sp.width or self.default_width
+        steps = sp.num_inference_steps or self.default_num_inference_steps
+        scale = self.default_guidance_scale if sp.guidance_scale is None else sp.guidance_scale
+        if height % self.size_multiple or width % self.size_multiple:
+            raise ConfigError(f"height and width must be multiples of {self.size_multiple}, got {height}x{width}",
+                              field="height" if height % self.size_multiple else "width")
+        if state.generator is None:
+            state.generator = torch.Generator("cpu")
+            if sp.seed is not None:
+                state.generator.manual_seed(sp.seed)
+            else:
+                state.generator.seed()
+        gen_device = state.generator.device
+        noise = torch.randn((sp.num_outputs_per_prompt, 3, height, width), generator=state.generator,
+                            device=gen_device, dtype=torch.float32)
+        state.latents = noise.to(self.device, self.dtype)
+        state.scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
+        state.scheduler.set_timesteps(steps, device=self.device)
+        state.timesteps = state.scheduler.timesteps
+        state.num_steps = len(state.timesteps)
+        state.step_index = 0
+        state.prompt_embeds, state.prompt_mask = self.encode_prompt(state.request.prompt, sp.max_sequence_length)
+        state.extra["guidance_scale"] = float(scale)
+        if scale > 1.0:
+            state.negative_prompt_embeds, state.negative_prompt_mask = self.encode_prompt(
+                state.request.negative_prompt or "", sp.max_sequence_length)
+        return state
+
+    @torch.no_grad()
+    def denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
+        """One transformer call per image size (normally one) for all states and both CFG branches."""
+        preds: list[torch.Tensor | None] = [None] * len(states)
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(states):
+            groups.setdefault(tuple(s.latents.shape[1:]), []).append(i)
+        for idx in groups.values():
+            for i, pred in zip(idx, self._denoise_group([states[i] for i in idx])):
+                preds[i] = pred
+        return preds
+
+    def _denoise_group(self, states: list[StepState]) -> list[torch.Tensor]:
+        """Guided velocity per state. Normally one transformer call holds every state's cond rows and the
+        uncond rows of the states with guidance; with a cfg group of two ranks, the guided states' cond and
+        uncond calls run on the two ranks at once (``cfg_parallel_predict``)."""
+        from omni_core.distributed import cfg_parallel_predict, get_cfg_group
+
+        guided = [s for s in states if self._cfg(s)]
+        if get_cfg_group().world_size == 1 or not guided:
+            out = self._run([(s, "cond") for s in states] + [(s, "uncond") for s in guided])
+            cond, uncond = out[: len(states)], dict(zip(map(id, guided), out[len(states):]))
+        else:
+            rows = [s.latents.shape[0] for s in guided]
+            pos, neg = cfg_parallel_predict(lambda: torch.cat(self._run([(s, "cond") for s in guided])),
+                                            lambda: torch.cat(self._run([(s, "uncond") for s in guided])))
+            by_id = dict(zip(map(id, guided), pos.split(rows)))
+            plain = [s for s in states if not self._cfg(s)]
+            by_id.update(zip(map(id, plain), self._run([(s, "cond") for s in plain]) if plain else []))
+            cond, uncond = [by_id[id(s)] for s in states], dict(zip(map(id, guided), neg.split(rows)))
+        preds = []
+        for s, vc in zip(states, cond):
+            if id(s) in uncond:
+                vu = uncond[id(s)]
+                vc = vu + s.extra["guidance_scale"] * (vc - vu)
+            preds.append(vc)
+        return preds
+
+    def _run(self, segments: list[tuple[StepState, str]]) -> list[torch.Tensor]:
+        """One transformer call over (state, branch) segments -> the velocity of each segment. The forward
+        context tells cache backends which rows belong to which request and branch."""
+        from omni_core.forward_context import forward_context, use_forward_context
+
+        xs, ts, sigmas, embs, masks, rows = [], [], [], [], [], []
+        for s, branch in segments:
+            n = s.latents.shape[0]
+            xs.append(s.latents)
+            ts.append(s.timesteps[s.step_index].reshape(1).expand(n))
+            sigmas.append(s.scheduler.sigmas[s.step_index].reshape(1).expand(n))
+            emb, mask = ((s.prompt_embeds, s.prompt_mask) if branch == "cond"
+                         else (s.negative_prompt_embeds, s.negative_prompt_mask))
+            embs.append(emb.expand(n, -1, -1))
+            masks.append(mask.expand(n, -1))
+            rows.append(n)
+        x, t, sigma = torch.cat(xs), torch.cat(ts).to(self.dtype), torch.cat(sigmas).to(self.device)
+        extras = {**forward_context().extras, "states": [s for s, _ in segments], "rows": rows,
+                  "branch": [b for _, b in segments]}
+        with use_forward_context(extras=extras):
+            out = self.transformer(x, t, torch.cat(embs), torch.cat(masks))
+        return list(velocity(out.float(), x.float(), sigma.float(), self.transformer.config.prediction_type)
+                    .split(rows))
+
+    @staticmethod
+    def _cfg(state: StepState) -> bool:
+        return state.extra["guidance_scale"] > 1.0
+
+    def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
+        sigma = state.scheduler.sigmas[state.step_index]
+        state.extra["x0"] = state.latents.float() - sigma * noise_pred  # the current clean estimate (previews)
+        state.latents = state.scheduler.step(noise_pred, state.timesteps[state.step_index], state.latents.float(),
+                                             return_dict=False)[0].to(self.dtype)
+        state.step_index += 1
+
+    def post_decode(self, state: StepState) -> DiffusionOutput:
+        images = ((state.latents.float() + 1) / 2).clamp(0, 1).cpu()
+        return DiffusionOutput(request_id=state.request_id, tensor=images, finished=True,
+                               step_index=state.step_index, num_steps=state.num_steps)
+
+    def preview(self, state: StepState) -> torch.Tensor | None:
+        """The first image's current clean estimate (exact at the last step; no extra model call)."""
+        x0 = state.extra.get("x0")
+        if x0 is None:
+            return None
+        return ((x0[0] + 1) / 2).clamp(0, 1).cpu()
