@@ -16,6 +16,7 @@ so the output is bit-identical to running without a cache.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 from typing import Any
@@ -38,8 +39,40 @@ class ModelSpec:
     blocks_attr: str
     #: forward arguments whose first dimension is the batch (sliced per request)
     batch_args: tuple[str, ...]
-    #: cache-dit ForwardPattern name for a custom BlockAdapter; None = cache-dit's own registered adapter
+    #: for a model cache-dit does not know: the ForwardPattern of its blocks and a forward that runs the model
+    #: with its block loop replaced by a module (``forward(model, block_stack, *args, **kwargs)``); None = cache
+    #: the model itself through cache-dit's own registered adapter
     pattern: str | None = None
+    stacked_forward: Any = None
+
+
+class BlockStack:
+    """Factory of the module that runs a model's block loop (``hidden = block(hidden, *args)`` for each
+    block), which cache-dit caches in place of the model (the model itself keeps its blocks untouched)."""
+
+    def __new__(cls, blocks: Any) -> Any:
+        from torch import nn
+
+        class _BlockStack(nn.Module):
+            def __init__(self, blocks: nn.ModuleList) -> None:
+                super().__init__()
+                self.blocks = blocks
+
+            def forward(self, hidden: Any, *args: Any) -> Any:
+                for block in self.blocks:
+                    hidden = block(hidden, *args)
+                return hidden
+
+        return _BlockStack(blocks)
+
+
+def _shapes_forward(model: Any, stack: Any, hidden_states: Any, timestep: Any, encoder_hidden_states: Any,
+                    encoder_mask: Any = None) -> Any:
+    """``ShapesTransformer2DModel.forward`` as its docstring states it (embed -> blocks -> unembed)."""
+    h, w = hidden_states.shape[-2:]
+    tokens, temb, context = model.embed(hidden_states, timestep, encoder_hidden_states, encoder_mask)
+    tokens = stack(tokens, temb, context, encoder_mask)
+    return model.unembed(tokens, temb, h, w)
 
 
 MODELS = {
@@ -50,7 +83,8 @@ MODELS = {
         "blocks", ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")),
     # Omni's demo DiT: blocks take (hidden, temb, context, context_mask) and return hidden
     "ShapesTransformer2DModel": ModelSpec(
-        "blocks", ("hidden_states", "timestep", "encoder_hidden_states", "encoder_mask"), pattern="Pattern_3"),
+        "blocks", ("hidden_states", "timestep", "encoder_hidden_states", "encoder_mask"), pattern="Pattern_3",
+        stacked_forward=_shapes_forward),
 }
 #: forward-context extras that hold one row per batch row
 CONTEXT_BATCH_KEYS = ("text_mask",)
@@ -64,8 +98,13 @@ class _Denoiser:
     manager: Any
     context_name: str
     init_kwargs: dict
+    #: runs the model with cache-dit (with whichever context is in place)
     cached_forward: Any
+    #: the model's own forward (threshold 0: no cache-dit at all)
+    plain_forward: Any
     signature: Any
+    #: what cache-dit was enabled on (the model, or its BlockStack)
+    target: Any
 
 
 @attrs.define(eq=False)
@@ -139,23 +178,30 @@ class CacheDiTBackend(CacheBackend):
                 enable_separate_cfg=False, steps_computation_policy=opts.scm_steps_policy)
             calibrator = (TaylorSeerCalibratorConfig(taylorseer_order=opts.taylorseer_order)
                           if opts.enable_taylorseer else None)
-            target: Any = module
-            if spec.pattern is not None:
-                target = BlockAdapter(transformer=module, blocks=getattr(module, spec.blocks_attr),
-                                      forward_pattern=getattr(ForwardPattern, spec.pattern),
-                                      check_forward_pattern=False)
             original = module.forward
-            cache_dit.enable_cache(target, cache_config=cache_config, calibrator_config=calibrator)
-            manager = module._context_manager
-            (context_name,) = module._context_names
-            init_kwargs = copy.deepcopy(manager.get_context(context_name)._init_kwargs)
-            den = _Denoiser(name=name, module=module, spec=spec, manager=manager, context_name=context_name,
-                            init_kwargs=init_kwargs, cached_forward=module.forward,
-                            signature=inspect.signature(original))
+            if spec.pattern is None:
+                target = module
+                cache_dit.enable_cache(module, cache_config=cache_config, calibrator_config=calibrator)
+                cached_forward, plain_forward = module.forward, module._original_forward
+            else:
+                target = BlockStack(getattr(module, spec.blocks_attr))
+                cache_dit.enable_cache(BlockAdapter(transformer=target, blocks=target.blocks,
+                                                    forward_pattern=getattr(ForwardPattern, spec.pattern),
+                                                    check_forward_pattern=False),
+                                       cache_config=cache_config, calibrator_config=calibrator)
+                cached_forward = functools.partial(spec.stacked_forward, module, target)
+                plain_forward = original
+            manager = target._context_manager
+            (context_name,) = target._context_names
             if not isinstance(getattr(manager, "_cached_context_manager", None), dict):
+                cache_dit.disable_cache(target)
                 raise ConfigError("cache_dit: this cache-dit version keeps its contexts differently; per-request "
                                   "contexts need cache-dit 1.5 (CachedContextManager._cached_context_manager)",
                                   field="cache_backend")
+            den = _Denoiser(name=name, module=module, spec=spec, manager=manager, context_name=context_name,
+                            init_kwargs=copy.deepcopy(manager.get_context(context_name)._init_kwargs),
+                            cached_forward=cached_forward, plain_forward=plain_forward,
+                            signature=inspect.signature(original), target=target)
             module.forward = self._forward(den)
             self.denoisers[name] = den
         self.enabled = True
@@ -165,8 +211,9 @@ class CacheDiTBackend(CacheBackend):
 
         for den in self.denoisers.values():
             den.module.__dict__.pop("forward", None)
-            den.module.forward = den.cached_forward
-            cache_dit.disable_cache(den.module)
+            if den.target is den.module:
+                den.module.forward = den.cached_forward  # cache-dit restores the model from its own wrapper
+            cache_dit.disable_cache(den.target)
             den.module.__dict__.pop("forward", None)
         self.denoisers.clear()
         self.enabled = False
@@ -238,7 +285,7 @@ class CacheDiTBackend(CacheBackend):
             if self.options.never_reuses:
                 for dit in dits:
                     dit.calls += 1
-                return den.module._original_forward(*args, **kwargs)
+                return den.plain_forward(*args, **kwargs)
             if len(dits) == 1:
                 return self._run(den, dits[0], args, kwargs)
             self.split_calls += 1
