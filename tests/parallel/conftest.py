@@ -52,10 +52,20 @@ def run_engine(model: str, requests: list[dict], parallel_config: dict | None = 
             "metrics": [dict(o.metrics) for o in finals], "executor": executor, "worker_pids": pids}
 
 
-def compare(label: str, result: dict, reference: dict, requests: list[dict], *, communicates: bool) -> list[str]:
+def uses_cfg(spec: dict) -> bool:
+    """Whether a request runs a negative branch (Qwen-Image: true_cfg_scale > 1 with a negative prompt;
+    Wan and shapes: guidance_scale > 1)."""
+    if "true_cfg_scale" in spec:
+        return spec["true_cfg_scale"] > 1 and spec.get("negative_prompt") is not None
+    return spec.get("guidance_scale", 1.0) > 1
+
+
+def compare(label: str, result: dict, reference: dict, requests: list[dict], *, communicates: Any) -> list[str]:
     """Problems of a parallel run against the single-process reference (empty when it matches): image
-    shapes and values within ``TOL``, and whether the run really communicated (a plan that silently did
-    nothing would still match one process)."""
+    shapes and values within ``TOL``, and whether each request's waves really communicated (a plan that
+    silently did nothing would still match one process). ``communicates``: a bool, or one per request."""
+    if isinstance(communicates, bool):
+        communicates = [communicates] * len(requests)
     problems = []
     for i, (got, ref, spec) in enumerate(zip(result["images"], reference["images"], requests)):
         if got.shape != ref.shape:
@@ -66,10 +76,9 @@ def compare(label: str, result: dict, reference: dict, requests: list[dict], *, 
         if not diff <= TOL:
             problems.append(f"{label} request {i} {spec}: max |diff| {diff:.3g} > {TOL}")
     sent = [m.get("communication_bytes") for m in result["metrics"]]
-    if communicates and not all(s and s > 0 for s in sent):
-        problems.append(f"{label}: expected communication in every wave, got communication_bytes={sent}")
-    if not communicates and any(sent):
-        problems.append(f"{label}: expected no communication, got communication_bytes={sent}")
+    if [bool(s) for s in sent] != list(communicates):
+        problems.append(f"{label}: expected communication per request {list(communicates)}, got "
+                        f"communication_bytes={sent}")
     return problems
 
 
@@ -83,6 +92,12 @@ def engine_run():
 def engine_compare():
     """:func:`compare`."""
     return compare
+
+
+@pytest.fixture(scope="session")
+def request_uses_cfg():
+    """:func:`uses_cfg`."""
+    return uses_cfg
 
 
 @pytest.fixture(scope="session")
