@@ -59,7 +59,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.http_requests: collections.Counter = collections.Counter()  # (method, path, status) -> n
         self.http_latency: dict[str, Histogram] = {}
-        self.e2e_latency: dict[str, Histogram] = {}  # by endpoint kind: image, video
+        self.e2e_latency: dict[str, Histogram] = {"image": Histogram(), "video": Histogram()}
         self.queue_time = Histogram()
         self.client_disconnects = 0
         self.refused: collections.Counter = collections.Counter()  # reason -> n
