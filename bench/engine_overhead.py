@@ -2,7 +2,9 @@
 
     python bench/engine_overhead.py [--model shapes] [--n 20]
 
-Prints per-request latency of each path and its ratio over the direct call, measured in one run.
+All three paths are loaded first, then measured interleaved (one request on each path per round), so
+load drift on a shared machine hits them alike. Prints the median latency per request of each path and
+its ratio over the direct call.
 """
 
 from __future__ import annotations
@@ -13,55 +15,59 @@ import time
 import _common
 
 
-def direct_latencies(model: str, params, n: int) -> list[float]:
-    import torch
+class Direct:
+    """``pipeline.forward`` on one request, plus post-processing: what the engine wraps."""
 
-    from omni_core.config import OmniDiffusionConfig
-    from omni_core.pipelines import StepState, load_pipeline, resolve_model
-    from omni_core.request import OmniDiffusionRequest
+    def __init__(self, model: str) -> None:
+        import torch
 
-    config = OmniDiffusionConfig(model=model)
-    resolved = resolve_model(model)
-    cls = resolved.pipeline_cls()
-    params = cls.check_sampling_params(params, resolved.model_path)
-    pipe = load_pipeline(resolved, config, torch.device("cpu"), torch.float32)
-    out = []
-    for i in range(n + 1):
-        req = OmniDiffusionRequest(prompt=f"prompt {i}", sampling_params=params.replace(seed=i))
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            (res,) = pipe.forward([StepState(request=req, generator=torch.Generator().manual_seed(i))])
-        cls.post_process(res, req)
-        if i:  # the first call warms up
-            out.append(time.perf_counter() - t0)
-    return out
+        from omni_core.config import OmniDiffusionConfig
+        from omni_core.pipelines import load_pipeline, resolve_model
 
+        self.torch = torch
+        self.resolved = resolve_model(model)
+        self.cls = self.resolved.pipeline_cls()
+        self.pipe = load_pipeline(self.resolved, OmniDiffusionConfig(model=model), torch.device("cpu"), torch.float32)
 
-def engine_latencies(model: str, params, n: int, **config) -> list[float]:
-    from omni_core import Omni
+    def __call__(self, prompt: str, params) -> None:
+        from omni_core.pipelines import StepState
+        from omni_core.request import OmniDiffusionRequest
 
-    out = []
-    with Omni(model, **config) as omni:
-        for i in range(n):
-            t0 = time.perf_counter()
-            omni.generate(f"prompt {i}", params.replace(seed=i), use_tqdm=False)
-            out.append(time.perf_counter() - t0)
-    return out
+        params = self.cls.check_sampling_params(params, self.resolved.model_path)
+        req = OmniDiffusionRequest(prompt=prompt, sampling_params=params)
+        with self.torch.inference_mode():
+            (res,) = self.pipe.forward([StepState(request=req, generator=self.torch.Generator().manual_seed(params.seed))])
+        self.cls.post_process(res, req)
 
 
 def main() -> None:
+    from omni_core import Omni
+
     p = _common.parser(__doc__)
     p.add_argument("--n", type=int, default=20)
     args = p.parse_args()
     model = _common.resolve(args)
     params = _common.sampling(args)
-    rows = [("direct pipeline.forward", direct_latencies(model, params, args.n))]
-    rows.append(("engine, uni executor", engine_latencies(model, params, args.n)))
-    rows.append(("engine, mp executor (1 worker)", engine_latencies(model, params, args.n, executor="mp")))
-    base = statistics.median(rows[0][1])
-    print(f"model={args.model or 'tiny test pipeline'} requests={args.n} (medians)")
+    uni = Omni(model, warmup=True)
+    mp = Omni(model, executor="mp", warmup=True)
+    paths = {"direct pipeline.forward": Direct(model),
+             "engine, uni executor": lambda prompt, sp: uni.generate(prompt, sp, use_tqdm=False),
+             "engine, mp executor (1 worker)": lambda prompt, sp: mp.generate(prompt, sp, use_tqdm=False)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    try:
+        for i in range(args.n + 1):
+            for name, run in paths.items():
+                t0 = time.perf_counter()
+                run(f"prompt {i}", params.replace(seed=i))
+                if i:  # round 0 warms every path up
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        uni.close()
+        mp.close()
+    base = statistics.median(times["direct pipeline.forward"])
+    print(f"model={args.model or 'tiny test pipeline'} requests={args.n} per path (medians, interleaved)")
     print(f"{'path':34} {'ms/request':>11} {'vs direct':>10}")
-    for name, lat in rows:
+    for name, lat in times.items():
         med = statistics.median(lat)
         print(f"{name:34} {med * 1e3:11.2f} {med / base:9.2f}x")
 
