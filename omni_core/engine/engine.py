@@ -114,9 +114,13 @@ class DiffusionEngine:
         self._admit(self.prepare_request(request))
         return request.request_id
 
-    def submit(self, request: OmniDiffusionRequest) -> OutputStream:
-        """Validate and queue ``request``; returns a stream for blocking reads (``stream.get()``)."""
-        return self._admit(self.prepare_request(request), bind_loop=False)
+    def submit(self, request: OmniDiffusionRequest, *, bind_loop: bool = False) -> OutputStream:
+        """Validate and queue ``request``; returns its stream at once, so no output can be missed.
+
+        The stream is read with ``stream.get()`` (blocking), or with ``await stream.aget()`` when
+        ``bind_loop`` is true and this is called from inside the consumer's asyncio loop.
+        """
+        return self._admit(self.prepare_request(request), bind_loop=bind_loop)
 
     def _admit(self, request: OmniDiffusionRequest, bind_loop: bool = True) -> OutputStream:
         rid = request.request_id
@@ -140,11 +144,24 @@ class DiffusionEngine:
             self._wake.notify()
         return stream
 
-    async def get_output_stream(self, request_id: str) -> AsyncIterator[DiffusionOutput]:
-        """Yield the request's outputs until its final one; a consumer that stops early aborts it."""
+    def add_request_and_stream(self, request: OmniDiffusionRequest) -> AsyncIterator[DiffusionOutput]:
+        """Validate and queue ``request`` and return its output iterator in one step (race-free)."""
+        stream = self.submit(request, bind_loop=True)
+        return self._iterate(request.request_id, stream)
+
+    def get_output_stream(self, request_id: str) -> AsyncIterator[DiffusionOutput]:
+        """The outputs of a request added with ``add_request``, until its final one.
+
+        The stream is taken when this is called (not on first iteration); call it right after
+        ``add_request``, or use ``add_request_and_stream``, which cannot miss a fast request's output.
+        """
         stream = self._streams.get(request_id)
         if stream is None:
             raise KeyError(f"unknown or finished request {request_id!r}")
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: OutputStream) -> AsyncIterator[DiffusionOutput]:
+        """Yield until the final output; a consumer that stops early aborts the request."""
         finished = False
         try:
             while True:
@@ -159,8 +176,7 @@ class DiffusionEngine:
 
     async def step_streaming(self, request: OmniDiffusionRequest) -> AsyncIterator[DiffusionOutput]:
         """Add ``request`` and yield its outputs (intermediate ones when streaming, the final one last)."""
-        self.add_request(request)
-        async for out in self.get_output_stream(request.request_id):
+        async for out in self.add_request_and_stream(request):
             yield out
 
     def add_progress_listener(self, request_id: str, fn: Callable[[str, int, int], None]) -> None:

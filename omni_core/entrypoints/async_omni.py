@@ -32,8 +32,8 @@ class AsyncOmni:
         """
         params = build_sampling_params(sampling_params, sampling_kwargs)
         (request,) = build_requests(prompt, params, request_id)
-        rid = self.engine.add_request(request)
-        async for out in self.engine.get_output_stream(rid):
+        rid = request.request_id
+        async for out in self.engine.add_request_and_stream(request):
             if out.finished and out.status == "error":
                 raise RequestFailedError(f"request {rid} failed: {out.error}", [out])
             yield out

@@ -31,7 +31,7 @@ class Omni:
         streams = []
         try:
             for req in requests:
-                streams.append(self.engine._admit(req, bind_loop=False))
+                streams.append(self.engine.submit(req))
                 if bar is not None:
                     self.engine.add_progress_listener(req.request_id, bar.step)
             outputs = []

@@ -130,15 +130,15 @@ class OmniServer:
     def submit(self, prompt: str, negative_prompt: str | None, params: Any):
         """Validate and queue one request; returns ``(request, stream)`` or raises the matching APIError.
 
-        The stream is taken at admission (``_admit``) rather than looked up later, so a request that ends
-        before its reader starts still delivers its final output.
+        The stream is taken at admission (``engine.submit``) rather than looked up later, so a request that
+        ends before its reader starts still delivers its final output.
         """
         from omni_core.engine.engine import QueueFullError
 
         params = params.replace(output_type="pt")  # see _pil_outputs
         request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params)
         try:
-            stream = self.engine._admit(self.engine.prepare_request(request))
+            stream = self.engine.submit(request, bind_loop=True)
         except ConfigError as exc:
             raise config_error(exc) from None
         except QueueFullError as exc:
