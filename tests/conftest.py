@@ -92,3 +92,42 @@ def omni_env():
 def run_omni():
     """``run_omni(*args, env=...)``: run the installed ``omni`` console script in a subprocess."""
     return _run_omni
+
+
+@pytest.fixture(scope="session")
+def test_pipeline_site(tmp_path_factory: pytest.TempPathFactory):
+    """``omni-test-pipeline`` installed by pip into a temp folder on ``sys.path`` and ``PYTHONPATH``, so the
+    engine, spawned workers (which inherit ``sys.path``) and ``omni`` subprocesses all find it through its entry
+    point, like any installed plugin."""
+    root = tmp_path_factory.mktemp("test-pipeline-site")
+    shutil.copytree(FIXTURES / "dists" / "omni-test-pipeline", root / "src",
+                    ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    site = root / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(site), str(root / "src")], check=True)
+    sys.path.insert(0, str(site))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), old) if p)
+    import importlib
+
+    importlib.invalidate_caches()
+    from omni_core.plugins import reset_plugin_manager
+
+    reset_plugin_manager()
+    yield site
+    sys.path.remove(str(site))
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+    reset_plugin_manager()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(test_pipeline_site, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A saved model folder of the test-only ``TinyTestPipeline`` (random weights, seed 0)."""
+    from omni_test_pipeline.pipeline import TinyTestPipeline
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    TinyTestPipeline.save(str(path))
+    return str(path)

@@ -1,57 +1,15 @@
-"""Fixtures of the server tests: the test-only pipeline plugin installed for real, a tiny model folder, and
+"""Fixtures of the server tests (the test-only pipeline plugin and ``tiny_model`` come from tests/conftest.py):
 live servers (uvicorn on 127.0.0.1, a free port, a background thread) over real engines."""
 
 from __future__ import annotations
 
 import base64
 import io
-import os
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-FIXTURE = Path(__file__).parent.parent / "fixtures" / "dists" / "omni-test-pipeline"
 API_KEY = "test-key"
-
-
-@pytest.fixture(scope="session")
-def serve_plugin_site(tmp_path_factory):
-    """``omni-test-pipeline`` installed by pip into a temp folder on ``sys.path`` and ``PYTHONPATH`` (so an
-    ``omni serve`` subprocess finds it through its entry point, like any installed plugin)."""
-    root = tmp_path_factory.mktemp("serve-site")
-    shutil.copytree(FIXTURE, root / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    site = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--target", str(site), str(root / "src")], check=True)
-    sys.path.insert(0, str(site))
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), old) if p)
-    import importlib
-
-    importlib.invalidate_caches()
-    from omni_core.plugins import reset_plugin_manager
-
-    reset_plugin_manager()
-    yield site
-    sys.path.remove(str(site))
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
-    reset_plugin_manager()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(serve_plugin_site, tmp_path_factory) -> str:
-    from omni_test_pipeline.pipeline import TinyTestPipeline
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    TinyTestPipeline.save(str(path))
-    return str(path)
 
 
 class Live:
