@@ -121,7 +121,7 @@ def _model_folder(name: str, size: int | None) -> tuple[str, dict]:
     return name, params
 
 
-def run_model(model: str, parallel_config: dict, params: dict, n_requests: int) -> dict:
+def run_model(model: str, parallel_config: dict, params: dict, n_requests: int, threads: int = 0) -> dict:
     """One engine: a warm-up request, then ``n_requests`` at once. Per-wave metrics of denoise-only waves."""
     import torch
 
@@ -146,6 +146,8 @@ def run_model(model: str, parallel_config: dict, params: dict, n_requests: int) 
             if seen > 1:  # the first wave also encodes the prompt
                 waves.append(out.metrics)
 
+    if threads:  # the single-process engine computes in this process (workers use cores / processes)
+        torch.set_num_threads(threads)
     with Omni(model, parallel_config=parallel_config, dtype="float32", warmup=False, step_execution=True,
               streaming_output=True, max_num_seqs=max(1, n_requests)) as omni:
         drain(submit(omni.engine, 1000), [])
@@ -182,7 +184,7 @@ def main_model(opts) -> None:
         cfg = MODEL_CONFIGS[name]
         world = ParallelConfig.from_kwargs(**cfg).world_size
         try:
-            res = run_model(model, cfg, params, opts.requests)
+            res = run_model(model, cfg, params, opts.requests, opts.threads if world == 1 else 0)
         except ConfigError as exc:
             skipped.append((name, str(exc)))
             continue
