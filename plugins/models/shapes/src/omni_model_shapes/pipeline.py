@@ -86,6 +86,22 @@ class ShapesPipeline(OmniPipeline):
             output.images = [im.resize((im.width * up, im.height * up), Image.NEAREST) for im in output.images]
         return output
 
+    @classmethod
+    def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
+        """Refuse, before any worker starts, a Ulysses degree that does not divide the transformer's head count
+        (read from the folder) or a strategy this pipeline does not support."""
+        import json
+
+        from omni_core.distributed import validate_parallel_config
+
+        heads = None
+        path = os.path.join(model_path, "transformer", "config.json") if model_path else ""
+        if os.path.isfile(path):
+            with open(path) as f:
+                heads = json.load(f).get("num_heads")
+        validate_parallel_config(parallel_config, num_heads=heads, supported=(*cls.supported_parallel, "data"),
+                                 model=cls.__name__)
+
     # ------------------------------------------------------------------ worker process
     @classmethod
     def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> ShapesPipeline:
