@@ -1,0 +1,38 @@
+"""Session fixtures: the shipped ``shapes`` pipeline (loaded through the real loader) and a random tiny one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _load(model: str):
+    import torch
+
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.pipelines import load_pipeline, resolve_model
+
+    return load_pipeline(resolve_model(model), OmniDiffusionConfig(model=model, dtype="float32"), "cpu",
+                         torch.float32)
+
+
+@pytest.fixture(scope="session")
+def shapes_pipeline():
+    """The shipped, trained model, resolved by its name ``shapes``."""
+    return _load("shapes")
+
+
+@pytest.fixture(scope="session")
+def random_shapes_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A model of the shipped architecture with random weights (the evaluator's near-chance baseline)."""
+    from omni_model_shapes.testing import build_random_shapes, shipped_config
+
+    return build_random_shapes(tmp_path_factory.mktemp("random-shapes"), shipped_config(), seed=1)
+
+
+@pytest.fixture(scope="session")
+def random_shapes(random_shapes_dir: str):
+    return _load(random_shapes_dir)
