@@ -7,6 +7,7 @@ engine start (the expensive part) covers several prompts, sizes and CFG settings
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from typing import Any
 
@@ -29,7 +30,8 @@ def run_engine(model: str, requests: list[dict], parallel_config: dict | None = 
     from omni_core.config import SamplingParams
     from omni_core.request import OmniDiffusionRequest
 
-    kwargs = {"dtype": "float32", "warmup": False, "max_num_seqs": 4, **engine_kwargs}
+    plain = engine_kwargs.pop("plain", False)  # exactly Omni(model, parallel_config=...), nothing else
+    kwargs = {} if plain else {"dtype": "float32", "warmup": False, "max_num_seqs": 4, **engine_kwargs}
     with Omni(model, parallel_config=parallel_config or {}, **kwargs) as omni:
         engine = omni.engine
         streams = []
@@ -45,11 +47,13 @@ def run_engine(model: str, requests: list[dict], parallel_config: dict | None = 
                 pass
             finals.append(out)
         pids = engine.executor.worker_pids() if hasattr(engine.executor, "worker_pids") else []
+        alive = [p for p in multiprocessing.active_children() if p.pid in pids]
         executor = type(engine.executor).__name__
     errors = [o.error for o in finals if o.status == "error"]
     assert not errors, errors
     return {"images": [torch.stack(list(o.images)).float() for o in finals],
-            "metrics": [dict(o.metrics) for o in finals], "executor": executor, "worker_pids": pids}
+            "metrics": [dict(o.metrics) for o in finals], "executor": executor, "worker_pids": pids,
+            "alive_workers": len(alive)}
 
 
 def uses_cfg(spec: dict) -> bool:
@@ -120,3 +124,9 @@ def wan_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from omni_model_wan.testing import build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("wan22"), two_experts=True, num_heads=4)
+
+
+@pytest.fixture(scope="session")
+def shapes_model() -> str:
+    """The shipped, trained ``shapes`` model, by its registered name."""
+    return "shapes"

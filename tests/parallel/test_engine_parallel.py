@@ -1,8 +1,8 @@
 """Ulysses, Ring, Ulysses x Ring, CFG and data parallel through the engine equal one process.
 
-For tiny Qwen-Image and tiny Wan 2.2 (two experts), each configuration starts ``Omni(folder,
-parallel_config=...)`` (the ``mp`` executor is picked from the world size, gloo on CPU) and runs the same
-requests as a single-process engine: a CFG pair with prompts of different token lengths at a size whose token
+For tiny Qwen-Image, tiny Wan 2.2 (two experts) and the trained ``shapes`` model, each configuration starts
+``Omni(model, parallel_config=...)`` (the ``mp`` executor is picked from the world size, gloo on CPU) and
+runs the same requests as a single-process engine: a CFG pair with prompts of different token lengths at a size whose token
 count divides by neither 2 nor 4, and a request without CFG at another size (so CFG-parallel also meets a
 request that has no negative branch). The float32 outputs must agree within ``TOL`` and every sequence- or
 CFG-parallel wave must have communicated (``metrics["communication_bytes"]``), data parallel never.
@@ -31,6 +31,16 @@ WAN_REQUESTS = [
      "num_inference_steps": 3, "seed": 2},
 ]
 
+#: the trained shapes model (4 heads, patch 4): 28x28 is 7 x 7 = 49 tokens, 32x32 is 64
+SHAPES_REQUESTS = [
+    {"prompt": "a red circle in the top left", "negative_prompt": "a blue square", "guidance_scale": 4.0,
+     "height": 28, "width": 28, "num_inference_steps": 4, "seed": 1},
+    {"prompt": "a small green triangle in the bottom right", "negative_prompt": "", "guidance_scale": 4.0,
+     "height": 28, "width": 28, "num_inference_steps": 4, "seed": 2},
+    {"prompt": "a yellow cross in the center", "guidance_scale": 1.0, "height": 32, "width": 32,
+     "num_inference_steps": 4, "seed": 3},
+]
+
 #: (label, parallel_config, engine options); step_execution covers the step-wise path of the runner too
 CONFIGS = {
     "ulysses2": ({"ulysses_degree": 2}, {}),
@@ -40,10 +50,14 @@ CONFIGS = {
     "ulysses2xring2": ({"ulysses_degree": 2, "ring_degree": 2}, {}),
     "ulysses4": ({"ulysses_degree": 4}, {}),
     "ring4": ({"ring_degree": 4}, {"step_execution": True}),
+    # the issue's own example: no option besides the parallel config (the executor is chosen automatically)
+    "ulysses2-plain": ({"ulysses_degree": 2}, {"plain": True}),
 }
-MODELS = {"qwen": ("qwen_dir", QWEN_REQUESTS), "wan": ("wan_dir", WAN_REQUESTS)}
+MODELS = {"qwen": ("qwen_dir", QWEN_REQUESTS), "wan": ("wan_dir", WAN_REQUESTS),
+          "shapes": ("shapes_model", SHAPES_REQUESTS)}
 CASES = [("qwen", c) for c in ("ulysses2", "ring2", "cfg2", "dp2", "ulysses2xring2", "ulysses4")] + \
-        [("wan", c) for c in ("ulysses2", "ring2", "cfg2", "dp2", "ulysses2xring2", "ring4")]
+        [("wan", c) for c in ("ulysses2", "ring2", "cfg2", "dp2", "ulysses2xring2", "ring4")] + \
+        [("shapes", c) for c in ("ulysses2-plain", "ring2", "cfg2", "dp2", "ulysses2xring2")]
 
 
 @pytest.mark.parametrize(("model", "config"), CASES, ids=[f"{m}-{c}" for m, c in CASES])
@@ -60,9 +74,12 @@ def test_parallel_engine_matches_one_process(model, config, request, engine_run,
     world = 1
     for degree in parallel_config.values():
         world *= degree
-    assert result["executor"] == "MultiProcExecutor" and len(result["worker_pids"]) == world
+    assert result["executor"] == "MultiProcExecutor"
+    assert len(set(result["worker_pids"])) == world and result["alive_workers"] == world, result["worker_pids"]
     # data parallel never communicates inside a step; CFG parallel only for requests with a negative branch
     expected = [config != "dp2" and (config != "cfg2" or request_uses_cfg(r)) for r in requests]
+    if options.get("plain"):  # one request per wave (max_num_seqs=1): outputs then arrive one by one
+        assert all(m["batch_size"] == 1 for m in result["metrics"])
     problems = engine_compare(f"{model} {config}", result, ref, requests, communicates=expected)
     assert not problems, "\n".join(problems)
     print(f"{model} {config}: max |diff| {max(result['diffs']):.2e}, bytes/wave "

@@ -72,3 +72,16 @@ def test_bad_degrees_name_the_field(qwen_dir):
         _start(qwen_dir, {"ring_degree": 0})
     with pytest.raises(ConfigError, match="unknown field 'ulysses'"):
         _start(qwen_dir, {"ulysses": 2})
+
+
+def test_shapes_ulysses_degree_must_divide_its_heads():
+    """The trained model's head count comes from its folder; a degree that does not divide it is refused
+    before any worker starts."""
+    from omni_core.pipelines import resolve_model
+
+    with open(os.path.join(resolve_model("shapes").model_path, "transformer", "config.json")) as f:
+        heads = json.load(f)["num_heads"]
+    with pytest.raises(ConfigError, match=rf"Ulysses splits the {heads} attention heads of ShapesPipeline") as e:
+        _start("shapes", {"ulysses_degree": heads + 1, "ring_degree": 1})
+    assert e.value.field == "ulysses_degree"
+    assert not multiprocessing.active_children()
