@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     scenes = evaluate.eval_scenes(args.n)
     prompts = [s.prompt for s in scenes]
-    seeds = [1000 + i for i in range(args.n)]
+    seeds = list(range(args.n))  # image i uses seed i, as the shapes evaluator does
     configs = CONFIGS
     if args.only:
         keys = [k.strip() for k in args.only.split(",")]

@@ -100,9 +100,11 @@ WAN = ModelAdapter(
 )
 
 # ------------------------------------------------------------------------------------------------- shapes
-#: fitted with ``omni cache calibrate --model shapes`` (see README); replaced when the model is retrained
-SHAPES_COEFFICIENTS: tuple[float, ...] = (0.0, 0.0, 0.0, 1.0, 0.0)
-SHAPES_THRESH = 0.2
+#: fitted on the shipped weights with ``omni cache calibrate --model shapes --prompts 48 --steps 50`` (guidance 3.0;
+#: 4704 step pairs, R^2 0.34); refit when the model is retrained
+SHAPES_COEFFICIENTS: tuple[float, ...] = (2.74887208e+04, -3.81222300e+03, 2.08794877e+02, -5.95705452e+00, 8.32354849e-02)
+#: tuned on 120 prompts at 50 steps: ~4x fewer evaluations, PSNR ~35 dB, evaluator accuracy unchanged
+SHAPES_THRESH = 0.03
 SHAPES_WARMUP = 1
 
 
