@@ -122,27 +122,41 @@ class DiffusionEngine:
         """
         return self._admit(self.prepare_request(request), bind_loop=bind_loop)
 
+    def submit_many(self, requests: list[OmniDiffusionRequest]) -> list[OutputStream]:
+        """Validate every request, then queue them all at once (so they can share a wave); blocking streams."""
+        return self._admit_all([self.prepare_request(r) for r in requests], bind_loop=False)
+
     def _admit(self, request: OmniDiffusionRequest, bind_loop: bool = True) -> OutputStream:
-        rid = request.request_id
+        return self._admit_all([request], bind_loop)[0]
+
+    def _admit_all(self, requests: list[OmniDiffusionRequest], bind_loop: bool) -> list[OutputStream]:
+        """Queue requests under one lock: all or none, seen together by the next scheduling round."""
         with self._lock:
             if self._dead:
                 raise EngineDeadError(self._dead)
             if self._closed:
                 raise OmniError("the engine is closed")
-            if rid in self._requests:
-                raise ConfigError(f"request_id {rid!r} is already in use", field="request_id")
+            ids = [r.request_id for r in requests]
+            for rid in ids:
+                if rid in self._requests or ids.count(rid) > 1:
+                    raise ConfigError(f"request_id {rid!r} is already in use", field="request_id")
             limit = self.config.max_waiting_requests
-            if limit is not None and self.scheduler.num_waiting >= limit:
+            if limit is not None and self.scheduler.num_waiting + len(requests) > limit:
                 raise QueueFullError(f"the engine has {self.scheduler.num_waiting} waiting requests "
                                      f"(max_waiting_requests={limit}); retry later")
-            stream = OutputStream(bind_loop=bind_loop)
-            self.scheduler.add_request(request)
-            self._streams[rid] = stream
-            self._requests[rid] = request
-            self._meta[rid] = {"arrival": time.monotonic()}
-            self.counters["requests_added"] += 1
+            streams = []
+            now = time.monotonic()
+            for request in requests:
+                rid = request.request_id
+                stream = OutputStream(bind_loop=bind_loop)
+                self.scheduler.add_request(request)
+                self._streams[rid] = stream
+                self._requests[rid] = request
+                self._meta[rid] = {"arrival": now}
+                self.counters["requests_added"] += 1
+                streams.append(stream)
             self._wake.notify()
-        return stream
+        return streams
 
     def add_request_and_stream(self, request: OmniDiffusionRequest) -> AsyncIterator[DiffusionOutput]:
         """Validate and queue ``request`` and return its output iterator in one step (race-free)."""

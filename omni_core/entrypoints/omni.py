@@ -28,11 +28,10 @@ class Omni:
         params = build_sampling_params(sampling_params, sampling_kwargs)
         requests = [self.engine.prepare_request(r) for r in build_requests(prompts, params)]
         bar = _progress_bar(requests, use_tqdm)
-        streams = []
         try:
-            for req in requests:
-                streams.append(self.engine.submit(req))
-                if bar is not None:
+            streams = self.engine.submit_many(requests)  # all at once, so compatible prompts share a wave
+            if bar is not None:
+                for req in requests:
                     self.engine.add_progress_listener(req.request_id, bar.step)
             outputs = []
             for stream in streams:
