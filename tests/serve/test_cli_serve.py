@@ -163,7 +163,7 @@ def test_openai_client_generates_an_image_against_omni_serve_shapes(cli_server):
     (item,) = result.data
     image = png(item.b64_json)
     assert image.shape == (32, 32, 3)
-    seen = judge_image(torch.from_numpy(image).permute(2, 0, 1).float() / 255)
+    seen = judge_image(torch.from_numpy(image.copy()).permute(2, 0, 1).float() / 255)
     assert (seen.colour, seen.shape, seen.position) == ("red", "circle", "top left")
     code, stderr = srv.stop(signal.SIGTERM)
     assert code == 0, stderr
