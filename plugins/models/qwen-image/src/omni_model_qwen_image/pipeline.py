@@ -10,7 +10,6 @@ be at different steps and have prompts of different token lengths (text padded, 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Any, ClassVar
 
@@ -22,9 +21,10 @@ from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_config, use_forward_context
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import OmniPipeline, StepState
+from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg
+from omni_core.pipelines.diffusers_folder import read_json as _read_json
 
 #: libraries a model folder may name in model_index.json (anything else could be remote code)
-ALLOWED_LIBRARIES = ("diffusers", "transformers")
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 #: diffusers' ``QwenImagePipeline.default_sample_size`` (latent pixels)
 DEFAULT_SAMPLE_SIZE = 128
@@ -37,38 +37,6 @@ MAX_SEQUENCE_LENGTH_LIMIT = 1024
 #: ``[B, S, C']`` is gathered on dim 1.
 SP_PLAN = {"shard": {"hidden_states": 1}, "shard_after": {"pos_embed": {0: 0}}, "gather": 1,
            "joint_text": "encoder_hidden_states"}
-
-
-def _read_json(path: str) -> dict | None:
-    if not path or not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def check_model_index(model_path: str, class_name: str) -> dict:
-    """The folder's model_index.json, refusing other pipelines and components from unknown libraries."""
-    index = _read_json(os.path.join(model_path, "model_index.json"))
-    if index is None:
-        raise ConfigError(f"{model_path!r} has no model_index.json (a diffusers-format folder is expected)",
-                          field="model")
-    if index.get("_class_name") != class_name:
-        raise ConfigError(f"{model_path!r} holds a {index.get('_class_name')!r}, not a {class_name}", field="model")
-    for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
-            continue
-        if value[0] not in ALLOWED_LIBRARIES:
-            raise ConfigError(f"component {name!r} of {model_path!r} comes from library {value[0]!r}; only "
-                              f"{', '.join(ALLOWED_LIBRARIES)} components are loaded (no remote code)", field="model")
-    return index
-
-
-def dtype_kwarg(dtype: torch.dtype) -> dict:
-    """``dtype=`` for diffusers >= 0.42 (``torch_dtype`` is deprecated there), ``torch_dtype=`` before."""
-    import diffusers
-    from packaging.version import Version
-
-    return {"dtype" if Version(diffusers.__version__).release >= (0, 42) else "torch_dtype": dtype}
 
 
 def vae_scale_factor(model_path: str | None) -> int:

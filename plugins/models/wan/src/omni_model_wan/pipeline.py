@@ -12,7 +12,6 @@ requests that may be at different steps.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Any, ClassVar
 
@@ -23,8 +22,9 @@ from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_config, use_forward_context
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import OmniPipeline, StepState
+from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg
+from omni_core.pipelines.diffusers_folder import read_json as _read_json
 
-ALLOWED_LIBRARIES = ("diffusers", "transformers")
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
 #: sequence-parallel plan of diffusers' ``WanTransformer3DModel`` (checked against its forward): the token
@@ -37,38 +37,6 @@ SP_PLAN = {"shard_before": {"blocks.0": {"hidden_states": 1}}, "shard_after": {"
 #: Wan 2.2 TI2V (``expand_timesteps``) passes one timestep per token (``timestep [B, S]``): shard it too, so
 #: the per-token modulation matches the sharded tokens
 SP_PLAN_EXPANDED = {**SP_PLAN, "shard": {"timestep": 1}}
-
-
-def _read_json(path: str) -> dict | None:
-    if not path or not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def check_model_index(model_path: str, class_name: str) -> dict:
-    """The folder's model_index.json, refusing other pipelines and components from unknown libraries."""
-    index = _read_json(os.path.join(model_path, "model_index.json"))
-    if index is None:
-        raise ConfigError(f"{model_path!r} has no model_index.json (a diffusers-format folder is expected)",
-                          field="model")
-    if index.get("_class_name") != class_name:
-        raise ConfigError(f"{model_path!r} holds a {index.get('_class_name')!r}, not a {class_name}", field="model")
-    for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
-            continue
-        if value[0] not in ALLOWED_LIBRARIES:
-            raise ConfigError(f"component {name!r} of {model_path!r} comes from library {value[0]!r}; only "
-                              f"{', '.join(ALLOWED_LIBRARIES)} components are loaded (no remote code)", field="model")
-    return index
-
-
-def dtype_kwarg(dtype: torch.dtype) -> dict:
-    """``dtype=`` for diffusers >= 0.42 (``torch_dtype`` is deprecated there), ``torch_dtype=`` before."""
-    import diffusers
-    from packaging.version import Version
-
-    return {"dtype" if Version(diffusers.__version__).release >= (0, 42) else "torch_dtype": dtype}
 
 
 def size_rules(model_path: str | None) -> tuple[int, int, int, int]:
