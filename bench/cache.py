@@ -11,8 +11,8 @@ prompts with the same seeds (request batches of ``--batch``). Columns:
   of the uncached run, and the reduction factor; ``blocks`` is the fraction of transformer-block evaluations
   that ran (cache-dit still runs its Fn/Bn blocks on a reused step);
 * ``speedup``: wall-clock time of the uncached run / this run (generation only, engine already loaded;
-  configurations are timed in interleaved rounds and each keeps its best round, so load spikes on the machine
-  hit all of them alike);
+  configurations are timed in interleaved rounds, in a rotated order each round, and each keeps its best
+  round, so a slow spell on a shared machine does not single one out);
 * ``PSNR``: mean over images of the PSNR (dB, pixels in [0, 1]) against the uncached image of the same
   prompt and seed;
 * ``acc``: the shapes evaluator's accuracy (colour, shape and position all right; ``omni_model_shapes.judge``)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=120, help="prompts (cycling through every colour x shape x position)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=1, help="max_num_seqs: requests per wave (default 1)")
-    p.add_argument("--repeats", type=int, default=2, help="timed rounds per configuration (best is kept)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration (best is kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--only", default=None, help="comma-separated substrings: run only matching configurations")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             generate(omni, prompts[:args.batch], seeds[:args.batch], args.steps)
         best: dict[str, float] = {}
         outs: dict[str, list] = {}
-        for _ in range(args.repeats):
-            for label in engines:
+        labels = list(engines)
+        for r in range(args.repeats):
+            # rotate the order every round, so a slow spell on the machine does not always hit the same ones
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
                 t0 = time.perf_counter()
                 res = generate(engines[label], prompts, seeds, args.steps)
                 dt = time.perf_counter() - t0

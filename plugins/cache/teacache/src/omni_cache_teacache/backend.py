@@ -189,10 +189,6 @@ class TeaCacheBackend(CacheBackend):
                 "steps_reused": sum(t.reused for t in teas.values()),
                 "cache_branches": branches}
 
-    def thresholds(self) -> dict[str, float]:
-        """denoiser name -> the rel_l1_thresh in effect."""
-        return {name: den.thresh for name, den in self.denoisers.items()}
-
     # ------------------------------------------------------------------ hooks
     def _install(self, den: _Denoiser) -> None:
         module = den.module
