@@ -18,7 +18,9 @@ import json
 import os
 from typing import Any, ClassVar, Protocol
 
-from omni_core.config import SamplingParams
+import attrs
+
+from omni_core.config import RequestLimits, SamplingParams
 from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.state import StepState
@@ -69,6 +71,27 @@ class OmniPipeline:
     default_num_inference_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = None
     default_true_cfg_scale: ClassVar[float | None] = None
+    #: per-model request limits (``RequestLimits`` field names) overriding the safe defaults of
+    #: ``request_limits``; e.g. ``{"max_pixels": 1280 * 720, "max_frames": 121}``
+    default_limits: ClassVar[dict[str, int]] = {}
+
+    #: base defaults: 200 steps is 4x the usual 50-step schedule; 4 outputs per prompt; 4096 characters is
+    #: far beyond what a text encoder reads (Qwen-Image and Wan truncate at 512-1024 tokens)
+    BASE_MAX_STEPS: ClassVar[int] = 200
+    BASE_MAX_OUTPUTS: ClassVar[int] = 4
+    BASE_MAX_PROMPT_CHARS: ClassVar[int] = 4096
+
+    @classmethod
+    def request_limits(cls, configured: Any = None) -> RequestLimits:
+        """The effective limits: ``configured`` (a ``RequestLimits``/dict; None fields fall through), then
+        ``default_limits``, then defaults derived from the model: 4x the default output area (2x each side),
+        twice the default clip length for video (1 frame for images), and the BASE_* values."""
+        frames = 2 * (cls.default_num_frames - 1) + 1 if cls.is_video and cls.default_num_frames else 1
+        base = {"max_pixels": 4 * cls.default_height * cls.default_width, "max_frames": frames,
+                "max_steps": cls.BASE_MAX_STEPS, "max_outputs": cls.BASE_MAX_OUTPUTS,
+                "max_prompt_chars": cls.BASE_MAX_PROMPT_CHARS}
+        model = RequestLimits.coerce(cls.default_limits).resolved(base)  # also checks default_limits' keys
+        return RequestLimits.coerce(configured).resolved(attrs.asdict(model))
 
     # ------------------------------------------------------------------ engine process
     @classmethod
@@ -193,8 +216,8 @@ def tensor_to_pil(t: Any):
 
 
 def read_model_index(model_path: str) -> dict | None:
-    path = os.path.join(model_path, "model_index.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    """The folder's ``model_index.json`` as a dict, None without one; ConfigError naming the file if it is
+    not a JSON object."""
+    from omni_core.pipelines.diffusers_folder import read_json
+
+    return read_json(os.path.join(model_path, "model_index.json"))

@@ -16,11 +16,23 @@ ALLOWED_LIBRARIES = ("diffusers", "transformers")
 
 
 def read_json(path: str | None) -> dict | None:
-    """The JSON file at ``path``, or None when there is none."""
+    """The JSON object in the file at ``path``, or None when there is no file.
+
+    A file that is not JSON, or holds something other than an object, is a ConfigError naming the file:
+    a raw ``JSONDecodeError`` (or an ``AttributeError`` later, on ``.get``) would not say which file is bad.
+    """
     if not path or not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path!r} is not valid JSON ({exc}); a diffusers folder's JSON files hold one object",
+                          field="model") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path!r} holds a JSON {type(value).__name__}, not an object; a diffusers folder's "
+                          f"JSON files hold one object", field="model")
+    return value
 
 
 def check_model_index(model_path: str, class_name: str, allowed: tuple[str, ...] = ALLOWED_LIBRARIES) -> dict:
@@ -37,7 +49,32 @@ def check_model_index(model_path: str, class_name: str, allowed: tuple[str, ...]
         if value[0] not in allowed:
             raise ConfigError(f"component {name!r} of {model_path!r} comes from library {value[0]!r}; only "
                               f"{', '.join(allowed)} components are loaded (no remote code)", field="model")
+    refuse_pickled_weights(model_path, [n for n, v in index.items() if not n.startswith("_") and isinstance(v, list)])
     return index
+
+
+#: file endings of pickle-based checkpoints (torch.save, PyTorch Lightning, plain pickle)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def refuse_pickled_weights(model_path: str, components: Any) -> None:
+    """Refuse component folders whose weights are only pickles, before any loader opens them.
+
+    Unpickling runs whatever code the file names, so Omni loads weights from safetensors only; a folder with
+    both keeps working (the loaders are told ``use_safetensors=True``). Checked here, by file name, so a
+    hostile file is never read at all.
+    """
+    for name in components:
+        folder = os.path.join(model_path, name)
+        if not os.path.isdir(folder):
+            continue
+        files = sorted(os.listdir(folder))
+        pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
+        if pickles and not any(f.endswith(".safetensors") for f in files):
+            raise ConfigError(
+                f"{os.path.join(folder, pickles[0])!r} is a pickle checkpoint and component {name!r} has no "
+                f".safetensors weights; Omni loads weights only from safetensors (unpickling can run arbitrary "
+                f"code). Convert it, e.g. save_pretrained(..., safe_serialization=True)", field="model")
 
 
 def dtype_kwarg(dtype: Any) -> dict:
