@@ -23,7 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; 0.0.0.0 for all)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one, printed)")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $OMNI_API_KEY, else no key)")
+                     help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                          "(default: $OMNI_API_KEY, else no key; an empty key is refused)")
+    srv.add_argument("--no-auth", action="store_true", help="serve without an API key, even if $OMNI_API_KEY is set")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--max-waiting-requests", type=int, default=64,
                      help="queued requests beyond this get 429 with Retry-After (default: 64)")
@@ -34,10 +36,50 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-video-jobs", type=int, default=100, help="size of the video job table (default: 100)")
     srv.add_argument("--video-ttl", type=float, default=3600.0,
                      help="seconds a finished video job and its file are kept (default: 3600)")
+    srv.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                     help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
+    srv.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+                     help="seconds in-flight requests get at SIGINT/SIGTERM before they are aborted and answered "
+                          f"with an error (default: {SHUTDOWN_GRACE_S:g})")
     srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    lim = p.add_argument_group("request limits (default: the model's; checked before any work)")
+    for flag, what in LIMIT_FLAGS.items():
+        lim.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, metavar="N",
+                         help=f"the most {what} one request may ask for")
     eng = add_engine_options(p)
     eng.add_argument("--max-num-seqs", type=int, default=None, help="requests batched in one wave (default: 1)")
+    if "--no-warmup" not in p._option_string_actions:  # the shared engine options may already have it
+        eng.add_argument("--no-warmup", action="store_true", help="skip the start-up warmup (a one-step request)")
+    eng.add_argument("--oversubscribe", action="store_true",
+                     help="start more worker processes than the platform has devices (CPU: usable cores)")
     p.set_defaults(func=run_serve)
+
+
+#: RequestLimits field -> what it bounds (the flag is --max-pixels etc.)
+LIMIT_FLAGS = {"max_pixels": "pixels (height x width) per output", "max_steps": "denoising steps",
+               "max_outputs": "outputs per prompt (n)", "max_frames": "video frames",
+               "max_prompt_chars": "characters in the prompt (and in the negative prompt)"}
+#: the same defaults as omni_core.serve.app (not imported: `omni serve --help` must not load FastAPI)
+MAX_BODY_BYTES = 1 << 20
+SHUTDOWN_GRACE_S = 10.0
+#: exit status of `omni serve` when it stopped because its engine died (a supervisor should restart it)
+EXIT_ENGINE_DEAD = 3
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, else $OMNI_API_KEY; an empty one is refused (it would silently mean "no auth")."""
+    if args.no_auth:
+        if args.api_key is not None:
+            raise ConfigError("--api-key and --no-auth contradict each other; give one", field="api_key")
+        return None
+    for value, source in ((args.api_key, "--api-key"), (os.environ.get("OMNI_API_KEY"), "$OMNI_API_KEY")):
+        if value is None:
+            continue
+        if not value.strip() or any(c.isspace() for c in value):
+            raise ConfigError(f"{source} {value!r} is invalid: the key must be non-empty and contain no whitespace; "
+                              f"to serve without authentication leave it unset or pass --no-auth", field="api_key")
+        return value
+    return None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -48,6 +90,10 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: must be >= 1", field=name)
     if args.video_ttl <= 0:
         raise ConfigError(f"--video-ttl {args.video_ttl} is invalid: must be > 0", field="video_ttl")
+    if args.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes {args.max_body_bytes} is invalid: must be >= 1", field="max_body_bytes")
+    if not args.shutdown_grace >= 0:
+        raise ConfigError(f"--shutdown-grace {args.shutdown_grace} is invalid: must be >= 0", field="shutdown_grace")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -58,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"omni serve needs fastapi and uvicorn ({exc}); install them with "
                           f"pip install 'omni-core[serve]'", field="serve") from None
     _check(args)
+    api_key = _api_key(args)
     from omni_core.engine import make_engine
     from omni_core.entrypoints.common import build_config
     from omni_core.pipelines.loader import resolve_model
@@ -68,15 +115,22 @@ def run_serve(args: argparse.Namespace) -> int:
     opts["max_waiting_requests"] = args.max_waiting_requests
     if args.max_num_seqs is not None:
         opts["max_num_seqs"] = args.max_num_seqs
+    limits = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None}
+    if limits:
+        opts["limits"] = limits
+    if args.oversubscribe:
+        opts["oversubscribe"] = True
+    if args.no_warmup:
+        opts["warmup"] = False
     if not args.no_stream_previews:
         # previews need step execution; a pipeline without it is served without them
         opts["streaming_output"] = bool(resolve_model(args.model).pipeline_cls().supports_step_execution)
-    api_key = args.api_key or os.environ.get("OMNI_API_KEY") or None
     print(f"omni serve: loading {args.model} ...", file=sys.stderr, flush=True)
     engine = make_engine(build_config(args.model, opts))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, video_dir=args.video_dir,
                     max_video_jobs=args.max_video_jobs, video_ttl_s=args.video_ttl, retry_after_s=args.retry_after,
-                    close_engine=True)
+                    close_engine=True, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
+                    exit_on_engine_death=True)
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
@@ -93,6 +147,10 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.close()  # also when uvicorn failed to start (port in use): the lifespan never ran
+    if app.state.omni.engine_died:
+        print(f"omni serve: stopped because the engine died; exit status {EXIT_ENGINE_DEAD}", file=sys.stderr,
+              flush=True)
+        return EXIT_ENGINE_DEAD
     print("omni serve: stopped", file=sys.stderr, flush=True)
     return 0
 

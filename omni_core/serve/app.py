@@ -21,26 +21,47 @@ import contextlib
 import hmac
 import io
 import logging
+import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from omni_core.errors import ConfigError, EngineDeadError, OmniError
 from omni_core.request import OmniDiffusionRequest
 from omni_core.serve.metrics import ServerMetrics
-from omni_core.serve.protocol import (APIError, ImageRequest, config_error, invalid, parse_form, parse_image_request,
-                                      parse_video_request)
+from omni_core.serve.protocol import (APIError, ImageRequest, config_error, image_body_schema, invalid, parse_form,
+                                      parse_image_request, parse_json, parse_video_request, too_large,
+                                      video_body_schema)
 from omni_core.serve.videos import CANCELLED, COMPLETED, FAILED, IN_PROGRESS, VideoJob, VideoJobs
 
 logger = logging.getLogger("omni_core.serve")
 
 #: largest side of a streamed preview image (previews are cheap latent projections; keep events small)
 PREVIEW_MAX_SIDE = 256
+#: default cap on a request body: a request is a prompt and a few numbers, far below this
+MAX_BODY_BYTES = 1 << 20
+#: default seconds in-flight requests get to finish at shutdown before they are aborted through the engine
+SHUTDOWN_GRACE_S = 10.0
+#: routes that need no API key (probes and scrapers)
+OPEN_PATHS = ("/health", "/metrics")
+#: ``Authorization: Bearer <token>``: scheme in any case, exactly one space, a token without whitespace
+_BEARER = re.compile(r"[Bb][Ee][Aa][Rr][Ee][Rr] (\S+)")
+_DEAD_PREFIX = "the engine is dead: "
+
+
+def dead_message(reason: str | None) -> str:
+    """``the engine is dead: <reason>``, said once (executors already prefix their reasons with it)."""
+    reason = reason or "a worker died"
+    while reason.startswith(_DEAD_PREFIX):
+        reason = reason[len(_DEAD_PREFIX):]
+    return _DEAD_PREFIX + reason
 
 
 def _png_b64(image: Any) -> str:
@@ -78,10 +99,26 @@ class OmniServer:
 
     def __init__(self, engine_or_omni: Any, *, served_model_name: str | None = None, api_key: str | None = None,
                  video_dir: str | None = None, max_video_jobs: int = 100, video_ttl_s: float = 3600.0,
-                 retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE):
+                 retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE,
+                 max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+                 exit_on_engine_death: bool = False):
+        if api_key is not None and (not isinstance(api_key, str) or not api_key or _BEARER.fullmatch(
+                f"Bearer {api_key}") is None):
+            raise ConfigError(f"api_key={api_key!r} is invalid: give a non-empty key without whitespace, or "
+                              f"api_key=None for no authentication", field="api_key")
+        if max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes={max_body_bytes} is invalid: must be >= 1", field="max_body_bytes")
         self.engine = getattr(engine_or_omni, "engine", engine_or_omni)  # AsyncOmni / Omni or the engine itself
         self.model_name = served_model_name or self.engine.config.model
-        self.api_key = api_key or None
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.shutdown_grace_s = shutdown_grace_s
+        self.exit_on_engine_death = exit_on_engine_death
+        #: set by the uvicorn wrapper (``omni_core.serve.server``): makes the server shut down gracefully
+        self.stop_serving: Callable[[], None] | None = None
+        #: true once the server stopped because its engine died (``omni serve`` then exits non-zero)
+        self.engine_died = False
+        self._inflight: set[str] = set()  # engine request ids of image requests an HTTP client waits for
         self.retry_after_s = retry_after_s
         self.close_engine = close_engine
         self.preview_max_side = preview_max_side
@@ -95,6 +132,31 @@ class OmniServer:
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        if self.exit_on_engine_death:
+            self._tasks.append(asyncio.create_task(self._watch_engine()))
+
+    async def _watch_engine(self) -> None:
+        """Stop serving once the engine is dead: its in-flight requests were failed (answered 503) and every
+        later one would be too, so exiting lets a supervisor start a healthy server."""
+        while not self.engine.is_dead:
+            await asyncio.sleep(0.2)
+        logger.error("%s; answering in-flight requests, then exiting", dead_message(self.engine.stats()["dead"]))
+        self.engine_died = True
+        if self.stop_serving is not None:
+            self.stop_serving()
+
+    def begin_shutdown(self) -> None:
+        """Shutdown started (uvicorn stopped listening): requests still running after the grace period are
+        aborted through the engine, so their clients get the documented error rather than a cut connection."""
+
+        async def abort_after_grace() -> None:
+            await asyncio.sleep(self.shutdown_grace_s)
+            if self._inflight:
+                logger.warning("aborting %d request(s) still running %g s after shutdown began",
+                               len(self._inflight), self.shutdown_grace_s)
+                self.engine.abort(sorted(self._inflight))
+
+        self._tasks.append(asyncio.create_task(abort_after_grace()))
 
     async def shutdown(self) -> None:
         for task in self._tasks:
@@ -112,14 +174,15 @@ class OmniServer:
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ checks
-    def check_auth(self, authorization: str | None) -> None:
+    def check_auth(self, authorizations: list[str]) -> None:
+        """Exactly one ``Authorization: Bearer <key>`` header carrying the key, or a 401."""
         if self.api_key is None:
             return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        match = _BEARER.fullmatch(authorizations[0]) if len(authorizations) == 1 else None
+        if match is None or not hmac.compare_digest(match.group(1).encode(), self.api_key.encode()):
             self.metrics.count_refused("unauthorized")
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -146,10 +209,16 @@ class OmniServer:
             raise APIError(429, str(exc), code="queue_full", type="rate_limit_error",
                            headers={"Retry-After": str(self.retry_after_s)}) from None
         except EngineDeadError as exc:
-            raise APIError(503, f"the engine is dead: {exc}", code="engine_dead", type="server_error") from None
+            raise engine_dead(str(exc)) from None
         except OmniError as exc:
             raise APIError(503, str(exc), code="engine_unavailable", type="server_error") from None
         return request, stream
+
+    def track(self, request_id: str) -> None:
+        self._inflight.add(request_id)
+
+    def untrack(self, request_id: str) -> None:
+        self._inflight.discard(request_id)
 
     async def final_output(self, request: Any, stream: Any, request_id: str) -> Any:
         """The request's final output, or None if the client disconnected first (the request is aborted)."""
@@ -189,6 +258,8 @@ class OmniServer:
                 "seed": out.metrics.get("seed")}
 
     def generation_failed(self, out: Any) -> APIError:
+        if out.status == "error" and self.engine.is_dead:
+            return engine_dead(out.error)
         if out.status == "aborted":
             return APIError(503, f"the request was aborted: {out.error or 'the server is shutting down'}",
                             code="request_aborted", type="server_error")
@@ -299,6 +370,10 @@ class OmniServer:
         return update
 
 
+def engine_dead(reason: str | None) -> APIError:
+    return APIError(503, dead_message(reason), code="engine_dead", type="engine_dead")
+
+
 def _remove(path: str) -> None:
     import os
 
@@ -314,17 +389,23 @@ def _sse(event: str, data: dict[str, Any]) -> str:
 
 def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_key: str | None = None,
               video_dir: str | None = None, max_video_jobs: int = 100, video_ttl_s: float = 3600.0,
-              retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE) -> Any:
+              retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE,
+              max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+              exit_on_engine_death: bool = False) -> Any:
     """A FastAPI app serving ``engine_or_omni`` (a ``DiffusionEngine``, ``AsyncOmni`` or ``Omni``).
 
     ``served_model_name``: the ``model`` clients name (default: the engine's ``model``). ``api_key``: when
-    set, ``/v1/*`` needs ``Authorization: Bearer <key>`` (``/health`` and ``/metrics`` stay open).
-    ``video_dir``: where MP4s go (default: a temp dir removed at shutdown). ``close_engine``: close the
-    engine when the app shuts down (``omni serve`` owns its engine; tests usually own theirs).
+    set, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>`` (checked before
+    routing, so unknown routes are 401 too); an empty key is refused. ``video_dir``: where MP4s go (default: a
+    temp dir removed at shutdown). ``close_engine``: close the engine when the app shuts down (``omni serve``
+    owns its engine; tests usually own theirs). ``max_body_bytes``: larger bodies get 413 (counted while
+    read). ``shutdown_grace_s``: at shutdown, requests still running after this long are aborted through the
+    engine and answered with an error. ``exit_on_engine_death``: stop serving once the engine is dead.
     """
     server = OmniServer(engine_or_omni, served_model_name=served_model_name, api_key=api_key, video_dir=video_dir,
                         max_video_jobs=max_video_jobs, video_ttl_s=video_ttl_s, retry_after_s=retry_after_s,
-                        close_engine=close_engine, preview_max_side=preview_max_side)
+                        close_engine=close_engine, preview_max_side=preview_max_side, max_body_bytes=max_body_bytes,
+                        shutdown_grace_s=shutdown_grace_s, exit_on_engine_death=exit_on_engine_death)
     engine = server.engine
 
     class EventStream(StreamingResponse):
@@ -387,23 +468,22 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                                      code="internal_error").body(), status_code=500)
 
     # ---------------------------------------------------------------- open routes
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={
+        200: {"description": "the engine is alive"}, 503: _error_doc("the engine is dead")})
     async def health():
         stats = engine.stats()
         if stats["dead"]:
-            return JSONResponse({"status": "dead", "reason": stats["dead"]}, status_code=503)
+            return JSONResponse({"status": "dead", "reason": dead_message(stats["dead"])}, status_code=503)
         return {"status": "ok", "model": server.model_name, "waiting": stats["waiting"], "running": stats["running"]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         text = server.metrics.render(engine.stats(), model=server.model_name, video_jobs=server.videos.counts())
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # ---------------------------------------------------------------- /v1 (API key when configured)
-    async def auth(request: Request) -> None:
-        server.check_auth(request.headers.get("authorization"))
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+    # ---------------------------------------------------------------- /v1 (the API key is checked before routing)
+    v1 = APIRouter(prefix="/v1", responses={401: _error_doc("missing or incorrect API key")})
 
     @v1.get("/models")
     async def models():
@@ -413,7 +493,13 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
             "pipeline": spec.name, "modality": "video" if server.is_video else "image",
             "streaming_previews": server.streaming}]}
 
-    @v1.post("/images/generations")
+    @v1.post("/images/generations", responses={
+        200: {"description": "the images (JSON), or with stream=true Server-Sent Events",
+              "content": {"application/json": {"schema": {"type": "object"}},
+                          "text/event-stream": {"schema": {"type": "string"}}}},
+        **_error_docs(400, 404, 413, 429, 500, 503)},
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": image_body_schema()}}}})
     async def generate_images(request: Request):
         req = parse_image_request(await _json_body(request))
         server.check_model(req.model)
@@ -426,6 +512,7 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                           "stream", code="unsupported_value")
         omni_req, stream = server.submit(req.prompt, req.negative_prompt, req.params)
         rid = omni_req.request_id
+        server.track(rid)
         if req.stream:
             state = {"finished": False}
             # the request as the engine completed it (model defaults such as the size filled in)
@@ -433,13 +520,17 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                                params=omni_req.sampling_params, model=req.model, stream=True)
 
             def on_close() -> None:
+                server.untrack(rid)
                 if not state["finished"]:  # the client left (or the stream failed) before the end
                     if not state.get("server_error"):
                         server.metrics.count_disconnect()
                     engine.abort(rid)
 
             return EventStream(server.image_events(req, stream, rid, state), on_close)
-        out = await server.final_output(request, stream, rid)
+        try:
+            out = await server.final_output(request, stream, rid)
+        finally:
+            server.untrack(rid)
         if out is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         if out.status != "completed":
@@ -447,7 +538,10 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
         server.metrics.observe_generation("image", out.metrics)
         return JSONResponse(await asyncio.to_thread(server.image_payload, out))
 
-    @v1.post("/videos")
+    @v1.post("/videos", responses={200: {"description": "the video job"}, **_error_docs(400, 404, 413, 429, 503)},
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/json": {"schema": video_body_schema()},
+                 "multipart/form-data": {"schema": _form_schema(video_body_schema())}}}})
     async def create_video(request: Request):
         content_type = request.headers.get("content-type", "")
         frame_multiple = getattr(engine.pipeline_cls, "frame_multiple", 1)
@@ -483,11 +577,13 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                 "first_id": jobs[0].id if jobs else None, "last_id": jobs[-1].id if jobs else None,
                 "has_more": False}
 
-    @v1.get("/videos/{video_id}")
+    @v1.get("/videos/{video_id}", responses=_error_docs(404))
     async def get_video(video_id: str):
         return server.videos.get(video_id).to_dict()
 
-    @v1.get("/videos/{video_id}/content")
+    @v1.get("/videos/{video_id}/content", response_class=FileResponse, responses={
+        200: {"description": "the MP4", "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}},
+        **_error_docs(400, 404, 409)})
     async def get_video_content(video_id: str, variant: str = "video"):
         job = server.videos.get(video_id)
         if variant != "video":
@@ -498,7 +594,7 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                            param="video_id", code="video_not_ready")
         return FileResponse(job.path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
-    @v1.delete("/videos/{video_id}")
+    @v1.delete("/videos/{video_id}", responses=_error_docs(404))
     async def delete_video(video_id: str):
         job = server.videos.remove(video_id)  # cancels a running job: its engine request is aborted
         if job.task is not None:
@@ -506,20 +602,114 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
         return {"id": job.id, "object": "video.deleted", "deleted": True, "status": job.status}
 
     app.include_router(v1)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, made true: no 422 (validation errors are answered 400), bearer auth declared."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            for path, item in schema["paths"].items():
+                for operation in item.values():
+                    responses = operation.setdefault("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses.setdefault("400", _error_doc("a parameter is invalid"))
+                    if server.api_key is not None and path not in OPEN_PATHS:
+                        operation["security"] = [{"bearer": []}]
+                        responses.setdefault("401", _error_doc("missing or incorrect API key"))
+            components = schema.setdefault("components", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.get("schemas", {}).pop(name, None)
+            components.setdefault("schemas", {})["Error"] = _ERROR_SCHEMA
+            if server.api_key is not None:
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    # outermost first: metrics (counts every answer), the API key (before routing), the body cap
+    app.add_middleware(_BodyLimitMiddleware, limit=server.max_body_bytes)
+    app.add_middleware(_AuthMiddleware, server=server)
     app.add_middleware(_MetricsMiddleware, metrics=server.metrics)
     return app
 
 
-async def _json_body(request: Any) -> Any:
-    import json
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_STATUS_DOC = {400: "invalid request: `param` names the field", 401: "missing or incorrect API key",
+               404: "unknown model, video or route", 409: "the video is not ready",
+               413: "the request body is larger than --max-body-bytes",
+               429: "the queue (or the video table) is full; see Retry-After",
+               500: "the generation failed", 503: "the engine is dead, closed, or the server is shutting down"}
 
-    raw = await request.body()
-    if not raw:
-        raise invalid("the request body is empty; send a JSON object", None, code="invalid_body")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from None
+
+def _error_doc(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+
+
+def _error_docs(*statuses: int) -> dict[int, Any]:
+    return {status: _error_doc(_STATUS_DOC[status]) for status in statuses}
+
+
+def _form_schema(json_schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON body schema as multipart form fields (every form value is text)."""
+    return {"type": "object", "required": json_schema["required"],
+            "properties": {name: {"type": "string"} for name in json_schema["properties"]}}
+
+
+async def _json_body(request: Any) -> Any:
+    return parse_json(await request.body())
+
+
+async def _send_error(err: APIError, scope, receive, send) -> None:
+    await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
+
+
+class _AuthMiddleware:
+    """The API key is checked before routing: without it every route but the open ones is 401, so routes
+    cannot be enumerated (a 404 would tell which exist)."""
+
+    def __init__(self, app: Any, server: OmniServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.server.api_key is not None and scope["path"] not in OPEN_PATHS:
+            try:
+                self.server.check_auth(Headers(scope=scope).getlist("authorization"))
+            except APIError as err:
+                await _send_error(err, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    """Bodies over ``limit`` bytes get 413: at once when ``Content-Length`` says so, otherwise as soon as the
+    bytes read pass the limit (a chunked body is never buffered beyond it)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _send_error(too_large(self.limit), scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise too_large(self.limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 class _MetricsMiddleware:

@@ -37,6 +37,82 @@ def invalid(message: str, param: str | None, code: str = "invalid_value") -> API
     return APIError(400, message, param=param, code=code)
 
 
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than max_body_bytes={limit} bytes; send a smaller body, or "
+                         f"raise the limit with omni serve --max-body-bytes", code="request_too_large")
+
+
+# ------------------------------------------------------------------------------------------ JSON bodies
+#: deepest nesting accepted inside a field (``extra_args``); deeper objects are refused, naming the field
+MAX_NESTING = 32
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON, or a 400. A value the parser cannot take (an integer of thousands of digits,
+    nesting deeper than the parser's recursion limit) is reported with the top-level field that holds it."""
+    if not raw:
+        raise invalid("the request body is empty; send a JSON object", None, code="invalid_body")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the request body is not valid UTF-8: {exc}", None, code="invalid_json") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError, as is the int digit limit
+        field = _failing_field(text)
+        if isinstance(exc, RecursionError):
+            reason = "is nested too deeply"
+        elif isinstance(exc, json.JSONDecodeError):
+            reason = f"is not valid JSON: {exc}"
+        else:
+            reason = f"cannot be read: {exc}"
+        where = f"'{field}'" if field else "the request body"
+        raise invalid(f"{where} {reason}", field, code="invalid_json") from None
+
+
+def _failing_field(text: str) -> str | None:
+    """The key of the top-level object whose value fails to decode (None when it is not such a failure)."""
+    decoder = json.JSONDecoder()
+    i = _WS.match(text, 0).end()
+    if text[i:i + 1] != "{":
+        return None
+    i += 1
+    try:
+        while True:
+            i = _WS.match(text, i).end()
+            if text[i:i + 1] != '"':
+                return None
+            key, i = json.decoder.scanstring(text, i + 1)
+            i = _WS.match(text, i).end()
+            if text[i:i + 1] != ":":
+                return None
+            i = _WS.match(text, i + 1).end()
+            try:
+                _, i = decoder.raw_decode(text, i)
+            except (ValueError, RecursionError):
+                return key
+            i = _WS.match(text, i).end()
+            if text[i:i + 1] != ",":
+                return None
+            i += 1
+    except ValueError:  # a malformed key
+        return None
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON value, counted up to ``limit + 1`` (iterative: no recursion to exhaust)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 #: SamplingParams / pipeline field -> the request field a client sends
 _PARAM_OF_FIELD = {"num_outputs_per_prompt": "n", "height": "size", "width": "size", "extra_args": "extra_args"}
 
@@ -85,10 +161,14 @@ def _check(name: str, value: Any, kind: str) -> Any:
         "str|number": isinstance(value, (str, numbers.Real)) and not isinstance(value, bool),
     }[kind]
     if not ok:
-        raise invalid(f"'{name}' must be {_KINDS[kind]}, got {type(value).__name__} {value!r}", name,
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise invalid(f"'{name}' must be {_KINDS[kind]}, got {type(value).__name__} {shown}", name,
                       code="invalid_type")
     if kind == "number" and not math.isfinite(value):
         raise invalid(f"'{name}' must be a finite number, got {value!r}", name)
+    if kind == "object" and _depth(value, MAX_NESTING) > MAX_NESTING:
+        raise invalid(f"'{name}' is nested too deeply: at most {MAX_NESTING} levels of objects and arrays", name)
     return value
 
 
@@ -144,9 +224,7 @@ def _prompt(fields: dict[str, Any]) -> str:
     prompt = fields.get("prompt")
     if prompt is None:
         raise invalid("'prompt' is required", "prompt", code="missing_required_parameter")
-    if not prompt.strip():
-        raise invalid("'prompt' must not be empty", "prompt")
-    return prompt
+    return prompt  # empty or too long: the engine refuses it (same words as the Python API)
 
 
 def _sampling(fields: dict[str, Any], names: Mapping[str, str], **fixed: Any) -> SamplingParams:
@@ -248,7 +326,7 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
             raise invalid("give either 'seconds' or 'num_frames', not both", "seconds")
         try:
             value = float(seconds)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: an integer beyond float range
             value = float("nan")
         if not math.isfinite(value) or value <= 0 or value > 3600:
             raise invalid(f"'seconds'={seconds!r} is invalid: expected a positive number of seconds (e.g. '4')",
@@ -273,14 +351,55 @@ def parse_form(body: bytes, content_type: str) -> dict[str, Any]:
                                               + body)
     if not msg.is_multipart():
         raise invalid("malformed multipart/form-data body", None, code="invalid_body")
+    from email.utils import collapse_rfc2231_value
+
     fields: dict[str, Any] = {}
     for part in msg.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if not name:
             continue
+        name = collapse_rfc2231_value(name)
         payload = part.get_payload(decode=True) or b""
         if part.get_filename() is not None:
             fields[name] = payload
-        else:
-            fields[name] = payload.decode(part.get_content_charset() or "utf-8", errors="replace")
+            continue
+        charset = part.get_content_charset() or "utf-8"
+        try:
+            fields[name] = payload.decode(charset)
+        except LookupError:
+            raise invalid(f"form field '{name}' has an unknown charset {charset!r}; send UTF-8", name,
+                          code="invalid_body") from None
+        except UnicodeDecodeError as exc:
+            raise invalid(f"form field '{name}' is not valid {charset}: {exc}", name, code="invalid_body") from None
     return fields
+
+
+# ------------------------------------------------------------------------------------------ OpenAPI
+_SCHEMA_OF_KIND = {"str": {"type": "string"}, "int": {"type": "integer"}, "number": {"type": "number"},
+                   "bool": {"type": "boolean"}, "object": {"type": "object"},
+                   "str|number": {"type": ["string", "number"]}}
+
+
+def body_schema(fields: Mapping[str, str], *, accepted_defaults: Mapping[str, tuple] = (),
+                ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON schema of a request body read by :func:`_read_fields` (for ``/openapi.json``): the same
+    fields, kinds and accepted values, ``prompt`` required, nothing else allowed. ``null`` means "the default"."""
+    props: dict[str, Any] = {}
+    for name, kind in fields.items():
+        schema = dict(_SCHEMA_OF_KIND[kind])
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        schema["type"] = types + ["null"] if name != "prompt" else types[0]
+        props[name] = schema
+    for name, values in dict(accepted_defaults).items():
+        props[name] = {"enum": [*values, None]}
+    for name in ignored:
+        props[name] = {"type": ["string", "null"]}
+    return {"type": "object", "properties": props, "required": ["prompt"], "additionalProperties": False}
+
+
+def image_body_schema() -> dict[str, Any]:
+    return body_schema(IMAGE_FIELDS, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS, ignored=("user", "safety_identifier"))
+
+
+def video_body_schema() -> dict[str, Any]:
+    return body_schema(VIDEO_FIELDS, accepted_defaults={"quality": ("auto", "standard")}, ignored=("user",))

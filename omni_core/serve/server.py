@@ -6,9 +6,17 @@ import threading
 from typing import Any, Callable
 
 
+#: seconds uvicorn waits beyond the app's shutdown grace before it cancels what is left: an abort ends a
+#: running request within one denoising step, and its error answer must still go out
+ABORT_MARGIN_S = 30.0
+
+
 def _uvicorn_server(app: Any, host: str, port: int, log_level: str, on_ready: Callable[[str, int], None] | None,
                     access_log: bool = True):
     import uvicorn
+
+    omni = getattr(getattr(app, "state", None), "omni", None)  # the OmniServer of build_app, if this is one
+    grace = omni.shutdown_grace_s if omni is not None else 10.0
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -17,9 +25,17 @@ def _uvicorn_server(app: Any, host: str, port: int, log_level: str, on_ready: Ca
                 bound_host, bound_port = self.servers[0].sockets[0].getsockname()[:2]
                 on_ready(bound_host, bound_port)
 
+        async def shutdown(self, sockets=None) -> None:
+            if omni is not None:  # after the grace period the app aborts what still runs, answering errors
+                omni.begin_shutdown()
+            await super().shutdown(sockets=sockets)
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=access_log,
-                            timeout_graceful_shutdown=10)
-    return Server(config)
+                            timeout_graceful_shutdown=grace + ABORT_MARGIN_S)
+    server = Server(config)
+    if omni is not None:
+        omni.stop_serving = lambda: setattr(server, "should_exit", True)
+    return server
 
 
 def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
