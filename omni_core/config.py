@@ -6,6 +6,7 @@ Every error is a :class:`~omni_core.errors.ConfigError` naming the field, the va
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from typing import Any, Callable, Mapping
@@ -18,6 +19,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_TYPES = ("pil", "pt", "np", "latent")
 MAX_OUTPUTS_PER_PROMPT = 16
 MAX_INFERENCE_STEPS = 1000
+#: guidance_scale, guidance_scale_2 and true_cfg_scale must lie in [0, GUIDANCE_MAX]: models are used at 1-20,
+#: and a larger scale only amplifies the conditional difference into saturated noise
+GUIDANCE_MAX = 100.0
+#: hard bounds of one output's height and width, and of num_frames (limits are checked within these)
+MAX_SIDE = 16384
+MAX_FRAMES = 10000
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -44,17 +51,21 @@ def int_field(*, min: int | None = None, max: int | None = None, optional: bool 
     return check
 
 
-def float_field(*, min: float | None = None, optional: bool = False) -> Callable:
+def float_field(*, min: float | None = None, max: float | None = None, optional: bool = False) -> Callable:
+    """A finite real number in ``[min, max]``: NaN, +-inf and 1e308 are refused (no knob needs them)."""
     def check(instance, attribute, value):
         if value is None and optional:
             return
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             _fail(instance, attribute, value, f"expected a number{' or None' if optional else ''}, "
                                               f"got {type(value).__name__}")
-        if value != value:  # NaN
-            _fail(instance, attribute, value, "must not be NaN")
+        if not math.isfinite(value):
+            _fail(instance, attribute, value, ("must not be NaN" if value != value else "must be finite") + (
+                f" (allowed: {min} to {max})" if min is not None and max is not None else ""))
         if min is not None and value < min:
-            _fail(instance, attribute, value, f"must be >= {min}")
+            _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
+        if max is not None and value > max:
+            _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
     return check
 
 
@@ -291,6 +302,73 @@ class ParallelConfig(_FromKwargs):
         return out
 
 
+# ------------------------------------------------------------------------------------------ limits
+#: RequestLimits field -> (what it bounds, the SamplingParams field an error names, ``omni serve`` flag)
+LIMIT_FIELDS = {
+    "max_pixels": ("height x width of one output", "size", "--max-pixels"),
+    "max_frames": ("num_frames", "num_frames", "--max-frames"),
+    "max_steps": ("num_inference_steps", "num_inference_steps", "--max-steps"),
+    "max_outputs": ("num_outputs_per_prompt (the server's n)", "num_outputs_per_prompt", "--max-outputs"),
+    "max_prompt_chars": ("characters of the prompt and of the negative prompt, each", "prompt", "--max-prompt-chars"),
+}
+
+
+@attrs.frozen
+class RequestLimits(_FromKwargs):
+    """The most one request may ask for, so no single request can hold the engine for long.
+
+    ``None`` means "the model's default" (``OmniPipeline.request_limits``); the engine checks every request
+    against the resolved limits before any work starts. ``SamplingParams``' own bounds still apply.
+    """
+
+    max_pixels: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_SIDE * MAX_SIDE,
+                                                                          optional=True))
+    max_frames: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_FRAMES, optional=True))
+    max_steps: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_INFERENCE_STEPS,
+                                                                         optional=True))
+    max_outputs: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_OUTPUTS_PER_PROMPT,
+                                                                           optional=True))
+    max_prompt_chars: int | None = attrs.field(default=None, validator=int_field(min=1, optional=True))
+
+    @classmethod
+    def coerce(cls, value: Any) -> RequestLimits:
+        if value is None:
+            return cls()
+        if isinstance(value, RequestLimits):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_kwargs(**value)
+        raise ConfigError(f"limits must be a dict such as {{'max_steps': 200}} or RequestLimits, got {value!r}; "
+                          f"fields: {', '.join(LIMIT_FIELDS)}", field="limits")
+
+    def resolved(self, defaults: Mapping[str, int]) -> RequestLimits:
+        """These limits with every ``None`` replaced by ``defaults`` (which must cover every field)."""
+        return attrs.evolve(self, **{name: defaults[name] for name in LIMIT_FIELDS if getattr(self, name) is None})
+
+    def check(self, params: SamplingParams, prompt: str | None = None, negative_prompt: str | None = None,
+              *, model: str = "the model") -> None:
+        """Refuse a request (complete params) that asks for more than a limit, naming the field and the limit."""
+        def refuse(name: str, what: str, field: str | None = None) -> None:
+            limit = getattr(self, name)
+            raise ConfigError(f"{what} exceeds {name}={limit} for {model}; raise it with "
+                              f"limits={{{name!r}: ...}} (omni serve {LIMIT_FIELDS[name][2]})",
+                              field=field or LIMIT_FIELDS[name][1])
+
+        if self.max_pixels is not None and params.height is not None and params.width is not None:
+            pixels = params.height * params.width
+            if pixels > self.max_pixels:
+                refuse("max_pixels", f"height x width = {params.height}x{params.width} = {pixels} pixels")
+        checks = (("max_frames", "num_frames"), ("max_steps", "num_inference_steps"),
+                  ("max_outputs", "num_outputs_per_prompt"))
+        for name, field in checks:
+            value = getattr(params, field)
+            if getattr(self, name) is not None and value is not None and value > getattr(self, name):
+                refuse(name, f"{field}={value}")
+        for text, field in ((prompt, "prompt"), (negative_prompt, "negative_prompt")):
+            if self.max_prompt_chars is not None and text is not None and len(text) > self.max_prompt_chars:
+                refuse("max_prompt_chars", f"{field} of {len(text)} characters", field)
+
+
 # ------------------------------------------------------------------------------------------ engine
 def _normalise_dtype(value: Any) -> Any:
     if isinstance(value, str):
@@ -350,6 +428,10 @@ class OmniDiffusionConfig(_FromKwargs):
     model_kwargs: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
     #: seconds to wait for worker processes to load the model
     worker_start_timeout: float = attrs.field(default=300.0, validator=float_field(min=1.0))
+    #: the most one request may ask for; None fields take the model's defaults (``engine.limits``)
+    limits: RequestLimits = attrs.field(factory=RequestLimits, converter=RequestLimits.coerce)
+    #: start more worker processes than the platform has devices (or usable CPU cores) anyway
+    oversubscribe: bool = attrs.field(default=False, validator=bool_field)
 
     def __attrs_post_init__(self) -> None:
         names = self.attention_config.backend_names()
@@ -406,16 +488,19 @@ class OmniDiffusionConfig(_FromKwargs):
 class SamplingParams(_FromKwargs):
     """Prompt-independent generation knobs. ``None`` means "the model's default"."""
 
-    height: int | None = attrs.field(default=None, validator=int_field(min=1, max=16384, optional=True))
-    width: int | None = attrs.field(default=None, validator=int_field(min=1, max=16384, optional=True))
-    num_frames: int | None = attrs.field(default=None, validator=int_field(min=1, max=10000, optional=True))
+    height: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_SIDE, optional=True))
+    width: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_SIDE, optional=True))
+    num_frames: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_FRAMES, optional=True))
     num_inference_steps: int | None = attrs.field(
         default=None, validator=int_field(min=1, max=MAX_INFERENCE_STEPS, optional=True))
-    guidance_scale: float | None = attrs.field(default=None, validator=float_field(min=0.0, optional=True))
+    guidance_scale: float | None = attrs.field(default=None, validator=float_field(
+        min=0.0, max=GUIDANCE_MAX, optional=True))
     #: Wan 2.2's second expert (low-noise stage)
-    guidance_scale_2: float | None = attrs.field(default=None, validator=float_field(min=0.0, optional=True))
+    guidance_scale_2: float | None = attrs.field(default=None, validator=float_field(
+        min=0.0, max=GUIDANCE_MAX, optional=True))
     #: Qwen-Image's true CFG; > 1 with a negative prompt turns CFG on
-    true_cfg_scale: float | None = attrs.field(default=None, validator=float_field(min=0.0, optional=True))
+    true_cfg_scale: float | None = attrs.field(default=None, validator=float_field(
+        min=0.0, max=GUIDANCE_MAX, optional=True))
     seed: int | None = attrs.field(default=None, validator=int_field(min=0, max=2**63 - 1, optional=True))
     num_outputs_per_prompt: int = attrs.field(default=1, validator=int_field(min=1, max=MAX_OUTPUTS_PER_PROMPT))
     output_type: str = attrs.field(default="pil", validator=choice_field(OUTPUT_TYPES))

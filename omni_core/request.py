@@ -16,6 +16,20 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"
 
 
+def check_prompt(prompt: Any, negative_prompt: Any = None) -> None:
+    """Refuse a prompt that is not a string or is empty / whitespace only (the engine and the server both
+    call this, so the Python API and HTTP refuse the same prompts with the same words). An empty negative
+    prompt is fine: it means "unconditional"."""
+    if not isinstance(prompt, str):
+        raise ConfigError(f"prompt must be a string or a dict with 'prompt', got {type(prompt).__name__}",
+                          field="prompt")
+    if not prompt.strip():
+        raise ConfigError(f"prompt must not be empty or whitespace only, got {prompt!r}", field="prompt")
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise ConfigError(f"negative_prompt must be a string, got {type(negative_prompt).__name__}",
+                          field="negative_prompt")
+
+
 @attrs.define(eq=False)
 class OmniDiffusionRequest:
     """One generation request. ``sampling_params`` is complete (model defaults filled in) once pre-processed."""
@@ -46,11 +60,6 @@ class OmniDiffusionRequest:
                                   field="prompt")
             negative = prompt.get("negative_prompt")
             prompt = prompt.get("prompt")
-        if not isinstance(prompt, str):
-            raise ConfigError(f"prompt must be a string or a dict with 'prompt', got {type(prompt).__name__}",
-                              field="prompt")
-        if negative is not None and not isinstance(negative, str):
-            raise ConfigError(f"negative_prompt must be a string, got {type(negative).__name__}",
-                              field="negative_prompt")
+        check_prompt(prompt, negative)
         kwargs = {"request_id": request_id} if request_id else {}
         return cls(prompt=prompt, negative_prompt=negative, sampling_params=sampling_params, **kwargs)

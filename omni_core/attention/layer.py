@@ -14,20 +14,37 @@ from omni_core.errors import ComponentUnavailableError
 from omni_core.forward_context import current_config, forward_context
 
 
+def _load_target(config: Any, dtype: Any, device: Any) -> tuple[Any, Any, Any]:
+    """(platform, dtype, device type) the layer will run on: explicit arguments first, else what the config
+    being loaded implies (its platform; its dtype, ``auto`` meaning the platform's default dtype, as the
+    worker loads it). Without a config: (None, None, None), i.e. the current platform and its defaults."""
+    if config is None:
+        return None, dtype, device
+    from omni_core.platforms import platform_for
+
+    platform = platform_for(config)
+    if dtype is None:
+        name = getattr(config, "dtype", "auto")
+        dtype = platform.default_dtype if name == "auto" else name
+    return platform, dtype, device if device is not None else platform.device_type
+
+
 class Attention(nn.Module):
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` with a declared role.
 
     ``role`` names the attention site (``"self"``, ``"cross"``, ``"joint"`` or a model-specific string);
     ``role_category`` is the generic role it falls back to in the per-role config. The backend is
     selected when the layer is built, from the ``OmniDiffusionConfig`` being loaded (see
-    :func:`omni_core.forward_context.use_config`), and can be changed later with :meth:`set_backend`.
+    :func:`omni_core.forward_context.use_config`), for the dtype and device it will run in (``dtype`` /
+    ``device``, else the config's dtype on the config's platform), and can be changed later with
+    :meth:`set_backend`.
     Sequence-parallel strategies apply inside a sharded region unless ``skip_sequence_parallel``.
     """
 
     def __init__(self, num_heads: int, head_size: int, *, causal: bool = False, softmax_scale: float | None = None,
                  num_kv_heads: int | None = None, role: str = "self", role_category: str | None = None,
                  prefix: str = "", skip_sequence_parallel: bool = False,
-                 attention_config: AttentionConfig | None = None) -> None:
+                 attention_config: AttentionConfig | None = None, dtype: Any = None, device: Any = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
@@ -38,14 +55,16 @@ class Attention(nn.Module):
         self.role_category = role_category
         self.prefix = prefix
         self.skip_sequence_parallel = skip_sequence_parallel
+        cfg = current_config()
         if attention_config is None:
-            cfg = current_config()
             attention_config = getattr(cfg, "attention_config", None)
+        self._platform, self._dtype, self._device = _load_target(cfg, dtype, device)
         self._select(attention_config)
 
     def _select(self, attention_config: AttentionConfig | None) -> None:
         self.selection: AttentionSelection = select_attention_backend(
-            self.role, head_size=self.head_size, role_category=self.role_category, attention_config=attention_config)
+            self.role, head_size=self.head_size, role_category=self.role_category, attention_config=attention_config,
+            dtype=self._dtype, device=self._device, causal=self.causal, platform=self._platform)
         self.impl = self.selection.backend_cls.get_impl_cls()(
             self.num_heads, self.head_size, self.softmax_scale, self.causal, self.num_kv_heads,
             **self.selection.spec.options)

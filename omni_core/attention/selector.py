@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from omni_core.attention.backend import AttentionBackend
+from omni_core.attention.backend import AttentionBackend, dtype_name
 from omni_core.config import AttentionConfig, AttentionSpec
 from omni_core.errors import ComponentUnavailableError
 
@@ -59,11 +59,20 @@ def select_attention_backend(
     role_category: str | None = None,
     attention_config: AttentionConfig | None = None,
     dtype: Any = None,
+    device: Any = None,
+    causal: bool = False,
     platform=None,
     pm=None,
 ) -> AttentionSelection:
-    """Pick the backend for one ``Attention`` layer and check that it can run here."""
+    """Pick the backend for one ``Attention`` layer and check that it can run here.
+
+    ``dtype`` and ``device`` are what the layer will run in (``torch.bfloat16`` or ``"bfloat16"``; a device or
+    its type). The platform's default is chosen for that dtype (None: the platform's default dtype), and when
+    both are known the chosen backend must accept them now rather than fail at the first forward.
+    """
     attention_config = attention_config or AttentionConfig()
+    dtype = dtype_name(dtype) if dtype is not None else None
+    device_type = getattr(device, "type", device)
     spec, source = attention_config.resolve(role, role_category)
     if spec is None:
         if platform is None:
@@ -76,6 +85,8 @@ def select_attention_backend(
         raise ComponentUnavailableError(f"attention backend {spec.backend!r} (chosen by {source} for role "
                                         f"{role!r}) cannot run here: {why}")
     why = backend_cls.check_head_size(head_size)
+    if not why and dtype is not None and device_type is not None:
+        why = backend_cls.check_call(dtype, str(device_type), False, causal)
     if why:
         raise ComponentUnavailableError(f"attention backend {spec.backend!r} (chosen by {source} for role "
                                         f"{role!r}) cannot run here: {why}")

@@ -8,10 +8,10 @@ from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
 
 class UniProcExecutor(DiffusionExecutor):
     def start(self) -> None:
-        from omni_core.platforms import current_platform
+        from omni_core.platforms import platform_for
         from omni_core.worker.runner import ModelRunner, torch_dtype
 
-        platform = current_platform
+        platform = platform_for(self.config)
         if self.config.world_size != 1:
             from omni_core.errors import ConfigError
 

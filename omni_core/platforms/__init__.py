@@ -4,13 +4,15 @@ from omni_core.platforms.interface import Platform
 from omni_core.platforms.resolve import (
     PlatformResolution,
     PlatformResolutionError,
+    check_world_size,
     current_resolution,
+    platform_for,
     reset_current_platform,
     resolve_platform,
 )
 
-__all__ = ["Platform", "PlatformResolution", "PlatformResolutionError", "current_platform", "current_resolution",
-           "reset_current_platform", "resolve_platform"]
+__all__ = ["Platform", "PlatformResolution", "PlatformResolutionError", "check_world_size", "current_platform",
+           "current_resolution", "platform_for", "reset_current_platform", "resolve_platform"]
 
 
 def __getattr__(name: str):

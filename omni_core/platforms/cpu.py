@@ -17,6 +17,15 @@ class CpuPlatform(Platform):
     def device_count(self) -> int:
         return 1
 
+    def max_world_size(self) -> tuple[int, str]:
+        """One worker per usable CPU core: more processes only time-slice the same cores (each rank's step
+        waits for the slowest), so they cost start-up time and memory without adding throughput."""
+        try:
+            n = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # not on Linux
+            n = os.cpu_count() or 1
+        return n, f"{n} usable CPU core(s)"
+
     def get_torch_device(self, rank: int = 0) -> Any:
         import torch
 

@@ -27,6 +27,11 @@ class Platform:
     def device_count(self) -> int:
         return 1
 
+    def max_world_size(self) -> tuple[int, str]:
+        """How many worker processes this machine can place (one per device), and what they are, for errors."""
+        n = self.device_count()
+        return n, f"{n} {self.name} device(s)"
+
     def get_torch_device(self, rank: int = 0) -> Any:
         """The torch device a worker of local ``rank`` uses."""
         import torch

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import attrs
 
-from omni_core.errors import ComponentUnavailableError, OmniError
+from omni_core.errors import ComponentUnavailableError, ConfigError, OmniError
 from omni_core.platforms.interface import Platform
 
 FALLBACK = "cpu"
@@ -73,7 +74,33 @@ def resolve_platform(pm=None, requested: str | None = None) -> PlatformResolutio
 
 
 _current: PlatformResolution | None = None
+_requested: dict[str, Platform] = {}
 _lock = threading.Lock()
+
+
+def platform_for(config: Any = None) -> Platform:
+    """The platform a config runs on: its ``platform`` field when set (the platform must be usable here,
+    else :class:`ComponentUnavailableError` with its reason), else ``current_platform``. The engine, the
+    executors and every worker call this, so all of them agree."""
+    name = getattr(config, "platform", None)
+    if name is None:
+        return current_resolution().platform
+    with _lock:
+        if name not in _requested:
+            _requested[name] = resolve_platform(requested=name).platform
+        return _requested[name]
+
+
+def check_world_size(config: Any, platform: Platform) -> None:
+    """Refuse (before any worker starts) a world size the platform cannot place, unless ``oversubscribe``."""
+    world = config.parallel_config.world_size
+    capacity, what = platform.max_world_size()
+    if world <= max(capacity, 1) or getattr(config, "oversubscribe", False):
+        return
+    raise ConfigError(
+        f"parallel_config needs {config.parallel_config.describe_world()} but platform {platform.name!r} can place "
+        f"{capacity} ({what}); lower the degrees to a product of at most {capacity}, or pass oversubscribe=True "
+        f"(omni serve --oversubscribe) to start {world} processes anyway", field="parallel_config")
 
 
 def current_resolution() -> PlatformResolution:
@@ -88,3 +115,4 @@ def current_resolution() -> PlatformResolution:
 def reset_current_platform() -> None:
     global _current
     _current = None
+    _requested.clear()

@@ -52,10 +52,11 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         import torch
         import torch.distributed as dist
 
-        from omni_core.platforms import current_platform as platform
+        from omni_core.platforms import platform_for
         from omni_core.sched.interface import RunnerOutput
         from omni_core.worker.runner import ModelRunner, torch_dtype
 
+        platform = platform_for(config)  # the config's platform, not only what detection finds here
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         device = platform.get_torch_device(rank)
         platform.set_device(device)

@@ -58,6 +58,9 @@ class QwenImagePipeline(OmniPipeline):
     default_width = 1024
     default_num_inference_steps = 50
     default_true_cfg_scale = 4.0
+    #: Qwen-Image's published sizes reach 1664x928 / 1328x1328 (1.8 MP); 2048x2048 (4x the default area) leaves
+    #: headroom without letting one request take minutes per step
+    default_limits: ClassVar[dict] = {"max_pixels": 2048 * 2048}
 
     # ------------------------------------------------------------------ engine process
     @classmethod

@@ -67,6 +67,8 @@ class WanPipeline(OmniPipeline):
     default_width = 832
     default_num_frames = 81
     default_num_inference_steps = 50
+    #: Wan's largest trained sizes: 720p (1280x720, Wan 2.1/2.2 14B) and 121 frames (Wan 2.2 TI2V-5B, 1280x704)
+    default_limits: ClassVar[dict] = {"max_pixels": 1280 * 720, "max_frames": 121}
     default_guidance_scale = 5.0
 
     # ------------------------------------------------------------------ engine process
