@@ -20,7 +20,7 @@ from omni_core.engine.stream import OutputStream
 from omni_core.errors import ConfigError, EngineDeadError, OmniError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.loader import check_parallel_support, resolve_model
-from omni_core.request import OmniDiffusionRequest
+from omni_core.request import OmniDiffusionRequest, check_prompt
 from omni_core.sched.interface import DiffusionRequestStatus, DiffusionSchedulerOutput, RunnerOutput
 
 logger = logging.getLogger("omni_core.engine")
@@ -44,6 +44,11 @@ class DiffusionEngine:
         self.resolved = resolve_model(config.model, pm)
         check_parallel_support(self.resolved, config.parallel_config)
         self.pipeline_cls = self.resolved.pipeline_cls()
+        #: the resolved RequestLimits every request is checked against (config.limits over the model's)
+        self.limits = self.pipeline_cls.request_limits(config.limits)
+        from omni_core.platforms import check_world_size, platform_for
+
+        check_world_size(config, platform_for(config))  # the configured platform runs here and can place the ranks
         self.execution_mode = (DiffusionExecutionMode.STEP_BATCH if config.uses_step_execution
                                else DiffusionExecutionMode.REQUEST_BATCH)
         if self.execution_mode is DiffusionExecutionMode.STEP_BATCH and not self.pipeline_cls.supports_step_execution:
@@ -103,7 +108,9 @@ class DiffusionEngine:
     # ------------------------------------------------------------------ admission
     def prepare_request(self, request: OmniDiffusionRequest) -> OmniDiffusionRequest:
         """Validate and complete a request (model defaults, a seed) before it touches any engine state."""
+        check_prompt(request.prompt, request.negative_prompt)
         params = self.pipeline_cls.check_sampling_params(request.sampling_params, self.resolved.model_path)
+        self.limits.check(params, request.prompt, request.negative_prompt, model=self.pipeline_cls.__name__)
         if params.seed is None:
             params = params.replace(seed=secrets.randbits(63))
         request.sampling_params = params
