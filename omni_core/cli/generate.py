@@ -31,6 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fps", type=int, default=16, help="frames per second of a video file")
     p.add_argument("--native-size", action="store_true",
                    help="write images at the model's size (by default small images are upscaled for display)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up (one step at the smallest valid shape)")
     add_engine_options(p)
     p.set_defaults(func=run_generate)
 
@@ -45,7 +47,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = {k: v for k, v in sampling.items() if v is not None}
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
     t0 = time.perf_counter()
-    with Omni(args.model, warmup=False, **engine_options(args)) as omni:
+    with Omni(args.model, warmup=not args.no_warmup, **engine_options(args)) as omni:
         t1 = time.perf_counter()
         (out,) = omni.generate(prompt, **sampling)
         t2 = time.perf_counter()

@@ -15,13 +15,14 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from omni_core.config import OmniDiffusionConfig
+from omni_core.config import OmniDiffusionConfig, SamplingParams
 from omni_core.engine.stream import OutputStream
 from omni_core.errors import ConfigError, EngineDeadError, OmniError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.loader import check_parallel_support, resolve_model
 from omni_core.request import OmniDiffusionRequest, check_prompt
 from omni_core.sched.interface import DiffusionRequestStatus, DiffusionSchedulerOutput, RunnerOutput
+from omni_core.worker.runner import innermost_frame
 
 logger = logging.getLogger("omni_core.engine")
 
@@ -88,22 +89,47 @@ class DiffusionEngine:
                 raise
         return engine
 
+    def warmup_params(self) -> SamplingParams:
+        """One step at the smallest valid shape (not the model's default size, which costs a full-size step
+        and may not fit a small model), or the pipeline's own ``warmup_params`` (a class attribute dict)."""
+        cls = self.pipeline_cls
+        m = cls.size_multiple
+        values: dict[str, Any] = {"height": m, "width": m, "num_inference_steps": 1, "output_type": "latent", "seed": 0}
+        if cls.is_video:
+            values["num_frames"] = 1  # (num_frames - 1) % frame_multiple == 0 holds for any multiple
+        declared = getattr(cls, "warmup_params", None)
+        params = SamplingParams.from_kwargs(**{**values, **(declared or {})})
+        for _ in range(3):  # a folder may need a larger multiple than the class declares (e.g. a VAE factor)
+            try:
+                return cls.check_sampling_params(params, self.resolved.model_path)
+            except ConfigError as exc:
+                if declared or exc.field not in ("height", "width"):
+                    raise
+                params = params.replace(height=params.height * 2, width=params.width * 2)
+        return cls.check_sampling_params(params, self.resolved.model_path)
+
     def run_startup_warmup(self) -> None:
-        params = self.pipeline_cls.check_sampling_params(
-            self.config_default_params().replace(num_inference_steps=1, output_type="latent"), self.resolved.model_path)
-        req = OmniDiffusionRequest(prompt="warmup", sampling_params=params, request_id=f"warmup-{secrets.token_hex(4)}")
-        stream = self._admit(req, bind_loop=False)
-        while True:
-            out = stream.get()
-            if out.finished:
-                break
-        if out.status == "error":
-            raise OmniError(f"start-up warmup failed: {out.error}")
-
-    def config_default_params(self):
-        from omni_core.config import SamplingParams
-
-        return SamplingParams(seed=0)
+        """Run one tiny request end to end; a failure says which model, which shape, where, and how to skip."""
+        shape, frame = "(no shape: choosing it failed)", None
+        try:
+            params = self.warmup_params()
+            shape = (f"height={params.height} width={params.width}"
+                     + (f" num_frames={params.num_frames}" if params.num_frames is not None else "")
+                     + f" steps={params.num_inference_steps}")
+            req = OmniDiffusionRequest(prompt="warmup", sampling_params=params,
+                                       request_id=f"warmup-{secrets.token_hex(4)}")
+            stream = self._admit(req, bind_loop=False)
+            while True:
+                out = stream.get()
+                if out.finished:
+                    break
+            error, frame = out.error, out.metrics.get("error_frame")
+        except Exception as exc:  # noqa: BLE001 - the shape was refused, or the engine died
+            out, error, frame = None, f"{type(exc).__name__}: {exc}", innermost_frame(exc)
+        if out is None or out.status == "error":
+            raise OmniError(f"start-up warmup of model {self.resolved.spec.name!r} ({self.resolved.model_path}) failed "
+                            f"at {shape}: {error}" + (f" [raised at {frame}]" if frame else "")
+                            + "; start without it with warmup=False (omni serve / omni generate --no-warmup)")
 
     # ------------------------------------------------------------------ admission
     def prepare_request(self, request: OmniDiffusionRequest) -> OmniDiffusionRequest:
@@ -281,6 +307,9 @@ class DiffusionEngine:
                 if rid in ended:
                     if ended[rid] == DiffusionRequestStatus.FINISHED_ERROR and out.status != "error":
                         out.status, out.error = "error", out.error or "request failed"
+                    elif (ended[rid] == DiffusionRequestStatus.FINISHED_COMPLETED
+                          and self.execution_mode is DiffusionExecutionMode.STEP_BATCH):
+                        self._last_step(rid, out)
                     self._finalize(rid, out)
                 elif not out.finished:
                     self._notify_progress(rid, out.step_index, out.num_steps)
@@ -290,6 +319,17 @@ class DiffusionEngine:
                 if rid in self._requests:
                     self._finalize(rid, DiffusionOutput(request_id=rid, status="error",
                                                         error="the runner returned no output for this request"))
+
+    def _last_step(self, request_id: str, out: DiffusionOutput) -> None:
+        """The step that finished a request counts like the others: progress, and (streaming) its preview
+        as an intermediate output before the final one, so N steps stream N previews (lock held)."""
+        self._notify_progress(request_id, out.step_index, out.num_steps)
+        if self.config.streaming_output:
+            self._streams[request_id].put(DiffusionOutput(
+                request_id=request_id, finished=False, preview=out.preview, step_index=out.step_index,
+                num_steps=out.num_steps, metrics={k: out.metrics[k] for k in ("step_time_s", "batch_size")
+                                                  if k in out.metrics}))
+        out.preview = None
 
     def _on_progress(self, request_id: str, step: int, total: int) -> None:
         with self._lock:

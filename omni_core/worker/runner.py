@@ -39,10 +39,24 @@ def sent_bytes() -> int:
     return communication_stats()["total"]
 
 
+def innermost_frame(exc: BaseException) -> str | None:
+    """``file:line in function`` where ``exc`` was raised (the innermost traceback frame), or None."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+
+
 def error_output(request_id: str, exc: BaseException | str, state: StepState | None = None) -> DiffusionOutput:
+    """A failed request's output; ``metrics["error_frame"]`` says where it was raised (the traceback stays
+    in the worker, so without it a warm-up failure could not point at the failing line)."""
     msg = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    return DiffusionOutput(request_id=request_id, finished=True, status="error", error=msg,
-                           step_index=state.step_index if state else 0, num_steps=state.num_steps if state else 0)
+    out = DiffusionOutput(request_id=request_id, finished=True, status="error", error=msg,
+                          step_index=state.step_index if state else 0, num_steps=state.num_steps if state else 0)
+    frame = None if isinstance(exc, str) else innermost_frame(exc)
+    if frame:
+        out.metrics["error_frame"] = frame
+    return out
 
 
 class _Control:
@@ -234,6 +248,8 @@ class ModelRunner:
                 if state.done:
                     try:
                         out = self._finish_output(state, self.pipeline.post_decode(state), {})
+                        if self.config.streaming_output:  # the last step's preview; the engine streams it first
+                            out.preview = self.pipeline.preview(state)
                     except Exception as exc:  # noqa: BLE001
                         out = error_output(rid, exc, state)
                     self._forget(rid)

@@ -76,7 +76,9 @@ def test_abort_reaches_the_worker_mid_request(tiny_model):
         seen = []
         stream = engine.submit(req)
         engine.add_progress_listener(req.request_id, lambda rid, step, total: seen.append(step))
+        deadline = time.monotonic() + 60
         while len(seen) < 3:
+            assert time.monotonic() < deadline, f"no 3 steps within 60 s (saw {seen})"
             time.sleep(0.005)
         at_abort = seen[-1]
         engine.abort(req.request_id)
