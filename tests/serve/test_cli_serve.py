@@ -26,8 +26,10 @@ def _omni_command() -> list[str]:
 
 
 class CliServer:
-    def __init__(self, *args: str, timeout: float = 120.0) -> None:
+    def __init__(self, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_") or k == "OMNI_STRICT_PLUGINS"}
+        env.update(extra)
         self.proc = subprocess.Popen([*_omni_command(), "serve", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.url = None
@@ -61,8 +63,8 @@ class CliServer:
 def cli_server():
     started = []
 
-    def start(*args: str) -> CliServer:
-        srv = CliServer(*args)
+    def start(*args: str, env: dict[str, str] | None = None) -> CliServer:
+        srv = CliServer(*args, env=env)
         started.append(srv)
         return srv
 
@@ -167,3 +169,178 @@ def test_openai_client_generates_an_image_against_omni_serve_shapes(cli_server):
     assert (seen.colour, seen.shape, seen.position) == ("red", "circle", "top left")
     code, stderr = srv.stop(signal.SIGTERM)
     assert code == 0, stderr
+
+
+# ------------------------------------------------------------------------------------------ auth options
+def test_omni_api_key_from_the_environment_is_the_default(tiny_model, cli_server):
+    import httpx
+
+    srv = cli_server(tiny_model, "--port", "0", "--log-level", "warning", env={"OMNI_API_KEY": "env-secret"})
+    assert httpx.get(f"{srv.url}/health").status_code == 200  # open
+    r = httpx.get(f"{srv.url}/v1/models")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer env-secret"}).status_code == 200
+    code, stderr = srv.stop(signal.SIGTERM)
+    assert code == 0, stderr
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--api-key", ""], {}, "--api-key ''"),
+    (["--api-key", "two words"], {}, "--api-key 'two words'"),
+    ([], {"OMNI_API_KEY": ""}, "$OMNI_API_KEY ''"),
+    (["--api-key", "k", "--no-auth"], {}, "--no-auth"),
+])
+def test_an_empty_or_contradictory_key_is_refused_before_loading(tiny_model, args, env, words):
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    proc = subprocess.run([*_omni_command(), "serve", tiny_model, "--port", "0", *args], capture_output=True,
+                          text=True, timeout=60, env={**run_env, **env})
+    assert proc.returncode == 1 and words in proc.stderr, proc.stderr
+    assert "loading" not in proc.stderr  # refused before the model is loaded
+
+
+def test_no_auth_ignores_the_environment_key(tiny_model, cli_server):
+    import httpx
+
+    srv = cli_server(tiny_model, "--port", "0", "--no-auth", "--no-warmup", "--log-level", "warning",
+                     env={"OMNI_API_KEY": "env-secret"})
+    assert httpx.get(f"{srv.url}/v1/models").status_code == 200
+    srv.stop(signal.SIGTERM)
+
+
+# ------------------------------------------------------------------------------------------ faults
+def _worker_pids(pid: int) -> list[int]:
+    """The spawned worker processes among ``pid``'s children (not multiprocessing's resource tracker)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(entry))
+    return out
+
+
+def _sse(response) -> list[tuple[str, dict]]:
+    import json
+
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            events.append((name, json.loads(line[5:])))
+    return events
+
+
+def _in_flight(url: str, headers: dict, slow: dict) -> tuple[dict, "object", "object"]:
+    """Start one non-streamed and one streamed slow request on threads; returns (results, threads...)."""
+    import threading
+
+    import httpx
+
+    results: dict = {}
+
+    def plain() -> None:
+        t = time.monotonic()
+        r = httpx.post(f"{url}/v1/images/generations", json=slow, headers=headers, timeout=120)
+        results["plain"] = (r.status_code, r.json() if r.headers.get("content-type") == "application/json"
+                            else r.text, time.monotonic() - t)
+
+    def streamed() -> None:
+        t = time.monotonic()
+        with httpx.stream("POST", f"{url}/v1/images/generations", json={**slow, "stream": True}, headers=headers,
+                          timeout=120) as s:
+            results["stream"] = (s.status_code, _sse(s), time.monotonic() - t)
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    return results, *threads
+
+
+def _wait_running(url: str, n: int, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health", timeout=10).json().get("running") != n:
+        assert time.monotonic() < deadline, f"{n} requests never ran"
+        time.sleep(0.1)
+
+
+def test_engine_death_answers_503_in_flight_then_omni_serve_exits_non_zero(tiny_model, cli_server):
+    """SIGKILL the worker of ``omni serve --executor mp``: both in-flight requests get the engine-dead error
+    in OpenAI's shape (the stream as an error event), then the server exits with status 3 so a supervisor
+    restarts it."""
+    srv = cli_server(tiny_model, "--port", "0", "--executor", "mp", "--api-key", KEY, "--max-num-seqs", "2",
+                     "--max-steps", "1000", "--log-level", "warning")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    results, *threads = _in_flight(srv.url, headers, {"prompt": "slow", "num_inference_steps": 1000,
+                                                       "extra_args": {"sleep_per_step": 0.05}})
+    _wait_running(srv.url, 2)
+    (worker,) = _worker_pids(srv.proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(60)
+    status, body, _ = results["plain"]
+    assert status == 503, body
+    assert body["error"]["type"] == "engine_dead" and body["error"]["code"] == "engine_dead"
+    assert body["error"]["param"] is None and body["error"]["message"].count("the engine is dead") == 1
+    status, events, _ = results["stream"]
+    assert status == 200 and events[-1][0] == "error", events[-3:]
+    assert events[-1][1]["error"]["code"] == "engine_dead"
+    try:
+        code = srv.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("omni serve kept running after its engine died") from None
+    assert time.monotonic() - t0 < 40
+    stderr = srv.proc.stderr.read()
+    assert code == 3 and "the engine died" in stderr, stderr[-2000:]
+
+
+def test_sigterm_aborts_long_requests_after_the_grace_and_answers_them(tiny_model, cli_server):
+    """SIGTERM with two 20-second requests in flight and --shutdown-grace 1: both are aborted through the
+    engine once the grace is over; the plain one gets a JSON 503 ``request_aborted``, the stream an error
+    event before it ends; the server exits 0 long before the requests would have finished."""
+    srv = cli_server(tiny_model, "--port", "0", "--shutdown-grace", "1", "--max-num-seqs", "2", "--max-steps",
+                     "1000", "--log-level", "warning")
+    results, *threads = _in_flight(srv.url, {}, {"prompt": "slow", "num_inference_steps": 1000,
+                                                 "extra_args": {"sleep_per_step": 0.02}})
+    _wait_running(srv.url, 2)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    status, body, seconds = results["plain"]
+    assert status == 503 and body["error"]["code"] == "request_aborted", body
+    assert "shutting down" in body["error"]["message"]
+    status, events, _ = results["stream"]
+    assert status == 200 and events[-1][0] == "error" and events[-1][1]["error"]["code"] == "request_aborted"
+    assert [e for e, _ in events[:-1]] == ["image_generation.partial_image"] * (len(events) - 1)
+    code, stderr = srv.stop(signal.SIGTERM, timeout=30)
+    assert time.monotonic() - t0 < 15  # 1 s grace, then at most a step: not the 20 s the requests wanted
+    assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_limit_flags_reach_the_engine(tiny_model, cli_server):
+    import httpx
+
+    srv = cli_server(tiny_model, "--port", "0", "--max-steps", "7", "--max-pixels", "256", "--max-outputs", "2",
+                     "--no-warmup", "--log-level", "warning")
+    for body, param, words in [({"num_inference_steps": 8}, "num_inference_steps", "max_steps=7"),
+                               ({"size": "24x16"}, "size", "max_pixels=256"),
+                               ({"n": 3}, "n", "max_outputs=2")]:
+        r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x", **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert words in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x", "num_inference_steps": 7, "n": 2},
+                   timeout=60)
+    assert r.status_code == 200
+    srv.stop(signal.SIGTERM)

@@ -308,3 +308,45 @@ def test_build_app_takes_an_async_omni_and_runs_over_asgi_transport(tiny_model, 
     assert r.status_code == 200
     expected = (via_api.images[0].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
     assert np.array_equal(decode_png(r.json()["data"][0]["b64_json"]), expected)
+
+
+# ------------------------------------------------------------------------------------------ engine death
+def test_after_the_engine_dies_health_and_every_request_answer_503_engine_dead(tiny_model, start_server):
+    """An embedded server (no exit on death) over an ``mp`` engine whose worker is SIGKILLed: the in-flight
+    request, later requests and ``/health`` all say 503, in OpenAI's shape, the reason given once."""
+    import os
+    import signal
+    import threading
+
+    live = start_server(tiny_model, {"executor": "mp", "streaming_output": True, "warmup": False,
+                                     "limits": {"max_steps": 1000}})
+    engine = live.engine
+    with live.client() as c:
+        assert c.get("/health").status_code == 200
+    answer = {}
+
+    def in_flight() -> None:
+        with live.client(timeout=60) as c:
+            answer["r"] = c.post("/v1/images/generations", json=slow(steps=1000, sleep=0.05))
+
+    thread = threading.Thread(target=in_flight)
+    thread.start()
+    wait_for(lambda: engine.stats()["running"] == 1, timeout=30, what="the request to run")
+    (pid,) = engine.executor.worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(60)
+    r = answer["r"]
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("engine_dead", "engine_dead", None)
+    assert err["message"].startswith("the engine is dead: ") and err["message"].count("the engine is dead") == 1
+    with live.client() as c:
+        health = c.get("/health")
+        later = c.post("/v1/images/generations", json={"prompt": "later"})
+        metrics = c.get("/metrics").text
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    assert health.json()["reason"].count("the engine is dead") == 1
+    assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+    assert later.json()["error"]["message"].count("the engine is dead") == 1
+    assert f'omni_engine_dead{{model="{engine.config.model}"}} 1\n' in metrics
+    assert live.thread._thread.is_alive()  # an embedded server keeps answering; omni serve exits instead
