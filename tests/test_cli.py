@@ -42,10 +42,10 @@ def validate(value, schema, path="$"):
 def test_validator_can_fail():
     with pytest.raises(AssertionError, match="unexpected field 'extra'"):
         validate([{"name": "x", "dist": "d", "version": "1", "status": "active", "builtin": False, "error": None,
-                   "module": "m", "kinds": [], "components": {}, "extra": 1}], SCHEMA)
+                   "module": "m", "kinds": [], "components": {}, "model_names": {}, "extra": 1}], SCHEMA)
     with pytest.raises(AssertionError, match="not in"):
         validate([{"name": "x", "dist": "d", "version": "1", "status": "broken", "builtin": False, "error": None,
-                   "module": "m", "kinds": [], "components": {}}], SCHEMA)
+                   "module": "m", "kinds": [], "components": {}, "model_names": {}}], SCHEMA)
 
 
 def test_plugins_list_json_schema_and_sdpa_active(run_omni):
@@ -59,6 +59,42 @@ def test_plugins_list_json_schema_and_sdpa_active(run_omni):
     assert {r["name"] for r in rows if r["builtin"]} >= {"builtin-platform-cpu", "builtin-commands"}
     visible = json.loads(run_omni("plugins", "list", "--json").stdout)
     assert not any(r["builtin"] for r in visible) and "attention-sdpa" in {r["name"] for r in visible}
+
+
+def test_validator_requires_model_names():
+    with pytest.raises(AssertionError, match="missing 'model_names'"):
+        validate([{"name": "x", "dist": "d", "version": "1", "status": "active", "builtin": False, "error": None,
+                   "module": "m", "kinds": [], "components": {}}], SCHEMA)
+
+
+def test_plugins_list_shows_model_short_names(run_omni):
+    """What ``Omni(model=...)`` accepts is in the listing: ``shapes`` next to ShapesPipeline, text and JSON."""
+    proc = run_omni("plugins", "list")
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("model-shapes"))
+    assert row.split()[2:] == ["active", "pipeline", "ShapesPipeline", "(model=shapes)"]
+    wan = next(line for line in proc.stdout.splitlines() if line.startswith("model-wan"))
+    assert wan.split()[-1] == "WanPipeline"  # registers no short name: folders only
+    assert "or a diffusers folder whose model_index.json names a pipeline" in proc.stdout
+    rows = json.loads(run_omni("plugins", "list", "--json", "--kind", "pipeline").stdout)
+    validate(rows, SCHEMA)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["model-shapes"]["model_names"] == {"ShapesPipeline": ["shapes"]}
+    assert by_name["model-wan"]["model_names"] == {}
+
+
+def test_env_lists_pipelines_with_model_names(run_omni, capsys, omni_plugin_manager):
+    proc = run_omni("env")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    start = lines.index("pipelines (model= takes a short name, or a diffusers folder naming the pipeline):")
+    section = {line.split()[0]: line.split()[1:] for line in lines[start + 1:] if line.startswith("  ")}
+    assert section["ShapesPipeline"] == ["omni-model-shapes", "model=shapes"]
+    assert section["QwenImagePipeline"] == ["omni-model-qwen-image", "folder", "only"]
+    assert main(["env", "--json"]) == 0
+    pipelines = {p["name"]: p for p in json.loads(capsys.readouterr().out)["pipelines"]}
+    assert pipelines["ShapesPipeline"] == {"name": "ShapesPipeline", "provider": "omni-model-shapes",
+                                           "model_names": ["shapes"]}
 
 
 def test_plugins_list_table(run_omni):

@@ -1,6 +1,7 @@
 """``omni env``: versions, the platform resolution trace, and which attention/cache backends can run here.
 
-Versions come from package metadata (nothing heavy is imported for them). Checking whether a backend is
+Versions come from package metadata (nothing heavy is imported for them). The pipelines section lists each
+pipeline's short model names (what ``Omni(model=...)`` accepts besides a folder). Checking whether a backend is
 usable imports its class (so torch, for most), unless its declared ``requires`` are already missing.
 """
 
@@ -98,6 +99,9 @@ def collect_env(pm=None) -> dict[str, Any]:
     for name, spec in sorted(pm.components("cache").items()):
         ok, why = _usable(spec, CacheBackend, conflicts, "cache", platform)
         cache.append({"name": name, "provider": spec.provider, "usable": ok, "reason": why, "platform_default": False})
+    # what Omni(model=...) accepts: a pipeline's short names, or a folder naming the pipeline
+    pipelines = [{"name": name, "provider": spec.provider, "model_names": list(spec.model_names)}
+                 for name, spec in sorted(pm.components("pipeline").items())]
     plugins = pm.list_plugins(include_builtin=True)
     return {
         "omni_core": _version("omni-core"),
@@ -111,6 +115,7 @@ def collect_env(pm=None) -> dict[str, Any]:
                                    for p in plugins if p.status != ACTIVE]},
         "attention_backends": attention,
         "cache_backends": cache,
+        "pipelines": pipelines,
     }
 
 
@@ -151,7 +156,18 @@ def format_env(env: dict[str, Any]) -> str:
     lines.append("")
     lines.append("cache backends (usable here?):")
     lines += _backend_lines(env["cache_backends"])
+    lines.append("")
+    lines.append("pipelines (model= takes a short name, or a diffusers folder naming the pipeline):")
+    lines += _pipeline_lines(env["pipelines"]) if env["pipelines"] else ["  (none: install a model plugin, e.g. "
+                                                                         "omni-model-shapes)"]
     return "\n".join(lines)
+
+
+def _pipeline_lines(rows: list[dict[str, Any]]) -> list[str]:
+    width = max(len(r["name"]) for r in rows)
+    pwidth = max(len(r["provider"]) for r in rows)
+    return [f"  {r['name'].ljust(width)}  {r['provider'].ljust(pwidth)}  "
+            f"{'model=' + ', '.join(r['model_names']) if r['model_names'] else 'folder only'}" for r in rows]
 
 
 def run_env(args: argparse.Namespace) -> int:

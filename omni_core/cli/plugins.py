@@ -1,7 +1,9 @@
 """``omni plugins list``: every plugin, its status (with the reason when not active) and what it provides.
 
-``--json`` prints a list of objects, one per plugin, with exactly the fields of
-:class:`omni_core.plugins.manager.PluginInfo` (schema in ``docs/cli.md``).
+``--json`` prints a list of objects, one per plugin, with the fields of
+:class:`omni_core.plugins.manager.PluginInfo` plus ``model_names`` (pipeline -> the short names that
+``Omni(model=...)`` accepts), so a user can find ``shapes`` without reading the plugin's code (schema in
+``docs/cli.md``).
 """
 
 from __future__ import annotations
@@ -37,19 +39,31 @@ def plugin_rows(pm=None, *, include_builtin: bool = False, kind: str | None = No
 
     pm = pm or get_plugin_manager()
     infos = sorted(pm.list_plugins(include_builtin=include_builtin), key=lambda i: (not i.builtin, i.name))
-    rows = [info.to_dict() for info in infos]
+    pipelines = pm.components("pipeline")
+    rows = []
+    for info in infos:
+        row = info.to_dict()
+        mine = [pipelines[n] for n in row["components"].get("pipeline", []) if n in pipelines]
+        row["model_names"] = {s.name: list(s.model_names) for s in mine if s.provider == info.dist and s.model_names}
+        rows.append(row)
     if kind is not None:
         rows = [r for r in rows if kind in r["kinds"] or r["status"] != ACTIVE]
     return rows
 
 
 def _provides(row: dict[str, Any]) -> str:
-    comps = row["components"]
+    comps = {kind: [_with_models(row, kind, n) for n in names] for kind, names in row["components"].items()}
     if not comps:
         return "-"
     if len(comps) == 1:
         return ", ".join(next(iter(comps.values())))
     return "; ".join(f"{kind}: {', '.join(names)}" for kind, names in comps.items())
+
+
+def _with_models(row: dict[str, Any], kind: str, name: str) -> str:
+    """A pipeline with short model names shows them: ``ShapesPipeline (model=shapes)``."""
+    names = row["model_names"].get(name) if kind == "pipeline" else None
+    return f"{name} (model={' | '.join(names)})" if names else name
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -74,6 +88,9 @@ def run_list(args: argparse.Namespace) -> int:
         print("no plugins installed" + ("" if args.all else " (built-in plugins are hidden; --all shows them)"))
         return 0
     print(format_table(rows))
+    if any("pipeline" in r["kinds"] for r in rows):
+        print("\nmodel= takes a name shown as (model=...), or a diffusers folder whose model_index.json names a "
+              "pipeline")
     if not args.all:
         print("\n(built-in plugins are hidden; --all shows them)")
     return 0

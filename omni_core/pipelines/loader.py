@@ -13,7 +13,7 @@ import attrs
 
 from omni_core.errors import ConfigError, UnknownComponentError, suggest
 from omni_core.pipelines.base import read_model_index
-from omni_core.plugins.types import PipelineSpec, resolve_impl
+from omni_core.plugins.types import PipelineSpec, is_impl_ref, resolve_impl
 
 
 @attrs.frozen
@@ -47,12 +47,22 @@ def resolve_model(model: str, pm=None) -> ResolvedModel:
         if spec.default_model_path is None:
             raise ConfigError(f"pipeline {spec.name!r} registers model name {model!r} without a model path",
                               field="model")
-        return ResolvedModel(pm.get_component("pipeline", spec.name), str(resolve_impl(spec.default_model_path)()))
+        return ResolvedModel(pm.get_component("pipeline", spec.name), default_model_folder(spec, model))
     hint = suggest(model, names)
     raise ConfigError(
         f"model {model!r} is neither a folder nor a registered model name. Model names: "
         f"{', '.join(sorted(names)) or '(none)'}; installed pipelines: {installed}"
         + (f". Did you mean {hint!r}?" if hint else ""), field="model")
+
+
+def default_model_folder(spec: PipelineSpec, model: str) -> str:
+    """The folder behind a short model name: a plain path as given, or what the named function returns."""
+    ref = spec.default_model_path
+    path = str(resolve_impl(ref)()) if is_impl_ref(ref) else ref
+    if not os.path.isdir(path):
+        raise ConfigError(f"model name {model!r} ({spec.name}, from {spec.provider}) points to {path!r}, which is "
+                          f"not a folder (default_model_path={ref!r})", field="model")
+    return path
 
 
 def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> None:
@@ -80,4 +90,5 @@ def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any)
         return cls.load(resolved.model_path, config, device, dtype)
 
 
-__all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "load_pipeline", "resolve_model"]
+__all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "default_model_folder", "load_pipeline",
+           "resolve_model"]

@@ -7,6 +7,7 @@ in ``provider`` (the distribution that returned it) so conflicts and failures ca
 from __future__ import annotations
 
 import importlib.util
+import os
 import pkgutil
 import re
 from typing import Any, ClassVar
@@ -23,6 +24,19 @@ def _check_impl(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name} must be a 'module:attr' string, got {value!r}"
         )
+
+
+def _check_model_path(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """``default_model_path`` is a ``"module:attr"`` function reference or an absolute folder path."""
+    if value is None or (isinstance(value, str) and (_IMPL_RE.match(value) or os.path.isabs(value))):
+        return
+    raise ValueError(f"{type(instance).__name__}.default_model_path must be a 'module:attr' string naming a "
+                     f"function that returns the model folder, or an absolute folder path; got {value!r}")
+
+
+def is_impl_ref(value: str) -> bool:
+    """Whether ``value`` is a ``"module:attr"`` reference (as opposed to a plain path)."""
+    return bool(_IMPL_RE.match(value))
 
 
 def _check_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -89,8 +103,10 @@ class PipelineSpec(ComponentSpec):
     kind: ClassVar[str] = "pipeline"
     #: short model names accepted as ``model=`` (e.g. ``"shapes"``)
     model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    #: ``"module:attr"`` of a function returning the folder of the model named by ``model_names``
-    default_model_path: str | None = attrs.field(default=None, validator=_check_impl)
+    #: the folder of the model named by ``model_names``: either ``"module:attr"`` of a function (no arguments)
+    #: returning it, resolved only when the name is used (so the entry-point module stays cheap), or an
+    #: absolute folder path as a plain string
+    default_model_path: str | None = attrs.field(default=None, validator=_check_model_path)
     #: parallel strategies the pipeline supports: any of ulysses, ring, cfg, data
     supported_parallel: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 

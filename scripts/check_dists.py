@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""Install every distribution alone and run its own tests against the installed wheel.
+
+A dependency that a distribution imports but does not declare goes unnoticed in the project's ``.venv``
+(``scripts/install.sh`` installs everything). Here each distribution gets a fresh virtual environment
+holding only its wheel, what that wheel declares (its ``test`` extra included) and the pinned torch, and its
+tests run from a copy outside the repository, so the source tree cannot be imported.
+
+Steps: build every wheel once (``uv build`` from a copy of the sources, so nothing is written into the
+tree), then per distribution, in sequence: ``uv venv``, ``uv pip install`` (a shared package cache makes
+repeat runs fast; torch comes from the local CPU wheel in ``--find-links``, never from an index), a check
+that the installed packages are the ones imported, the core's ``omni`` commands, and pytest.
+
+    .venv/bin/python scripts/check_dists.py                  # all distributions
+    .venv/bin/python scripts/check_dists.py omni-model-wan   # some of them (names or folders)
+
+Prints one line per distribution (pass/fail, install and test seconds, pytest's summary) and exits 1 if
+any failed. ``--keep`` leaves the work folder (venvs, test copies, logs) for inspection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_VERSION = "2.13.0"
+#: the core's extras installed for its own check (every extra it has: nothing may be undeclared)
+CORE_EXTRAS = "runtime,serve,video,test"
+#: root test files that need no plugin (the others select TORCH_SDPA or load a model plugin), run against the
+#: core wheel with all its extras: import cost, hook specs vs their generated reference, platform resolution
+CORE_TESTS = ("test_import_light.py", "test_hookspecs.py", "test_platforms.py")
+#: repository files those tests read (documentation and the generator it is checked against; not importable)
+CORE_TEST_FILES = ("tests/conftest.py", "docs/plugins/hooks.md", "scripts/gen_hook_docs.py")
+#: extra folders holding a distribution (besides the core and plugins/<kind>/<name>)
+EXTRA_DISTS = ("docs/examples/omni-attention-toy",)
+
+
+def distributions() -> list[tuple[str, Path]]:
+    """(name, folder) of the core, every plugin and the guide's example package."""
+    folders = [ROOT] + sorted(Path(p).parent for p in glob.glob(str(ROOT / "plugins/*/*/pyproject.toml")))
+    folders += [ROOT / d for d in EXTRA_DISTS]
+    return [(tomllib.loads((f / "pyproject.toml").read_text())["project"]["name"], f) for f in folders]
+
+
+def find_uv() -> str:
+    here = Path(sys.executable).parent / "uv"
+    found = str(here) if here.exists() else shutil.which("uv")
+    if not found:
+        sys.exit("check_dists: uv not found; install it: python -m pip install uv (scripts/install.sh does)")
+    return found
+
+
+def find_links() -> list[str]:
+    """pip's find-links (``PIP_FIND_LINKS``, default /opt/wheels where the local CPU torch wheel lives)."""
+    dirs = os.environ.get("PIP_FIND_LINKS", "/opt/wheels").split()
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def torch_requirement(links: list[str]) -> str:
+    """The exact local CPU build when one is there, so the resolver cannot pick a CUDA wheel from an index."""
+    for d in links:
+        for wheel in sorted(Path(d).glob(f"torch-{TORCH_VERSION}+cpu-*.whl")):
+            return f"torch=={wheel.name.split('-')[1]}"
+    return f"torch=={TORCH_VERSION}"
+
+
+def run(cmd: list[str], log: Path, **kw) -> int:
+    """Run ``cmd``, appending its output to ``log``; the exit code."""
+    with log.open("a") as out:
+        out.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        out.flush()
+        return subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, **kw).returncode
+
+
+def build_wheels(uv: str, dists: list[tuple[str, Path]], work: Path, log: Path) -> dict[str, Path]:
+    """One wheel per distribution, built from a copy of its sources (no build/ or egg-info in the tree)."""
+    wheels_dir, wheels = work / "wheels", {}
+    for name, folder in dists:
+        src = work / "src" / name
+        if folder == ROOT:  # the core: its package and the files pyproject.toml names, not the whole repo
+            src.mkdir(parents=True)
+            for item in ("pyproject.toml", "README.md"):
+                shutil.copy2(ROOT / item, src / item)
+            shutil.copytree(ROOT / "omni_core", src / "omni_core", ignore=_IGNORE)
+        else:
+            shutil.copytree(folder, src, ignore=shutil.ignore_patterns("tests", *_JUNK))
+        before = set(wheels_dir.glob("*.whl")) if wheels_dir.exists() else set()
+        if run([uv, "build", "--wheel", "--quiet", "--out-dir", wheels_dir, src], log) != 0:
+            raise SystemExit(f"check_dists: building the wheel of {name} failed; see {log}")
+        (wheel,) = set(wheels_dir.glob("*.whl")) - before
+        wheels[name] = wheel
+    return wheels
+
+
+_JUNK = ("build", "dist", "*.egg-info", "__pycache__", "*.pyc")
+_IGNORE = shutil.ignore_patterns(*_JUNK)
+
+
+def local_requirements(name: str, extras: set[str], wheels: dict[str, Path]) -> dict[str, set[str]]:
+    """The repository's own distributions that ``name[extras]`` needs, transitively (from wheel metadata):
+    they are installed from the wheels just built, everything else from the index."""
+    import zipfile
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    local = {canonicalize_name(n): n for n in wheels}
+    needed: dict[str, set[str]] = {}
+    todo = [(name, extras)]
+    while todo:
+        dist, want = todo.pop()
+        with zipfile.ZipFile(wheels[dist]) as zf:
+            meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            lines = zf.read(meta).decode().splitlines()
+        for line in lines:
+            if not line.startswith("Requires-Dist:"):
+                continue
+            req = Requirement(line.split(":", 1)[1].strip())
+            dep = local.get(canonicalize_name(req.name))
+            active = req.marker is None or any(req.marker.evaluate({"extra": e}) for e in want | {""})
+            if dep is None or not active:
+                continue
+            new = set(req.extras) - needed.get(dep, set())
+            if dep not in needed or new:
+                needed.setdefault(dep, set()).update(req.extras)
+                todo.append((dep, needed[dep]))
+    needed.pop(name, None)
+    return needed
+
+
+def _spec(name: str, extras: set[str], wheel: Path) -> str:
+    return f"{name}[{','.join(sorted(extras))}] @ {wheel.as_uri()}" if extras else f"{name} @ {wheel.as_uri()}"
+
+
+def check(name: str, folder: Path, wheels: dict[str, Path], uv: str, work: Path, links: list[str],
+          torch_req: str) -> dict:
+    """Install ``name`` alone into a fresh venv and run its tests there; a result row."""
+    log = work / "logs" / f"{name}.log"
+    venv, tests_root = work / "venvs" / name, work / "run" / name
+    python = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "OMNI_"))}
+    env.update(HF_HUB_OFFLINE="1", VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+    row = {"name": name, "ok": False, "install_s": 0.0, "test_s": 0.0, "summary": "", "log": log}
+
+    t0 = time.monotonic()
+    extras = set(CORE_EXTRAS.split(",")) if folder == ROOT else {"test"}
+    reqs = [_spec(name, extras, wheels[name]), torch_req]
+    reqs += [_spec(dep, ex, wheels[dep]) for dep, ex in sorted(local_requirements(name, extras, wheels).items())]
+    install = [uv, "pip", "install", "--python", python, "--quiet", *[f"--find-links={d}" for d in links], *reqs]
+    if run([uv, "venv", "--quiet", "--python", sys.executable, venv], log) != 0 or run(install, log, env=env) != 0:
+        row["summary"] = "install failed"
+        return row
+    row["install_s"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    # the tests, copied where no repository source is importable (cwd is the copy; PYTHONPATH is cleared)
+    tests = tests_root / "tests"
+    if folder == ROOT:
+        for rel in CORE_TEST_FILES + tuple(f"tests/{name}" for name in CORE_TESTS):
+            (tests_root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, tests_root / rel)
+    else:
+        shutil.copytree(folder / "tests", tests, ignore=_IGNORE)
+    (tests_root / "pytest.ini").write_text(
+        "[pytest]\naddopts = --import-mode=importlib -p no:cacheprovider\nnorecursedirs = fixtures\n")
+    module = tomllib.loads((folder / "pyproject.toml").read_text())["project"].get("entry-points", {})
+    modules = ["omni_core"] + [v.split(":")[0].split(".")[0] for v in module.get("omni_core.plugins", {}).values()]
+    where = ("import sys, importlib; ms = [importlib.import_module(m) for m in sys.argv[1:]];"
+             "bad = [m.__file__ for m in ms if not m.__file__.startswith(sys.prefix)];"
+             "sys.exit(f'imported from outside the venv: {bad}' if bad else 0)")
+    steps = [[python, "-c", where, *modules]]
+    if folder == ROOT:
+        steps += [[venv / "bin" / "omni", "plugins", "list", "--all"], [venv / "bin" / "omni", "env"]]
+    for step in steps:
+        if run(step, log, env=env, cwd=tests_root) != 0:
+            row["summary"] = f"{Path(str(step[0])).name} {' '.join(map(str, step[1:2]))} failed"
+            row["test_s"] = time.monotonic() - t0
+            return row
+    junit = tests_root / "junit.xml"
+    rc = run([python, "-m", "pytest", "-q", f"--junitxml={junit}", "tests"], log, env=env,
+             cwd=tests_root)
+    row["test_s"] = time.monotonic() - t0
+    tail = [ln for ln in log.read_text().splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    row["summary"] = tail[-1].strip("= ") if tail else f"pytest exit {rc}"
+    row["ok"] = rc == 0
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("only", nargs="*", help="distribution names or folders to check (default: all)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (venvs, test copies, logs)")
+    args = parser.parse_args(argv)
+
+    dists = distributions()
+    if args.only:
+        wanted = {o.rstrip("/") for o in args.only}
+        unknown = wanted - {n for n, _ in dists} - {str(f.relative_to(ROOT)) for _, f in dists}
+        if unknown:
+            parser.error(f"unknown distribution(s) {sorted(unknown)}; known: {', '.join(n for n, _ in dists)}")
+        chosen = [(n, f) for n, f in dists if n in wanted or str(f.relative_to(ROOT)) in wanted]
+    else:
+        chosen = dists
+    uv, links = find_uv(), find_links()
+    torch_req = torch_requirement(links)
+    work = Path(tempfile.mkdtemp(prefix="omni-check-dists-"))
+    (work / "logs").mkdir()
+    print(f"check_dists: {len(chosen)} distribution(s); {torch_req}; find-links {links or 'none'}; work {work}",
+          flush=True)
+    t0 = time.monotonic()
+    try:
+        wheels = build_wheels(uv, dists, work, work / "logs" / "build.log")  # every wheel: local dependencies
+        print(f"check_dists: built {len(wheels)} wheels in {time.monotonic() - t0:.0f} s", flush=True)
+        rows = []
+        for name, folder in chosen:
+            row = check(name, folder, wheels, uv, work, links, torch_req)
+            rows.append(row)
+            print(f"  {'PASS' if row['ok'] else 'FAIL'}  {name:<24} install {row['install_s']:5.1f} s  "
+                  f"tests {row['test_s']:6.1f} s  {row['summary']}", flush=True)
+            if not row["ok"]:
+                print("\n".join("    | " + ln for ln in row["log"].read_text().splitlines()[-40:]), flush=True)
+            shutil.rmtree(work / "venvs" / name, ignore_errors=True) if not args.keep else None
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    failed = [r["name"] for r in rows if not r["ok"]]
+    print(f"check_dists: {len(rows) - len(failed)} passed, {len(failed)} failed "
+          f"in {time.monotonic() - t0:.0f} s" + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
