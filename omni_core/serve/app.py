@@ -468,8 +468,10 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                                      code="internal_error").body(), status_code=500)
 
     # ---------------------------------------------------------------- open routes
-    @app.api_route("/health", methods=["GET", "HEAD"], responses={
-        200: {"description": "the engine is alive"}, 503: _error_doc("the engine is dead")})
+    health_docs = {200: {"description": "the engine is alive"}, 503: _error_doc("the engine is dead")}
+
+    @app.head("/health", responses=health_docs, operation_id="health_head")
+    @app.get("/health", responses=health_docs, operation_id="health")
     async def health():
         stats = engine.stats()
         if stats["dead"]:
