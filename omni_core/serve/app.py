@@ -23,6 +23,7 @@ import io
 import logging
 import re
 import time
+import warnings
 from typing import Any, Callable
 
 import anyio
@@ -468,10 +469,8 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                                      code="internal_error").body(), status_code=500)
 
     # ---------------------------------------------------------------- open routes
-    health_docs = {200: {"description": "the engine is alive"}, 503: _error_doc("the engine is dead")}
-
-    @app.head("/health", responses=health_docs, operation_id="health_head")
-    @app.get("/health", responses=health_docs, operation_id="health")
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={
+        200: {"description": "the engine is alive"}, 503: _error_doc("the engine is dead")})
     async def health():
         stats = engine.stats()
         if stats["dead"]:
@@ -608,10 +607,14 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     def openapi() -> dict[str, Any]:
         """FastAPI's schema, made true: no 422 (validation errors are answered 400), bearer auth declared."""
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
+            with warnings.catch_warnings():  # GET and HEAD /health share a function: ids are made unique below
+                warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+                schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                     routes=app.routes)
             for path, item in schema["paths"].items():
-                for operation in item.values():
+                for method, operation in item.items():
+                    if method == "head":
+                        operation["operationId"] = operation.get("operationId", path) + "_head"
                     responses = operation.setdefault("responses", {})
                     if responses.pop("422", None) is not None:
                         responses.setdefault("400", _error_doc("a parameter is invalid"))

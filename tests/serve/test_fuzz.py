@@ -18,7 +18,17 @@ EXAMPLES = 25  # per operation and mode: about 500 requests in all
 TIME_BOUND_S = 240.0
 
 
-def test_schema_fuzz_finds_no_server_error_and_no_undocumented_status(tiny_model, start_server):
+@pytest.fixture
+def hypothesis_home(tmp_path):
+    """Hypothesis keeps constants and caches in ``.hypothesis`` under the working directory: use a temp dir."""
+    from hypothesis import configuration
+
+    configuration.set_hypothesis_home_dir(str(tmp_path / "hypothesis"))
+    yield
+    configuration.set_hypothesis_home_dir(None)
+
+
+def test_schema_fuzz_finds_no_server_error_and_no_undocumented_status(tiny_model, start_server, hypothesis_home):
     import httpx
 
     # small limits keep a generated request cheap (the tiny model at <= 32x32, <= 4 steps, <= 2 images)
