@@ -87,6 +87,15 @@ class AttentionBackend:
         return True, ""
 
     @classmethod
+    def check_capability(cls, capability: tuple[int, int]) -> str | None:
+        """Why the kernel does not run on a GPU of this compute capability ``(major, minor)``, or None.
+
+        Kernel libraries are built for a list of architectures and fail only at their first forward elsewhere;
+        GPU platforms ask this (where the device is known) before choosing a backend by default.
+        """
+        return None
+
+    @classmethod
     def check_head_size(cls, head_size: int) -> str | None:
         if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
             return (f"{cls.name} does not support head size {head_size}; supported: "

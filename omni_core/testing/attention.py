@@ -317,7 +317,7 @@ class AttentionBackendContract:
         cfg = AttentionConfig(default="TORCH_SDPA", per_role={"cross": self.backend_name})
         by_role = self.layer(shape, role="cross", attention_config=cfg)
         by_category = self.layer(shape, role="wan.attn2", role_category="cross", attention_config=cfg)
-        with use_config(OmniDiffusionConfig(model="contract-test", attention_config=cfg)):
+        with use_config(OmniDiffusionConfig(model="contract-test", attention_config=cfg, dtype=dtype)):
             from omni_core.attention.layer import Attention
 
             from_context = Attention(shape[3], shape[5], num_kv_heads=shape[4], role="cross")

@@ -105,7 +105,7 @@ def test_non_contiguous_inputs_are_made_contiguous(reference_flash):
 def test_key_padding_mask_runs_varlen(monkeypatch, reference_flash, mask_shape):
     calls = []
     kernels = fb.FlashKernels("spy", reference.flash_attn_func,
-                              lambda *a, **kw: calls.append(a) or reference.flash_attn_varlen_func(*a, **kw))
+                              lambda *a, **kw: calls.append((a, kw)) or reference.flash_attn_varlen_func(*a, **kw))
     monkeypatch.setattr(fb, "kernels_for", lambda device, version=None: kernels)
     q, k, v = _qkv(3, 5, 9, 4, 2, 64)
     keep = torch.tensor([[True] * 9, [True] * 4 + [False] * 5, [False, True] * 4 + [True]])
@@ -114,7 +114,8 @@ def test_key_padding_mask_runs_varlen(monkeypatch, reference_flash, mask_shape):
     mask = keep[:, None, None, :] if mask_shape == "4d_broadcast" else keep
     out = _impl(4, 64, kv_heads=2).forward(q, k, v, mask)
     _close(out, q, k, v, keep.expand(3, -1))
-    (q_arg, k_arg, _, cu_q, cu_k, max_q, max_k), = calls
+    ((q_arg, k_arg, _), kw), = calls
+    cu_q, cu_k, max_q, max_k = (kw[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
     expect_lens = keep.expand(3, -1).sum(1)
     assert cu_q.tolist() == [0, 5, 10, 15] and max_q == 5
     assert cu_k.tolist() == [0, *expect_lens.cumsum(0).tolist()] and max_k == int(expect_lens.max())

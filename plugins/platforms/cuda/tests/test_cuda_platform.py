@@ -84,9 +84,10 @@ def test_default_attention_by_capability(monkeypatch, cap, flash_ok, expected):
     asked = []
     monkeypatch.setattr(cp, "capability", lambda device=None: cap)
     monkeypatch.setattr(cp, "flash_attention_usable",
-                        lambda head_size, dtype: asked.append((head_size, dtype)) or (flash_ok, ""))
+                        lambda head_size, dtype, capability: asked.append((head_size, dtype, capability))
+                        or (flash_ok, ""))
     assert cp.CudaPlatform().default_attention_backend(128, None) == expected
-    assert asked in ([], [(128, "bfloat16")])  # dtype None means the platform's default dtype
+    assert asked in ([], [(128, "bfloat16", cap)])  # dtype None means the platform's default dtype
 
 
 def test_flash_usability_asks_the_flash_plugin(monkeypatch):
@@ -176,3 +177,50 @@ def test_device_methods_on_a_real_gpu():
     p.empty_cache()
     assert p.memory_stats()["reserved"] <= after["reserved"]
     assert p.default_attention_backend(128, torch.bfloat16) in ("FLASH_ATTN", "TORCH_SDPA")
+
+
+# ---------------------------------------------------------------- the flash plugin's architecture rules
+def _fa3_module():
+    """A stand-in ``flash_attn_interface`` with FA3's signatures (no ``dropout_p``)."""
+    import types
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                        v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                        pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False): ...
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                               seqused_k=None, softmax_scale=None, causal=False): ...
+
+    return types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+                                 __version__="3.0.0b1")
+
+
+@pytest.mark.parametrize(("cap", "expected", "reason"), [
+    ((8, 0), "TORCH_SDPA", "FlashAttention-3 runs on Hopper GPUs only (sm90), this GPU is sm80"),
+    ((8, 9), "TORCH_SDPA", "this GPU is sm89"),
+    ((9, 0), "FLASH_ATTN", ""),
+])
+def test_only_fa3_installed_is_the_default_on_hopper_only(monkeypatch, cap, expected, reason):
+    """FA3 alone on an Ampere/Ada GPU would fail at its first forward ("FlashAttention-3 only supports Hopper
+    GPUs"): the platform must not pick it there, and the flash plugin says why."""
+    import torch
+
+    fb = pytest.importorskip("omni_attention_flash.backend")
+    import omni_attention_flash.hooks as flash_hooks
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(fb, "_module_present", lambda name: name == "flash_attn_interface")
+    monkeypatch.setattr(fb, "_imported", {"flash_attn_interface": _fa3_module()})
+    monkeypatch.setattr(fb, "initialised_capability", lambda: None)
+    monkeypatch.setattr(cp, "capability", lambda device=None: cap)
+    previous = set_plugin_manager(fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash")))
+    try:
+        assert fb.FlashAttentionBackend.is_available() == (True, "")  # installed and importable
+        assert cp.CudaPlatform().default_attention_backend(128, torch.bfloat16) == expected
+        ok, why = cp.flash_attention_usable(128, "bfloat16", cap)
+        assert ok is (expected == "FLASH_ATTN") and reason in why
+        if reason:
+            assert "flash_attn is not installed" in why  # and which library would serve this GPU
+    finally:
+        set_plugin_manager(previous)

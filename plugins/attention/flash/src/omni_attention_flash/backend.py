@@ -6,9 +6,12 @@ head ``h`` to kv head ``h // (heads // kv_heads)``, as ``repeat_interleave`` doe
 key-padding mask into a varlen call (keys unpadded, ``cu_seqlens``). Any other mask is refused: flash has
 no dense-mask input, and ignoring a mask would be silently wrong.
 
-Kernel sources, best first for a device: FlashAttention-3 (``flash_attn_interface``, on Hopper),
-flash-attn 2 (``flash_attn``, CUDA sm80+ or ROCm), aiter (ROCm). ``options={"fa_version": 2}`` (or ``3``)
-pins one. This module imports without any of them; it needs torch.
+Kernel sources, best first for a device: FlashAttention-3 (``flash_attn_interface``, Hopper sm90 only),
+flash-attn 2 (``flash_attn``, CUDA sm80+ or ROCm), aiter (ROCm, PyPI package ``amd-aiter``).
+``options={"fa_version": 2}`` (or ``3``) pins one. A source whose kernels are not built for the GPU's
+architecture is skipped with the reason, so an FA3-only install on an Ampere GPU is reported unusable rather
+than failing at its first forward. Every call passes the arguments the sources name alike by keyword
+(their positional orders differ). This module imports without any of them; it needs torch.
 """
 
 from __future__ import annotations
@@ -35,21 +38,22 @@ SOURCES: tuple[tuple[str, str, int, str], ...] = (
     ("aiter", "aiter", 2, "rocm"),
 )
 INSTALL_HINT = ("install flash-attn >= 2.6 (pip install 'omni-attention-flash[kernels]' --no-build-isolation), "
-                "FlashAttention-3 (flash-attention/hopper) or, on ROCm, aiter")
+                "FlashAttention-3 (flash-attention/hopper, Hopper GPUs only) or, on ROCm, aiter "
+                "(pip install amd-aiter; the PyPI package named 'aiter' is unrelated)")
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashKernels:
-    """The two library functions the adapter calls, always with keywords ``softmax_scale`` and ``causal``.
-
-    Every source spells those two the same way, while their other parameters differ in order and name
-    (FA3 has no ``dropout_p``), so nothing else is passed.
+    """The two library functions the adapter calls. Only q, k, v go by position; everything else by keyword
+    (``softmax_scale``, ``causal``, ``cu_seqlens_q/k``, ``max_seqlen_q/k``), the names every source shares:
+    their positional orders differ (FA3 has no ``dropout_p``; vllm's fork puts ``max_seqlen_q`` before
+    ``cu_seqlens_q``), so nothing else is passed.
     """
 
     label: str
     #: ``flash_attn_func(q, k, v, *, softmax_scale, causal)``, q ``[batch, seq_q, heads, dim]``
     func: Callable[..., Any]
-    #: ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ...)``
+    #: ``flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``
     varlen_func: Callable[..., Any]
     #: keyword arguments that make ``func`` return ``(out, lse, ...)`` (empty: it cannot, or always does)
     lse_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -83,6 +87,36 @@ def _serves_this_torch(where: str) -> bool:
     return where == "any" or (where == "rocm") == rocm
 
 
+def arch_problem(fa_version: int, capability: tuple[int, int], rocm: bool = False) -> str | None:
+    """Why a flash-attention ``fa_version`` kernel does not run on a GPU of this compute capability, or None.
+
+    The libraries' own checks (raised at the first forward): FA3 ``is_sm90`` ("FlashAttention-3 only supports
+    Hopper GPUs"), flash-attn 2 ``cc_major >= 8`` ("FlashAttention only supports Ampere GPUs or newer").
+    ROCm builds check their own targets.
+    """
+    if rocm:
+        return None
+    sm = f"sm{capability[0]}{capability[1]}"
+    if fa_version == 3 and tuple(capability) != (9, 0):
+        return f"FlashAttention-3 runs on Hopper GPUs only (sm90), this GPU is {sm}"
+    if tuple(capability) < (8, 0):
+        return f"flash-attn needs an Ampere or newer GPU (compute capability >= 8.0), this GPU is {sm}"
+    return None
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``device``'s compute capability (initialises CUDA: called per device, never by ``is_available``)."""
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def initialised_capability() -> tuple[int, int] | None:
+    """The current GPU's capability when this process already uses CUDA (a worker), else None: availability
+    checks then include the architecture without initialising CUDA themselves (that would poison fork)."""
+    if not torch.cuda.is_initialized():
+        return None
+    return device_capability(torch.device("cuda", torch.cuda.current_device()))
+
+
 _imported: dict[str, Any] = {}
 
 
@@ -105,33 +139,42 @@ def _kernels_of(label: str, mod: str) -> FlashKernels | str:
     try:
         return FlashKernels.from_module(f"{label} {version}".strip(), module)
     except AttributeError:
+        if mod == "aiter":  # PyPI's "aiter" is an unrelated package that also imports as aiter
+            return (f"the installed aiter {version} has no flash_attn_func/flash_attn_varlen_func: it is not AMD's "
+                    f"kernel library, which PyPI calls amd-aiter (pip uninstall aiter; pip install amd-aiter)")
         return f"{mod} {version} has no flash_attn_func/flash_attn_varlen_func ({NAME} needs flash-attn >= 2)"
 
 
-def _find_kernels(device: torch.device, version: int | None) -> FlashKernels:
-    if device.type != "cuda":
-        raise ComponentUnavailableError(f"{NAME} runs on CUDA/ROCm devices only, got device {device}")
+def select_kernels(capability: tuple[int, int], version: int | None = None) -> FlashKernels | str:
+    """The first source, best first, that is installed, imports and is built for this GPU; else why none is."""
     rocm = torch.version.hip is not None
-    cap = torch.cuda.get_device_capability(device)
-    if not rocm and cap < (8, 0):
-        raise ComponentUnavailableError(f"{NAME} needs an Ampere or newer GPU (compute capability >= 8.0); "
-                                        f"{device} is sm{cap[0]}{cap[1]}. Use TORCH_SDPA")
     tried: list[str] = []
     for label, mod, fa, where in SOURCES:
         if (version is not None and fa != version) or not _serves_this_torch(where):
             continue
-        if fa == 3 and version is None and cap[0] != 9:
-            continue  # FA3 is the faster choice only on Hopper; elsewhere FA2 (pin fa_version=3 to force it)
         if not _module_present(mod):
             tried.append(f"{mod} is not installed")
+            continue
+        why = arch_problem(fa, capability, rocm)
+        if why:
+            tried.append(f"{label} ({mod}) is installed but {why}")
             continue
         found = _kernels_of(label, mod)
         if isinstance(found, FlashKernels):
             return found
         tried.append(found)
+    return "; ".join(dict.fromkeys(tried)) or "no source applies"
+
+
+def _find_kernels(device: torch.device, version: int | None) -> FlashKernels:
+    if device.type != "cuda":
+        raise ComponentUnavailableError(f"{NAME} runs on CUDA/ROCm devices only, got device {device}")
+    found = select_kernels(device_capability(device), version)
+    if isinstance(found, FlashKernels):
+        return found
     pinned = f" with fa_version={version}" if version is not None else ""
-    raise ComponentUnavailableError(f"{NAME}: no usable flash attention kernel for {device}{pinned}: "
-                                    f"{'; '.join(tried) or 'no source applies'}. To fix: {INSTALL_HINT}")
+    raise ComponentUnavailableError(f"{NAME}: no usable flash attention kernel for {device}{pinned}: {found}. "
+                                    f"Use TORCH_SDPA, or {INSTALL_HINT}")
 
 
 _kernel_cache: dict[tuple[str, int | None], FlashKernels] = {}
@@ -222,9 +265,9 @@ class FlashAttentionImpl(AttentionImpl):
         seqlens_k = keep.sum(dim=1, dtype=torch.int32)
         cu_seqlens_k = F.pad(torch.cumsum(seqlens_k, 0, dtype=torch.int32), (1, 0))
         cu_seqlens_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
-        out = kernels.varlen_func(q.reshape(batch * seq_q, heads, dim), k[keep], v[keep], cu_seqlens_q,
-                                  cu_seqlens_k, seq_q, int(seqlens_k.max()),
-                                  softmax_scale=self.softmax_scale, causal=False)
+        out = kernels.varlen_func(q.reshape(batch * seq_q, heads, dim), k[keep], v[keep],
+                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=seq_q,
+                                  max_seqlen_k=int(seqlens_k.max()), softmax_scale=self.softmax_scale, causal=False)
         return _first(out).reshape(batch, seq_q, heads, dim)
 
     def forward_with_lse(self, query: torch.Tensor, key: torch.Tensor,
@@ -255,7 +298,8 @@ class FlashAttentionBackend(AttentionBackend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """A kernel library is installed and imports, and torch is a CUDA/ROCm build (GPU checks come per call)."""
+        """A kernel library is installed and imports, and torch is a CUDA/ROCm build; where this process already
+        uses CUDA, also one built for the current GPU (see ``check_capability``)."""
         present = [(label, mod) for label, mod, _, where in SOURCES
                    if _serves_this_torch(where) and _module_present(mod)]
         if not present:
@@ -264,6 +308,10 @@ class FlashAttentionBackend(AttentionBackend):
         if not (torch.version.cuda or torch.version.hip):
             return False, (f"{present[0][1]} is installed but torch {torch.__version__} is built without "
                            f"CUDA/ROCm; {NAME} runs on GPUs only")
+        capability = initialised_capability()
+        if capability is not None:
+            why = cls.check_capability(capability)
+            return (False, why) if why else (True, "")
         errors = []
         for label, mod in present:
             found = _kernels_of(label, mod)
@@ -271,3 +319,11 @@ class FlashAttentionBackend(AttentionBackend):
                 return True, ""
             errors.append(found)
         return False, "; ".join(errors)
+
+    @classmethod
+    def check_capability(cls, capability: tuple[int, int]) -> str | None:
+        """Why no installed source runs on a GPU of this compute capability (e.g. only FA3 on sm80), or None."""
+        found = select_kernels(tuple(capability))
+        if isinstance(found, FlashKernels):
+            return None
+        return f"{NAME} cannot run on this sm{capability[0]}{capability[1]} GPU: {found}"

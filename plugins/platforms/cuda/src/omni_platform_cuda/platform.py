@@ -60,10 +60,11 @@ def capability(device: Any = None) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def flash_attention_usable(head_size: int, dtype: Any) -> tuple[bool, str]:
-    """Whether the FLASH_ATTN plugin is installed, its library imports, and it takes this head size and dtype.
-
-    Asks the registered backend itself, so the rules live in one place (the flash plugin).
+def flash_attention_usable(head_size: int, dtype: Any, capability: tuple[int, int] | None = None
+                           ) -> tuple[bool, str]:
+    """Whether the FLASH_ATTN plugin is installed, its library imports, it takes this head size and dtype, and
+    (given the GPU's ``capability``) an installed kernel is built for that architecture (FA3 alone on an
+    Ampere GPU is not). Asks the registered backend itself, so the rules live in one place (the flash plugin).
     """
     from omni_core.plugins.manager import get_plugin_manager
 
@@ -75,6 +76,8 @@ def flash_attention_usable(head_size: int, dtype: Any) -> tuple[bool, str]:
     if not ok:
         return False, why
     why = backend.check_head_size(head_size) or backend.check_call(dtype, "cuda", False, False)
+    if not why and capability is not None:
+        why = backend.check_capability(capability)
     return (False, why) if why else (True, "")
 
 
@@ -114,10 +117,12 @@ class CudaPlatform(Platform):
                 "total": total, "free": free}
 
     def default_attention_backend(self, head_size: int, dtype: Any) -> str:
-        """FLASH_ATTN on sm80..sm90 when it is installed and takes ``head_size``/``dtype``, else TORCH_SDPA."""
+        """FLASH_ATTN on sm80..sm90 when it is installed, takes ``head_size``/``dtype`` and has a kernel built for
+        this GPU (FA3 runs on sm90 only, flash-attn 2 on sm80+), else TORCH_SDPA."""
         low, high = FLASH_DEFAULT_CAPABILITIES
-        if low <= capability() <= high:
-            ok, _ = flash_attention_usable(head_size, dtype if dtype is not None else self.default_dtype)
+        cap = capability()
+        if low <= cap <= high:
+            ok, _ = flash_attention_usable(head_size, dtype if dtype is not None else self.default_dtype, cap)
             if ok:
                 return "FLASH_ATTN"
         return "TORCH_SDPA"
