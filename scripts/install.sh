@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up this repository on a fresh machine: .venv with the CPU build of torch (pinned, installed first),
-# then omni-core and every plugin under plugins/<kind>/<name>/ (editable), the test tools and the runtime's
-# libraries. Safe to re-run. PYTHON picks the interpreter (default python3, >= 3.10).
+# then omni-core and every plugin under plugins/<kind>/<name>/ (editable), the test tools (pytest, schemathesis;
+# uv for scripts/check_dists.py) and the runtime's libraries. Safe to re-run. PYTHON picks the interpreter (default python3, >= 3.10).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -26,7 +26,7 @@ for pyproject in plugins/*/*/pyproject.toml; do
 done
 echo "install: omni-core and ${#names[@]} plugin(s): ${names[*]}"
 pip_install "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
-    pytest httpx openai \
+    pytest httpx openai schemathesis uv \
     diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg
 
 .venv/bin/python - <<'PY'

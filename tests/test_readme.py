@@ -42,3 +42,22 @@ def test_relative_links_resolve(doc: Path):
         if re.match(r"[a-z]+://", target):
             continue
         assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to missing {target}"
+
+
+def test_ci_checks_each_distribution_alone_before_the_tests():
+    ci = (ROOT / ".ci" / "run").read_text()
+    check = ".venv/bin/python scripts/check_dists.py \\\n    || {"
+    assert check in ci and "exit 1; }" in ci[ci.index(check):ci.index(check) + 200]
+    assert ci.index(check) < ci.index(f"\n{readme_command('test')}\n")  # pytest's summary stays the last line
+
+
+def test_installer_and_test_extra_bring_schemathesis_and_uv():
+    import tomllib
+
+    install = (ROOT / "scripts" / "install.sh").read_text()
+    line = install[install.index('pip_install "$TORCH" "setuptools>=64" -e .'):]
+    line = line[:line.index("\n\n")]
+    test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    for tool in ("schemathesis", "uv"):
+        assert f" {tool} " in line, f"scripts/install.sh does not install {tool}"
+        assert tool in test_extra, f"omni-core's test extra lacks {tool}"
