@@ -68,7 +68,8 @@ def test_selector_passes_the_dtype_to_the_platform(hopper, dtype, expected):
 
 def test_explicit_backend_that_cannot_take_the_dtype_fails_when_built(hopper):
     """Chosen by the user, FLASH_ATTN is kept, but a float32 model is refused at load, not at the first forward."""
-    config = OmniDiffusionConfig.from_kwargs(model="m", platform="cuda", dtype="float32", attention_backend="FLASH_ATTN")
+    config = OmniDiffusionConfig.from_kwargs(model="m", platform="cuda", dtype="float32",
+                                             attention_backend="FLASH_ATTN")
     with use_config(config), pytest.raises(ComponentUnavailableError) as err:
         Attention(2, 64, role="cross")
     msg = str(err.value)

@@ -109,6 +109,43 @@ def test_sampling_params():
         assert err.value.field == field and f"SamplingParams.{field}" in str(err.value)
 
 
+@pytest.mark.parametrize("field", ["guidance_scale", "guidance_scale_2", "true_cfg_scale"])
+@pytest.mark.parametrize("value, text", [
+    (float("inf"), "=inf is invalid: must be finite (allowed: 0.0 to 100.0)"),
+    (float("-inf"), "=-inf is invalid: must be finite (allowed: 0.0 to 100.0)"),
+    (float("nan"), "=nan is invalid: must not be NaN"),
+    (1e308, "=1e+308 is invalid: must be <= 100.0 and >= 0.0"),
+    (100.5, "=100.5 is invalid: must be <= 100.0 and >= 0.0"),
+    (-0.5, "=-0.5 is invalid: must be >= 0.0 and <= 100.0"),
+])
+def test_guidance_scales_must_be_finite_and_in_range(field, value, text):
+    with pytest.raises(ConfigError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field and f"SamplingParams.{field}{text}" in str(err.value)
+
+
+@pytest.mark.parametrize("value", [0.0, 1, 7.5, 100.0])
+def test_guidance_scales_in_range_are_kept(value):
+    p = SamplingParams(guidance_scale=value, guidance_scale_2=value, true_cfg_scale=value)
+    assert (p.guidance_scale, p.guidance_scale_2, p.true_cfg_scale) == (value, value, value)
+
+
+@pytest.mark.parametrize("prompt", ["", " ", "\n\t  ", {"prompt": ""}, {"prompt": "  ", "negative_prompt": "x"}])
+def test_empty_prompt_is_refused_by_the_python_api(prompt):
+    from omni_core.entrypoints.common import build_requests
+
+    with pytest.raises(ConfigError, match="prompt must not be empty or whitespace only") as err:
+        build_requests(prompt, SamplingParams())
+    assert err.value.field == "prompt"
+
+
+def test_empty_negative_prompt_is_fine():
+    from omni_core.entrypoints.common import build_requests
+
+    (req,) = build_requests({"prompt": "a cat", "negative_prompt": ""}, SamplingParams())
+    assert (req.prompt, req.negative_prompt) == ("a cat", "")
+
+
 def test_configs_are_frozen_and_serialisable():
     c = OmniDiffusionConfig(model="m")
     with pytest.raises(AttributeError):

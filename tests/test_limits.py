@@ -68,6 +68,17 @@ def test_prompt_length(shapes):
     assert err.field == "negative_prompt" and "negative_prompt of 10000000 characters" in str(err)
 
 
+@pytest.mark.parametrize("prompt", ["", "   ", {"prompt": "\t", "negative_prompt": "blurry"}])
+def test_empty_prompt_is_refused_by_the_engine(shapes, prompt):
+    err = refused(shapes, prompt=prompt)
+    assert err.field == "prompt" and "prompt must not be empty or whitespace only" in str(err)
+    # the server builds requests itself and relies on the engine's check: same error, nothing queued
+    added = shapes.engine.counters["requests_added"]
+    with pytest.raises(ConfigError, match="prompt must not be empty or whitespace only"):
+        shapes.engine.submit(OmniDiffusionRequest(prompt=" ", sampling_params=SamplingParams()))
+    assert shapes.engine.counters["requests_added"] == added
+
+
 def test_the_largest_allowed_request_runs(shapes):
     (out,) = shapes.generate("a" * 4096, height=64, width=64, num_inference_steps=1, num_outputs_per_prompt=4,
                              seed=0, output_type="pt")
