@@ -267,7 +267,8 @@ class OmniServer:
         return APIError(500, f"generation failed: {out.error}", code="generation_failed", type="server_error")
 
     async def image_events(self, req: ImageRequest, stream: Any, request_id: str, state: dict):
-        """Server-sent events: a partial image per denoising step, then one completed event per image.
+        """Server-sent events: one partial image per intermediate output (the engine yields one after each
+        denoising step), then one completed event per image.
 
         A failure while streaming ends the stream with an ``error`` event (what the ``openai`` client raises)."""
         try:
@@ -280,7 +281,7 @@ class OmniServer:
                                          code="internal_error").body())
 
     async def _image_events(self, req: ImageRequest, stream: Any, state: dict):
-        index, last_size, had_preview = 0, None, False
+        index = 0
         common = {"quality": "auto", "background": "opaque", "output_format": "png"}
         size = f"{req.params.width}x{req.params.height}"
         while True:
@@ -289,7 +290,6 @@ class OmniServer:
                 if out.preview is None:
                     continue
                 image = _preview_image(out.preview, self.preview_max_side)
-                had_preview, last_size = True, image.size
                 yield _sse("image_generation.partial_image", {
                     "type": "image_generation.partial_image", "b64_json": _png_b64(image),
                     "partial_image_index": index, "step": out.step_index, "num_steps": out.num_steps,
@@ -303,15 +303,6 @@ class OmniServer:
                 return
             self.metrics.observe_generation("image", out.metrics)
             images = await asyncio.to_thread(_pil_outputs, out)
-            steps = out.metrics.get("steps_run", out.step_index)
-            if images and (had_preview or steps <= 1) and index < steps:
-                # the last step's preview: its latents are already decoded, so show the decoded image, small
-                final = images[0].copy()
-                final.thumbnail(last_size or (self.preview_max_side // 4,) * 2)
-                yield _sse("image_generation.partial_image", {
-                    "type": "image_generation.partial_image", "b64_json": _png_b64(final),
-                    "partial_image_index": index, "step": steps, "num_steps": steps,
-                    "created_at": int(time.time()), "size": size, **common})
             encoded = await asyncio.to_thread(lambda: [_png_b64(im) for im in images])
             for k, b64 in enumerate(encoded):
                 yield _sse("image_generation.completed", {

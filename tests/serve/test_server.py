@@ -172,6 +172,8 @@ def test_stream_of_n_images_ends_with_one_completed_event_each(server, decode_pn
         plain = c.post("/v1/images/generations", json={"prompt": "two", "n": 2, "seed": 5,
                                                        "num_inference_steps": 2}).json()
     done = [d for e, d in events if e == "image_generation.completed"]
+    assert [e for e, _ in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"] * 2
+    assert [d["step"] for e, d in events if e == "image_generation.partial_image"] == [1, 2]
     assert [d["index"] for d in done] == [0, 1]
     for d, p in zip(done, plain["data"]):
         assert np.array_equal(decode_png(d["b64_json"]), decode_png(p["b64_json"]))
