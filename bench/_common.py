@@ -44,3 +44,13 @@ def sampling(args, **extra):
     kw = {k: v for k, v in (("num_inference_steps", args.steps), ("height", args.size), ("width", args.size))
           if v is not None}
     return SamplingParams(**kw, **extra)
+
+
+def limits(args) -> dict:
+    """Engine limits that admit this run's ``--size``/``--steps`` (a benchmark may go past a model's defaults)."""
+    out = {}
+    if args.size is not None:
+        out["max_pixels"] = args.size * args.size
+    if args.steps is not None:
+        out["max_steps"] = args.steps
+    return out

@@ -52,7 +52,8 @@ def main() -> None:
     for mode, step in (("request_batch", False), ("step_batch", True)):
         serial = None
         for seqs in (1, 4, 8):
-            sec = run(model, params, args.n, args.repeats, max_num_seqs=seqs, step_execution=step)
+            sec = run(model, params, args.n, args.repeats, max_num_seqs=seqs, step_execution=step,
+                      limits=_common.limits(args))
             serial = serial or sec
             print(f"{mode:14} {seqs:12d} {sec:8.2f} {args.n / sec:7.1f} {serial / sec:9.2f}x")
 

@@ -148,8 +148,9 @@ def run_model(model: str, parallel_config: dict, params: dict, n_requests: int, 
 
     if threads:  # the single-process engine computes in this process (workers use cores / processes)
         torch.set_num_threads(threads)
+    # oversubscribe: the 4-rank layouts are measured on machines with fewer cores too (see docs/benchmarks.md)
     with Omni(model, parallel_config=parallel_config, dtype="float32", warmup=False, step_execution=True,
-              streaming_output=True, max_num_seqs=max(1, n_requests)) as omni:
+              streaming_output=True, max_num_seqs=max(1, n_requests), oversubscribe=True) as omni:
         drain(submit(omni.engine, 1000), [])
         waves: list[dict] = []
         start = time.perf_counter()
