@@ -57,8 +57,10 @@ def start_server():
 
 @pytest.fixture(scope="session")
 def server(tiny_model, start_server) -> Live:
-    """The shared server: tiny model, streaming engine (previews), batches of 4, API key required."""
-    return start_server(tiny_model, {"streaming_output": True, "max_num_seqs": 4, "max_waiting_requests": 64})
+    """The shared server: tiny model, streaming engine (previews), batches of 4, API key required; up to 1000
+    steps per request (tests hold requests running with slow steps)."""
+    return start_server(tiny_model, {"streaming_output": True, "max_num_seqs": 4, "max_waiting_requests": 64,
+                                     "limits": {"max_steps": 1000}})
 
 
 def _wait_idle(engine, timeout: float = 10.0) -> dict:

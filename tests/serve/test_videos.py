@@ -24,7 +24,8 @@ def wan_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def video_server(wan_model, start_server, tmp_path_factory):
     # no warmup: the start-up warmup runs the model's default 832x480x81 size, far too big for a tiny test
-    return start_server(wan_model, {"streaming_output": True, "warmup": False, "max_num_seqs": 2},
+    return start_server(wan_model, {"streaming_output": True, "warmup": False, "max_num_seqs": 2,
+                                    "limits": {"max_steps": 1000}},  # jobs held running by 1000 steps
                         served_model_name="tiny-wan", max_video_jobs=3,
                         video_dir=str(tmp_path_factory.mktemp("videos")))
 
