@@ -3,13 +3,15 @@
 Waves go to every rank once through per-rank queues; results come from rank 0. Tensors travel through
 shared memory (``torch.multiprocessing`` queues move tensor storage to shared memory instead of pickling
 the bytes). A monitor thread notices a dead worker at once; waits then fail with ``EngineDeadError``.
-Shutdown escalates from a polite message to terminate and kill, so no child outlives the executor.
+Shutdown escalates from a polite message to terminate and kill, so no child outlives the executor, and a
+worker dies with the engine's process if that is killed (``omni_core.worker.parent_watch``).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import os
 import queue
 import socket
 import threading
@@ -65,18 +67,23 @@ class MultiProcExecutor(DiffusionExecutor):
         port = free_port()
         self.procs = [ctx.Process(target=worker_main, name=f"omni-worker-{rank}", daemon=True,
                                   args=(rank, self.world_size, self.config, self.resolved, port, self.task_qs[rank],
-                                        self.result_q, self.abort_qs[self._replica_of_rank[rank]]))
+                                        self.result_q, self.abort_qs[self._replica_of_rank[rank]], os.getpid()))
                       for rank in range(self.world_size)]
-        for p in self.procs:
-            p.start()
+        # Workers die with their parent *thread* (PR_SET_PDEATHSIG), so the monitor, which lives until every
+        # worker has exited, starts them -- not the caller's thread, which may end first (a thread pool's).
+        started: queue.SimpleQueue = queue.SimpleQueue()
+        self._monitor = threading.Thread(target=self._start_and_watch, args=(started,), name="omni-worker-monitor",
+                                         daemon=True)
+        self._monitor.start()
+        error = started.get()
         self._finalizer = weakref.finalize(self, _kill_all, list(self.procs))
         try:
+            if error is not None:
+                raise error
             self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
-        self._monitor = threading.Thread(target=self._watch, name="omni-worker-monitor", daemon=True)
-        self._monitor.start()
 
     def _wait_ready(self) -> None:
         ready: set[int] = set()
@@ -100,13 +107,22 @@ class MultiProcExecutor(DiffusionExecutor):
             elif msg[0] == "fatal":
                 raise EngineDeadError(f"worker rank {msg[1]} failed to start:\n{msg[2]}")
 
-    def _watch(self) -> None:
-        sentinels = {p.sentinel: p for p in self.procs}
-        while not self._closing:
-            done = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
-            if done and not self._closing:
-                self._mark_dead(sentinels[done[0]])
-                return
+    def _start_and_watch(self, started: queue.SimpleQueue) -> None:
+        """Start the workers, then watch them until all have exited; the first death (not during shutdown)
+        marks the engine dead."""
+        try:
+            for p in self.procs:
+                p.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to start()
+            started.put(exc)
+            return
+        started.put(None)
+        alive = {p.sentinel: p for p in self.procs}
+        while alive:
+            for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5):
+                p = alive.pop(sentinel)
+                if not self._closing:
+                    self._mark_dead(p)
 
     def _mark_dead(self, p: Any) -> None:
         p.join(0.1)
@@ -244,3 +260,6 @@ class MultiProcExecutor(DiffusionExecutor):
                 q.close()
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(5)

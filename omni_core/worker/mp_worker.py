@@ -43,7 +43,11 @@ def _replica_group(config: Any, rank: int, world_size: int) -> tuple[int, list[i
 
 
 def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_port: int, task_q: Any,
-                result_q: Any, abort_q: Any) -> None:
+                result_q: Any, abort_q: Any, parent_pid: int | None = None) -> None:
+    if parent_pid is not None:  # first of all: a worker must never outlive the engine's process
+        from omni_core.worker.parent_watch import die_with_parent
+
+        die_with_parent(parent_pid)
     try:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
