@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, AsyncIterator
 
 from omni_core.entrypoints.common import build_config, build_requests, build_sampling_params
@@ -33,10 +34,13 @@ class AsyncOmni:
         params = build_sampling_params(sampling_params, sampling_kwargs)
         (request,) = build_requests(prompt, params, request_id)
         rid = request.request_id
-        async for out in self.engine.add_request_and_stream(request):
-            if out.finished and out.status == "error":
-                raise RequestFailedError(f"request {rid} failed: {out.error}", [out])
-            yield out
+        # aclosing: a consumer that stops early closes the engine's stream now (which aborts the request),
+        # not whenever the garbage collector finalises it
+        async with contextlib.aclosing(self.engine.add_request_and_stream(request)) as outputs:
+            async for out in outputs:
+                if out.finished and out.status == "error":
+                    raise RequestFailedError(f"request {rid} failed: {out.error}", [out])
+                yield out
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
