@@ -81,6 +81,18 @@ def reference_lse(query: Any, key: Any, *, causal: bool = False, scale: float) -
     return torch.logsumexp(scores, dim=-1)
 
 
+def ring_merge(impl: Any, query: Any, key: Any, value: Any, blocks: int) -> Any:
+    """Ring attention's arithmetic in one process: keys/values cut into ``blocks`` consecutive blocks, each
+    block's partial from ``impl.forward_with_lse`` (through ``attention_with_lse``), merged by log-sum-exp as
+    ``RingAttention`` merges the blocks it receives from the other ranks. Returns the output in query's dtype."""
+    from omni_core.attention.parallel import attention_with_lse, merge_partials
+
+    acc = None
+    for kb, vb in zip(key.tensor_split(blocks, dim=1), value.tensor_split(blocks, dim=1)):
+        acc = merge_partials(acc, attention_with_lse(impl, query, kb, vb))
+    return acc[0].to(query.dtype)
+
+
 class AttentionBackendContract:
     """Contract tests every attention backend must pass. Subclass it in a ``Test*`` class."""
 
@@ -304,6 +316,21 @@ class AttentionBackendContract:
         tol = max(1e-4, self.tolerance(dtype)[0])
         torch.testing.assert_close(lse.to("cpu", torch.float64),
                                    reference_lse(q, k, causal=causal, scale=layer.softmax_scale), atol=tol, rtol=tol)
+
+    def test_ring_blocks_merge_to_full_attention(self, backend: Any, device: str) -> None:
+        """Under Ring attention each key/value block's partial (``forward_with_lse``) is merged by log-sum-exp;
+        three blocks merged must equal attention over all keys."""
+        import torch
+
+        shape = self.fit_head_size(backend, SHAPES["cross"])
+        dtype = self.preferred_dtype(backend)
+        self.require(backend, dtype, device)
+        self.require_head_size(backend, shape[-1])
+        q, k, v = self.inputs(shape, dtype, device)
+        layer = self.layer(shape).to(device)
+        with torch.no_grad():
+            out = ring_merge(layer.impl, q, k, v, blocks=3)
+        self.check_close(out, q, k, v, dtype, scale=layer.softmax_scale, what="ring blocks merged by lse")
 
     def test_roles_select_this_backend(self, backend: Any, device: str) -> None:
         """Per-role configuration reaches the backend: by role, by role category, and through ``use_config``."""

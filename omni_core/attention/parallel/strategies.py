@@ -73,11 +73,27 @@ def attention_with_lse(impl: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return masked_attention_with_lse(q, k, v, key_mask, impl.softmax_scale)
 
 
+def _without_empty_rows(part: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A partial whose rows without any visible key carry lse -inf and output 0, whatever the kernel wrote.
+
+    Kernels mark such rows differently: torch math gives -inf, flash-attn gives +inf (and its output may be
+    0 or NaN there). Either way the block holds no weight for the row; a +inf would otherwise take all of it.
+    """
+    out, lse = part
+    empty = torch.isinf(lse)  # no host sync here: this runs per ring block
+    return out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
+
+
 def merge_partials(acc: tuple[torch.Tensor, torch.Tensor] | None,
                    part: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Combine two partial attentions over disjoint key sets: ``(out [B,L,H,D], lse [B,H,L])``, float32."""
+    """Combine two partial attentions over disjoint key sets: ``(out [B,L,H,D], lse [B,H,L])``, float32.
+
+    A row with no key in a block (lse +-inf) gets nothing from it; a row with no key anywhere stays 0 with
+    lse -inf, never NaN.
+    """
     if part is None:
         return acc
+    part = _without_empty_rows(part)
     if acc is None:
         return part
     out_a, lse_a = acc

@@ -3,7 +3,10 @@
 Omni's layout ``[batch, seq, heads, head_dim]`` is sageattn's ``tensor_layout="NHD"``, so nothing is
 transposed; grouped-query attention is native (query heads divisible by kv heads). SageAttention quantizes
 Q/K to INT8 (and P/V to FP8 on Ada/Hopper), so it matches TORCH_SDPA only approximately, and it takes no
-mask: a masked call is refused, never silently unmasked. This module imports without sageattention.
+mask: a masked call is refused, never silently unmasked. ``sageattn`` dispatches on the GPU architecture
+(sm80, sm86, sm89, sm90; sm120 from 2.2.0) and raises a bare ``ValueError`` at the first forward elsewhere,
+so the architecture is checked first and reported with the reason. Ring attention gets the kernel's own
+log-sum-exp (``return_lse=True``), never a full score matrix. This module imports without sageattention.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from omni_core.errors import ComponentUnavailableError, ConfigError
 
 NAME = "SAGE_ATTN"
 MIN_VERSION = (2, 0)
+#: architectures ``sageattention.sageattn`` dispatches (its ``get_cuda_arch_versions`` branch), by version
+ARCHS = ("sm80", "sm86", "sm89", "sm90")
+ARCHS_FROM = {(2, 2): ("sm120",)}
 INSTALL_HINT = ("PyPI carries only sageattention 1.0.x (Triton-only); build >= 2 from "
                 "https://github.com/thu-ml/SageAttention (pip install . --no-build-isolation)")
 
@@ -35,6 +41,38 @@ def installed_version() -> str | None:
 
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:2])
+
+
+def supported_archs(version: str | None) -> tuple[str, ...]:
+    """The architectures the installed sageattention dispatches (an unknown version: the 2.0 list)."""
+    have = _version_tuple(version) if version else MIN_VERSION
+    return ARCHS + tuple(a for since, extra in ARCHS_FROM.items() if have >= since for a in extra)
+
+
+def check_capability(capability: tuple[int, int], version: str | None = None) -> str | None:
+    """Why the installed sageattention does not run on a GPU of this compute capability, or None."""
+    version = version if version is not None else installed_version()
+    arch = f"sm{capability[0]}{capability[1]}"
+    archs = supported_archs(version)
+    if arch in archs:
+        return None
+    newer = [f"{a} from {'.'.join(map(str, since))}" for since, extra in ARCHS_FROM.items() for a in extra
+             if a == arch]
+    upgrade = f" (sageattention supports {newer[0]}.0: upgrade it)" if newer else ""
+    return (f"sageattention {version or '(unknown version)'} dispatches only {', '.join(archs)}; this GPU is "
+            f"{arch}{upgrade}. Use TORCH_SDPA")
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``device``'s compute capability (initialises CUDA: called per device, never by ``is_available``)."""
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def initialised_capability() -> tuple[int, int] | None:
+    """The current GPU's capability when this process already uses CUDA (a worker), else None."""
+    if not torch.cuda.is_initialized():
+        return None
+    return device_capability(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _present() -> bool:
@@ -66,7 +104,11 @@ def availability() -> tuple[bool, str]:
     if not torch.version.cuda:
         return False, f"sageattention is installed but torch {torch.__version__} is built without CUDA"
     found = _import_sageattn()
-    return (True, "") if callable(found) else (False, found)
+    if not callable(found):
+        return False, found
+    capability = initialised_capability()
+    why = check_capability(capability, version) if capability is not None else None
+    return (False, why) if why else (True, "")
 
 
 _kernel_cache: dict[str, Callable[..., Any]] = {}
@@ -89,10 +131,9 @@ def _find_sageattn(device: torch.device) -> Callable[..., Any]:
     ok, why = availability()
     if not ok:
         raise ComponentUnavailableError(f"{NAME} cannot run: {why}")
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 0):
-        raise ComponentUnavailableError(f"{NAME} needs compute capability >= 8.0 (sm80, sm86, sm89, sm90, sm120); "
-                                        f"{device} is sm{cap[0]}{cap[1]}. Use TORCH_SDPA")
+    why = check_capability(device_capability(device))
+    if why:
+        raise ComponentUnavailableError(f"{NAME} cannot run on {device}: {why}")
     return _import_sageattn()
 
 
@@ -115,6 +156,21 @@ class SageAttentionImpl(AttentionImpl):
             raise ComponentUnavailableError(
                 f"{NAME} does not support attention masks (got one of shape {tuple(attn_mask.shape)}); "
                 f"select TORCH_SDPA, or FLASH_ATTN for key-padding masks, for this layer")
+        q, k, v = self._prepare(query, key, value)
+        return _first(sageattn_for(q.device)(q, k, v, tensor_layout="NHD", is_causal=self.causal,
+                                             sm_scale=self.softmax_scale))
+
+    def forward_with_lse(self, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's own log-sum-exp ``[batch, heads, seq_q]`` (float32, natural log), for Ring attention:
+        memory stays linear in the sequence, where the base class would build a float32 score matrix."""
+        q, k, v = self._prepare(query, key, value)
+        out, lse = sageattn_for(q.device)(q, k, v, tensor_layout="NHD", is_causal=self.causal,
+                                          sm_scale=self.softmax_scale, return_lse=True)
+        return out, lse.float()
+
+    def _prepare(self, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not query.dtype == key.dtype == value.dtype:
             raise ValueError(f"{NAME} needs query, key and value of one dtype, got {query.dtype}, {key.dtype}, "
                              f"{value.dtype}")
@@ -125,9 +181,7 @@ class SageAttentionImpl(AttentionImpl):
             raise ComponentUnavailableError(
                 f"{NAME}: causal attention needs seq_q == seq_k (sageattn defines its causal mask only then), "
                 f"got {query.shape[1]} and {key.shape[1]}. Use TORCH_SDPA for this layer")
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-        sageattn = sageattn_for(q.device)
-        return _first(sageattn(q, k, v, tensor_layout="NHD", is_causal=self.causal, sm_scale=self.softmax_scale))
+        return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
 
 
 class SageAttentionBackend(AttentionBackend):
@@ -146,5 +200,11 @@ class SageAttentionBackend(AttentionBackend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """sageattention >= 2 is installed and imports, and torch is a CUDA build (GPU checks come per call)."""
+        """sageattention >= 2 is installed and imports, and torch is a CUDA build; where this process already
+        uses CUDA, also that sageattn dispatches the current GPU's architecture."""
         return availability()
+
+    @classmethod
+    def check_capability(cls, capability: tuple[int, int]) -> str | None:
+        why = check_capability(tuple(capability))
+        return f"{NAME} cannot run on this GPU: {why}" if why else None
