@@ -89,3 +89,22 @@ def test_wan_loader_refuses_pickled_weights_before_unpickling(tiny_wan_dir, tmp_
         WanPipeline.load(str(folder))
     assert pickle_path in str(info.value)
     assert loads == [] and not os.path.exists(marker)
+
+
+def test_qwen_image_loader_refuses_pickled_weights_before_unpickling(tmp_path, monkeypatch):
+    pytest.importorskip("omni_model_qwen_image")
+    import torch
+    from omni_model_qwen_image.pipeline import QwenImagePipeline
+    from omni_model_qwen_image.testing import build_tiny_qwen_image
+
+    folder = build_tiny_qwen_image(tmp_path / "qwen", num_layers=1)
+    marker = str(tmp_path / "unpickled.txt")
+    os.remove(os.path.join(folder, "vae", "diffusion_pytorch_model.safetensors"))
+    pickle_path = os.path.join(folder, "vae", "diffusion_pytorch_model.bin")
+    torch.save({"weight": _RunsCodeWhenUnpickled(marker)}, pickle_path)
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
+    with pytest.raises(ConfigError, match="pickle") as info:
+        QwenImagePipeline.load(folder)
+    assert pickle_path in str(info.value) and loads == [] and not os.path.exists(marker)
