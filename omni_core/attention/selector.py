@@ -1,8 +1,9 @@
 """Role-aware backend selection.
 
 Order: ``per_role[role]`` -> ``per_role[role_category]`` -> the config's default ->
-``OMNI_ATTENTION_BACKEND`` -> the platform's default. An explicit choice that cannot run here is an
-error that says why; it is never silently replaced.
+``OMNI_ATTENTION_BACKEND`` -> the platform's default, asked for the layer's real dtype (a float32 model
+must not get a bf16-only kernel). An explicit choice that cannot run here is an error that says why; it is
+never silently replaced.
 """
 
 from __future__ import annotations
