@@ -167,7 +167,8 @@ def main() -> None:
               f"{len(os.sched_getaffinity(0))} cores")
         print(f"one step of the largest request: median {step_med * 1e3:.0f} ms, max {step_max * 1e3:.0f} ms "
               f"({len(gaps)} steps; its first wave, with admission and text encoding: {first * 1e3:.0f} ms); "
-              f"small request alone: median {idle_med * 1e3:.0f} ms")
+              f"small request alone: median {idle_med * 1e3:.0f} ms (from {min(idle) * 1e3:.0f} to "
+              f"{max(idle) * 1e3:.0f} ms)")
         for where, values in extras.items():
             print(f"the large client left {where}: the small request waited in the queue "
                   f"{', '.join(f'{q * 1e3:.0f}' for q in queued[where])} ms (max {max(queued[where]) * 1e3:.0f} ms); "
