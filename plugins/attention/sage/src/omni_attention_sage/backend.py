@@ -56,9 +56,8 @@ def check_capability(capability: tuple[int, int], version: str | None = None) ->
     archs = supported_archs(version)
     if arch in archs:
         return None
-    newer = [f"{a} from {'.'.join(map(str, since))}" for since, extra in ARCHS_FROM.items() for a in extra
-             if a == arch]
-    upgrade = f" (sageattention supports {newer[0]}.0: upgrade it)" if newer else ""
+    since = [v for v, extra in ARCHS_FROM.items() if arch in extra]
+    upgrade = f" (sageattention supports {arch} from {since[0][0]}.{since[0][1]}.0: upgrade it)" if since else ""
     return (f"sageattention {version or '(unknown version)'} dispatches only {', '.join(archs)}; this GPU is "
             f"{arch}{upgrade}. Use TORCH_SDPA")
 
