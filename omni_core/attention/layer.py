@@ -17,7 +17,7 @@ from omni_core.forward_context import current_config, forward_context
 def _load_target(config: Any, dtype: Any, device: Any) -> tuple[Any, Any, Any]:
     """(platform, dtype, device type) the layer will run on: explicit arguments first, else what the config
     being loaded implies (its platform; its dtype, ``auto`` meaning the platform's default dtype, as the
-    worker loads it). Without a config: (None, None, None), i.e. the current platform and its defaults."""
+    worker loads it). Without a config only the explicit arguments are known (the current platform decides)."""
     if config is None:
         return None, dtype, device
     from omni_core.platforms import platform_for
