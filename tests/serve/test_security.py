@@ -158,7 +158,7 @@ def _post_raw(server, content: bytes, content_type: str = "application/json", pa
     (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", "n"),  # beyond Python's int-from-text digit limit
     (b'{"prompt": "x", "extra_args": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}", "extra_args"),
     (b'{"prompt": "x", "extra_args": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "extra_args"),
-    (b'{"prompt": "x", "extra_args": ' + b"[" * 40 + b"]" * 40 + b"}", "extra_args"),  # parses, but too deep
+    (b'{"prompt": "x", "extra_args": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}", "extra_args"),  # parses: too deep
     (b'{"prompt": "x", "seed": ' + b"9" * 4000 + b"}", "seed"),  # parses: refused by the range check
     (b'{"prompt": "x", "num_inference_steps": 1e999}', "num_inference_steps"),
     (b'{"prompt": "x", "guidance_scale": NaN}', "guidance_scale"),
