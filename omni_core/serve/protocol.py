@@ -146,7 +146,7 @@ def _coerce_form(value: Any, kind: str) -> Any:
                 return False
         if kind == "object":
             return json.loads(text)
-    except (ValueError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not the kind (or unreadable): the field check refuses it by name
         pass
     return value
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -344,3 +345,33 @@ def test_limit_flags_reach_the_engine(tiny_model, cli_server):
                    timeout=60)
     assert r.status_code == 200
     srv.stop(signal.SIGTERM)
+
+
+def _added(url: str) -> int:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return int(re.search(r'^omni_engine_requests_total\{[^}]*outcome="added"\} (\d+)$', text, re.M).group(1))
+
+
+def test_no_warmup_and_oversubscribe_reach_the_engine(tiny_model, cli_server):
+    """--no-warmup: the engine admitted nothing at start (the warm-up is one request); --oversubscribe: a
+    world size beyond the usable cores starts instead of being refused."""
+    warm = cli_server(tiny_model, "--port", "0", "--log-level", "warning")
+    assert _added(warm.url) == 1  # the warm-up request
+    warm.stop(signal.SIGTERM)
+    cold = cli_server(tiny_model, "--port", "0", "--no-warmup", "--log-level", "warning")
+    assert _added(cold.url) == 0
+    cold.stop(signal.SIGTERM)
+    world = json.dumps({"data_parallel_size": len(os.sched_getaffinity(0)) + 1})
+    proc = subprocess.run([*_omni_command(), "serve", tiny_model, "--port", "0", "--parallel-config", world],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "--oversubscribe" in proc.stderr, proc.stderr
+    over = cli_server(tiny_model, "--port", "0", "--parallel-config", world, "--oversubscribe", "--no-warmup",
+                      "--log-level", "warning")
+    import httpx
+
+    r = httpx.post(f"{over.url}/v1/images/generations", json={"prompt": "x", "num_inference_steps": 2}, timeout=120)
+    assert r.status_code == 200
+    code, stderr = over.stop(signal.SIGTERM)
+    assert code == 0, stderr

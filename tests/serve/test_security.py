@@ -190,6 +190,7 @@ def _multipart(parts: list[tuple[str, str, bytes]]) -> tuple[bytes, str]:
     ([("prompt", "Content-Type: text/plain; charset=x-no-such-charset\r\n", b"a cat")], "prompt"),
     ([("prompt", "", b"a cat"), ("seconds", "Content-Type: text/plain; charset=utf-8\r\n", b"\xff\xfe")], "seconds"),
     ([("prompt", "", b"a cat"), ("num_frames", "", b"9" * 5000)], "num_frames"),
+    ([("prompt", "", b"a cat"), ("extra_args", "", b"[" * 100_000 + b"]" * 100_000)], "extra_args"),
 ])
 def test_malformed_multipart_parts_are_400_naming_the_field(server, parts, param):
     body, content_type = _multipart(parts)
