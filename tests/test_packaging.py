@@ -101,3 +101,34 @@ def test_the_audit_finds_an_undeclared_import(tmp_path):
     (tmp_path / "src" / "pkg" / "m.py").write_text("import accelerate\nimport torch\n")
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "omni-x"\ndependencies = ["torch"]\n')
     assert undeclared("omni-x", tmp_path, "src", ()) == ["accelerate (from accelerate)"]
+
+
+def _wheel(folder: Path, name: str, *requires: str) -> Path:
+    """A wheel holding only its METADATA: what check_dists reads to find the local dependencies."""
+    import zipfile
+
+    path = folder / f"{name.replace('-', '_')}-0.1.0-py3-none-any.whl"
+    meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name.replace('-', '_')}-0.1.0.dist-info/METADATA", f"Name: {name}\n{meta}")
+    return path
+
+
+def test_local_requirements_follow_extras_transitively(tmp_path):
+    wheels = {
+        "omni-core": _wheel(tmp_path, "omni-core", "pluggy", "torch>=2.4; extra == 'runtime'"),
+        "omni-attention-sdpa": _wheel(tmp_path, "omni-attention-sdpa", "omni-core>=0.1,<0.2", "torch>=2.4"),
+        "omni-model-x": _wheel(tmp_path, "omni-model-x", "omni-core[runtime]>=0.1,<0.2", "diffusers",
+                               "omni-platform-npu; extra == 'test'"),
+        "omni-platform-npu": _wheel(tmp_path, "omni-platform-npu", "omni-core[video]"),
+    }
+    needs = check_dists.local_requirements
+    assert needs("omni-model-x", set(), wheels) == {"omni-core": {"runtime"}}
+    assert needs("omni-model-x", {"test"}, wheels) == {"omni-core": {"runtime", "video"}, "omni-platform-npu": set()}
+    assert needs("omni-attention-sdpa", {"test"}, wheels) == {"omni-core": set()}
+
+
+def test_torch_comes_from_the_local_cpu_wheel_when_there_is_one(tmp_path):
+    assert check_dists.torch_requirement([str(tmp_path)]) == "torch==2.13.0"  # none here: the plain pin
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    assert check_dists.torch_requirement([str(tmp_path)]) == "torch==2.13.0+cpu"  # no index has this build
