@@ -1,4 +1,5 @@
-"""Cache backend interface (concrete backends are plugins: ``tea_cache``, ``cache_dit``)."""
+"""Cache backend interface (concrete backends are plugins: ``tea_cache``, ``cache_dit``) and the per-row
+helpers they share."""
 
 from omni_core.cache.base import CacheBackend
 

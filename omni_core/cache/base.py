@@ -25,6 +25,18 @@ class CacheBackend:
         self.enabled = False
 
     @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """Validate ``cache_config`` in the engine's process, before any worker starts: raise
+        :class:`~omni_core.errors.ConfigError` naming the bad key and the allowed ones. The default accepts
+        nothing but an empty dict, so a backend that takes options must override it."""
+        if config:
+            from omni_core.errors import ConfigError
+
+            key = next(iter(config))
+            raise ConfigError(f"cache backend {cls.name!r} takes no cache_config options, got {key!r}",
+                              field=f"cache_config.{key}")
+
+    @classmethod
     def is_available(cls) -> tuple[bool, str]:
         missing = missing_requirements(cls.requires)
         if missing:
@@ -32,7 +44,9 @@ class CacheBackend:
         return True, ""
 
     def enable(self, pipeline: Any) -> None:
-        """Install hooks on the loaded pipeline (once, in each worker)."""
+        """Install hooks on the loaded pipeline (once, in each worker). A backend reads what it needs from the
+        pipeline's declared :class:`~omni_core.pipelines.denoiser.DenoiserSpec` list
+        (:func:`~omni_core.pipelines.denoiser.denoisers_of`) and never names a model."""
         self.enabled = True
 
     def disable(self, pipeline: Any) -> None:

@@ -50,6 +50,8 @@ class DiffusionEngine:
         from omni_core.platforms import check_world_size, platform_for
 
         check_world_size(config, platform_for(config))  # the configured platform runs here and can place the ranks
+        if config.cache_backend != "none":  # a bad cache_config key fails here, before any worker starts
+            pm.load_component("cache", config.cache_backend).check_config(config.cache_config)
         self.execution_mode = (DiffusionExecutionMode.STEP_BATCH if config.uses_step_execution
                                else DiffusionExecutionMode.REQUEST_BATCH)
         if self.execution_mode is DiffusionExecutionMode.STEP_BATCH and not self.pipeline_cls.supports_step_execution:

@@ -173,6 +173,19 @@ class OmniPipeline:
         """Decode the final latents into ``DiffusionOutput.tensor`` (float in [0, 1])."""
         raise NotImplementedError
 
+    def denoisers(self) -> list:
+        """This pipeline's denoisers as accelerators see them: one
+        :class:`~omni_core.pipelines.denoiser.DenoiserSpec` per denoiser module (Wan 2.2: two experts). Cache
+        backends and sequence parallelism read only these, so declaring them is all a model does to get every
+        cache backend and parallel strategy. Called in the worker after ``load``. Default: none declared."""
+        return []
+
+    @classmethod
+    def example_prompts(cls) -> list[str]:
+        """Prompts this model handles well, for calibration (``omni cache calibrate``) and contract tests."""
+        return ["a photo of a cat", "a red car on a street", "a mountain lake at sunrise", "a bowl of fruit",
+                "a city skyline at night", "a portrait of an old man", "a forest path in autumn", "a sailing boat"]
+
     def preview(self, state: StepState) -> Any:
         """A cheap RGB preview ``[3, h, w]`` in [0, 1] of the current latents (no VAE decode), or None."""
         return None
