@@ -11,8 +11,8 @@ import pytest
 import omni_platform_cuda.hooks as cuda_hooks
 import omni_platform_cuda.platform as cp
 from omni_core.errors import ComponentUnavailableError
-from omni_core.platforms import PlatformResolutionError, resolve_platform
-from omni_core.plugins.manager import OmniPluginManager, create_plugin_manager, set_plugin_manager
+from omni_core.platforms import resolve_platform
+from omni_core.plugins.manager import OmniPluginManager, create_plugin_manager
 
 CUDA_BOX = cp.CudaProbe("2.8.0+cu128", "12.8", None, 2)
 
@@ -90,30 +90,6 @@ def test_default_attention_by_capability(monkeypatch, cap, flash_ok, expected):
     assert asked in ([], [(128, "bfloat16", cap)])  # dtype None means the platform's default dtype
 
 
-def test_flash_usability_asks_the_flash_plugin(monkeypatch):
-    """The platform defers to FLASH_ATTN's own rules: installed and importable, head size, dtype."""
-    fb = pytest.importorskip("omni_attention_flash.backend")
-    import omni_attention_flash.hooks as flash_hooks
-
-    previous = set_plugin_manager(fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash")))
-    try:
-        if not fb.FlashAttentionBackend.is_available()[0]:
-            ok, why = cp.flash_attention_usable(64, "bfloat16")
-            assert not ok and "no flash attention library" in why
-        monkeypatch.setattr(fb.FlashAttentionBackend, "is_available", classmethod(lambda cls: (True, "")))
-        assert cp.flash_attention_usable(64, "bfloat16") == (True, "")
-        assert cp.flash_attention_usable(128, "float16") == (True, "")
-        ok, why = cp.flash_attention_usable(100, "bfloat16")
-        assert not ok and "head size 100" in why
-        ok, why = cp.flash_attention_usable(64, "float32")
-        assert not ok and "float32" in why
-        set_plugin_manager(fresh_pm())  # no flash plugin installed
-        ok, why = cp.flash_attention_usable(64, "bfloat16")
-        assert not ok and "omni-attention-flash" in why
-    finally:
-        set_plugin_manager(previous)
-
-
 def test_platform_facts():
     p = cp.CudaPlatform()
     assert (p.name, p.device_type, p.dist_backend, p.default_dtype) == ("cuda", "cuda", "nccl", "bfloat16")
@@ -132,23 +108,6 @@ def test_the_only_detected_platform_wins(monkeypatch):
     res = resolve_platform(fresh_pm((cuda_hooks, "platform-cuda", "omni-platform-cuda")))
     assert res.name == "cuda" and isinstance(res.platform, cp.CudaPlatform)
     assert "cuda (omni-platform-cuda): detected: 2 CUDA device(s)" in "\n".join(res.trace)
-
-
-def test_two_detected_platforms_are_an_error_naming_both(monkeypatch):
-    npu = pytest.importorskip("omni_platform_npu.platform")
-    import omni_platform_npu.hooks as npu_hooks
-
-    monkeypatch.delenv("OMNI_PLATFORM", raising=False)
-    monkeypatch.setattr(cp, "probe", lambda: CUDA_BOX)
-    monkeypatch.setattr(npu, "probe", lambda: npu.NpuProbe(True, ("/dev/davinci0",)))
-    pm = fresh_pm((cuda_hooks, "platform-cuda", "omni-platform-cuda"),
-                  (npu_hooks, "platform-npu", "omni-platform-npu"))
-    with pytest.raises(PlatformResolutionError, match="several platforms detected") as info:
-        resolve_platform(pm)
-    assert "cuda (omni-platform-cuda)" in str(info.value) and "npu (omni-platform-npu)" in str(info.value)
-    assert "OMNI_PLATFORM" in str(info.value)
-    monkeypatch.setenv("OMNI_PLATFORM", "cuda")  # the way out the message names
-    assert resolve_platform(pm).name == "cuda"
 
 
 def test_requesting_cuda_here_is_a_clear_error(monkeypatch):
@@ -177,50 +136,3 @@ def test_device_methods_on_a_real_gpu():
     p.empty_cache()
     assert p.memory_stats()["reserved"] <= after["reserved"]
     assert p.default_attention_backend(128, torch.bfloat16) in ("FLASH_ATTN", "TORCH_SDPA")
-
-
-# ---------------------------------------------------------------- the flash plugin's architecture rules
-def _fa3_module():
-    """A stand-in ``flash_attn_interface`` with FA3's signatures (no ``dropout_p``)."""
-    import types
-
-    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
-                        v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                        pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False): ...
-
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
-                               seqused_k=None, softmax_scale=None, causal=False): ...
-
-    return types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
-                                 __version__="3.0.0b1")
-
-
-@pytest.mark.parametrize(("cap", "expected", "reason"), [
-    ((8, 0), "TORCH_SDPA", "FlashAttention-3 runs on Hopper GPUs only (sm90), this GPU is sm80"),
-    ((8, 9), "TORCH_SDPA", "this GPU is sm89"),
-    ((9, 0), "FLASH_ATTN", ""),
-])
-def test_only_fa3_installed_is_the_default_on_hopper_only(monkeypatch, cap, expected, reason):
-    """FA3 alone on an Ampere/Ada GPU would fail at its first forward ("FlashAttention-3 only supports Hopper
-    GPUs"): the platform must not pick it there, and the flash plugin says why."""
-    import torch
-
-    fb = pytest.importorskip("omni_attention_flash.backend")
-    import omni_attention_flash.hooks as flash_hooks
-
-    monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(fb, "_module_present", lambda name: name == "flash_attn_interface")
-    monkeypatch.setattr(fb, "_imported", {"flash_attn_interface": _fa3_module()})
-    monkeypatch.setattr(fb, "initialised_capability", lambda: None)
-    monkeypatch.setattr(cp, "capability", lambda device=None: cap)
-    previous = set_plugin_manager(fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash")))
-    try:
-        assert fb.FlashAttentionBackend.is_available() == (True, "")  # installed and importable
-        assert cp.CudaPlatform().default_attention_backend(128, torch.bfloat16) == expected
-        ok, why = cp.flash_attention_usable(128, "bfloat16", cap)
-        assert ok is (expected == "FLASH_ATTN") and reason in why
-        if reason:
-            assert "flash_attn is not installed" in why  # and which library would serve this GPU
-    finally:
-        set_plugin_manager(previous)

@@ -66,16 +66,6 @@ def test_default_attention(monkeypatch, flash_ok, expected):
     assert asked == [(64, "float16")]
 
 
-def test_flash_usability_here():
-    pytest.importorskip("omni_attention_flash.backend")
-    from omni_attention_flash.backend import FlashAttentionBackend
-
-    if FlashAttentionBackend.is_available()[0]:
-        pytest.skip("a flash attention library is usable here")
-    ok, why = rp.flash_attention_usable(64, "bfloat16")
-    assert not ok and why
-
-
 def test_platform_facts():
     p = rp.RocmPlatform()
     assert (p.name, p.device_type, p.dist_backend, p.default_dtype) == ("rocm", "cuda", "nccl", "bfloat16")
