@@ -8,7 +8,14 @@ Fixtures:
 * ``register_omni_plugin`` -- ``register_omni_plugin(obj, name, dist=...)`` registers a module or object with
   hookimpls into that manager for one test and unregisters it afterwards.
 
-Contract tests: subclass :class:`AttentionBackendContract` and set ``backend_name``.
+* ``tiny_dit_model`` (session) -- the folder of a random-weight tiny DiT (:mod:`omni_core.testing.tiny_dit`),
+  with its pipeline installed for the session as an entry point (component ``"OmniTinyDiTPipeline"``, model
+  name ``"tiny-dit"``), so ``Omni(tiny_dit_model, cache_backend=...)`` works with only the core and one cache
+  plugin installed (spawned workers and ``omni`` subprocesses find it too).
+
+Contract tests: subclass :class:`AttentionBackendContract` and set ``backend_name``;
+:class:`~omni_core.testing.pipeline_contract.PipelineContract` (model plugins) and
+:class:`~omni_core.testing.cache_contract.CacheBackendContract` (cache plugins) are imported from their modules.
 
 Markers: ``gpu`` tests are skipped when torch sees no accelerator. This module imports no torch; fixtures
 and contract tests import it when they run.
@@ -16,6 +23,8 @@ and contract tests import it when they run.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -95,3 +104,43 @@ def register_omni_plugin(omni_plugin_manager: Any) -> Iterator[Callable[..., Any
     for name in reversed(names):
         if omni_plugin_manager.has_plugin(name):
             omni_plugin_manager.unregister(name=name)
+
+
+@pytest.fixture(scope="session")
+def tiny_dit_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A tiny DiT model folder (built once per session), its pipeline registered for the session.
+
+    The registration is a real entry point: a ``.dist-info`` folder naming
+    :mod:`omni_core.testing.tiny_dit_plugin`, put on ``sys.path`` and ``PYTHONPATH``, so it survives plugin
+    managers being recreated and reaches worker processes, like an installed plugin.
+    """
+    import importlib
+
+    from omni_core.plugins import reset_plugin_manager
+    from omni_core.plugins.manager import ENTRY_POINT_GROUP
+    from omni_core.testing.tiny_dit import build_tiny_dit
+    from omni_core.testing.tiny_dit_plugin import DIST_NAME, ENTRY_POINT
+
+    path = build_tiny_dit(tmp_path_factory.mktemp("tiny-dit") / "model")
+    site = tmp_path_factory.mktemp("tiny-dit-site")
+    info = site / f"{DIST_NAME.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT} = omni_core.testing.tiny_dit_plugin\n")
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OMNI_TINY_DIT_PATH")}
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), saved["PYTHONPATH"]) if p)
+    os.environ["OMNI_TINY_DIT_PATH"] = path
+    importlib.invalidate_caches()
+    reset_plugin_manager()
+    try:
+        yield path
+    finally:
+        sys.path.remove(str(site))
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        importlib.invalidate_caches()
+        reset_plugin_manager()

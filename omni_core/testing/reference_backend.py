@@ -1,0 +1,33 @@
+"""A minimal ``torch.nn.functional.scaled_dot_product_attention`` backend for tests run without the
+``omni-attention-sdpa`` plugin (registered by :mod:`omni_core.testing.tiny_dit_plugin` only then)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omni_core.attention.backend import ALL_FLOAT_DTYPES, AttentionBackend, AttentionImpl
+
+
+class ReferenceSDPAImpl(AttentionImpl):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        mask = attn_mask[:, None, None, :] if attn_mask is not None and attn_mask.dim() == 2 else attn_mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
+                                             scale=self.softmax_scale)
+        return out.transpose(1, 2)
+
+
+class ReferenceSDPABackend(AttentionBackend):
+    name = "TORCH_SDPA"
+    supported_dtypes = ALL_FLOAT_DTYPES
+    supported_devices = ("cpu", "cuda")
+    supports_mask = True
+    requires = ("torch",)
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return ReferenceSDPAImpl

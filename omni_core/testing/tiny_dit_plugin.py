@@ -1,0 +1,46 @@
+"""Plugin module registering the test-only tiny DiT (``OmniTinyDiTPipeline``, model name ``tiny-dit``).
+
+The ``tiny_dit_model`` fixture installs it for the test session as a real entry point (a ``.dist-info`` folder
+on ``sys.path`` and ``PYTHONPATH``), so every plugin manager -- including fresh ones that fixtures create, and
+those of spawned workers and ``omni`` subprocesses -- finds it like any installed plugin.
+
+Where the ``omni-attention-sdpa`` plugin is not installed (a cache plugin tested alone), it also registers
+``TORCH_SDPA`` (the CPU platform's default) from :mod:`omni_core.testing.reference_backend`, so the model's
+attention runs with only the core installed. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from omni_core import hookimpl
+from omni_core.plugins.types import AttentionBackendSpec, PipelineSpec
+
+#: the distribution name of the session-installed entry point
+DIST_NAME = "omni-testing-tiny-dit"
+ENTRY_POINT = "testing-tiny-dit"
+
+
+@hookimpl
+def omni_register_pipelines():
+    return [PipelineSpec(
+        name="OmniTinyDiTPipeline", impl="omni_core.testing.tiny_dit:TinyDiTPipeline", model_names=("tiny-dit",),
+        default_model_path="omni_core.testing.tiny_dit_plugin:default_model_path", requires=("torch", "diffusers"),
+        supported_parallel=("ulysses", "ring", "cfg"),
+        description="test-only tiny DiT (random weights, 16x16 RGB) from omni_core.testing")]
+
+
+@hookimpl
+def omni_register_attention_backends():
+    if importlib.util.find_spec("omni_attention_sdpa") is not None:
+        return []
+    return [AttentionBackendSpec(name="TORCH_SDPA", impl="omni_core.testing.reference_backend:ReferenceSDPABackend",
+                                 requires=("torch",),
+                                 description="test-only stand-in for omni-attention-sdpa (torch SDPA, masks)")]
+
+
+def default_model_path() -> str:
+    """The session's tiny DiT folder (set by the fixture in ``OMNI_TINY_DIT_PATH``)."""
+    import os
+
+    return os.environ.get("OMNI_TINY_DIT_PATH", "")
