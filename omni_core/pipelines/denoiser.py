@@ -99,9 +99,13 @@ class DenoiserSpec:
     def blocks(self) -> Any:
         return getattr(self.module, self.blocks_attr)
 
-    def defaults_for(self, backend: str) -> dict[str, Any]:
-        """The model's shipped defaults for cache backend ``backend`` (empty if it ships none)."""
-        return dict(self.cache_defaults.get(backend, {}))
+    def defaults_for(self, backend: str, model_path: str | None = None) -> dict[str, Any]:
+        """The model's shipped defaults for cache backend ``backend`` (empty if it ships none): the spec's
+        ``cache_defaults``, overridden key by key by the model folder's ``cache_defaults.json`` when
+        ``model_path`` has one (see :func:`shipped_cache_defaults`)."""
+        out = dict(self.cache_defaults.get(backend, {}))
+        out.update(shipped_cache_defaults(model_path, self.name).get(backend, {}))
+        return out
 
     def check_block_signature(self, who: str = "accelerator") -> None:
         """Refuse a block whose forward no longer takes ``block_params`` in order (e.g. a library upgrade
@@ -123,3 +127,51 @@ def denoisers_of(pipeline: Any) -> list[DenoiserSpec]:
                           f"nothing), so caches and sequence parallelism cannot be applied to it",
                           field="denoisers")
     return specs
+
+
+#: the file in a model folder with calibrated cache defaults the model ships (``omni cache calibrate --write``)
+CACHE_DEFAULTS_FILE = "cache_defaults.json"
+
+
+def shipped_cache_defaults(model_path: str | None, denoiser: str | None = None) -> dict[str, dict[str, Any]]:
+    """Per cache backend, the defaults a model folder ships in ``cache_defaults.json``, so a calibration run
+    (or a model author) can ship fitted coefficients without a code change::
+
+        {"tea_cache": {"coefficients": [...], "rel_l1_thresh": 0.1, "warmup_steps": 1,
+                       "denoisers": {"transformer_2": {"coefficients": [...]}}}}
+
+    A backend's ``"denoisers"`` entry overrides keys for the denoiser (spec name) ``denoiser``. Empty when
+    ``model_path`` is None or has no such file; a file that is not such a JSON object is a ``ConfigError``."""
+    import json
+    import os
+
+    if not model_path:
+        return {}
+    path = os.path.join(model_path, CACHE_DEFAULTS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is not readable JSON: {exc}", field="cache_defaults") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ConfigError(f"{path} must map cache backend names to objects of defaults, e.g. "
+                          f'{{"tea_cache": {{"rel_l1_thresh": 0.1}}}}', field="cache_defaults")
+    out: dict[str, dict[str, Any]] = {}
+    for backend, values in data.items():
+        values = dict(values)
+        per = values.pop("denoisers", None) or {}
+        if denoiser is not None and isinstance(per, dict):
+            values.update(per.get(denoiser, {}))
+        out[backend] = values
+    return out
+
+
+#: attribute ``load_pipeline`` sets on a loaded pipeline: the model folder it was loaded from
+MODEL_PATH_ATTR = "omni_model_path"
+
+
+def model_folder_of(pipeline: Any) -> str | None:
+    """The folder ``pipeline`` was loaded from (set by the core's ``load_pipeline``), or None."""
+    return getattr(pipeline, MODEL_PATH_ATTR, None)

@@ -82,12 +82,19 @@ def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> Non
 
 
 def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any) -> Any:
-    """Import the pipeline class and build it inside ``use_config`` so Attention layers see the config."""
+    """Import the pipeline class and build it inside ``use_config`` so Attention layers see the config; then
+    apply sequence parallelism from the pipeline's denoiser specs (the same for every model: a plugin only
+    declares ``sp_plan``). In a worker this runs after ``init_parallel_state``."""
+    from omni_core.attention.parallel import apply_sequence_parallel_to_pipeline
     from omni_core.forward_context import use_config
 
     cls = resolved.pipeline_cls()
     with use_config(config):
-        return cls.load(resolved.model_path, config, device, dtype)
+        pipeline = cls.load(resolved.model_path, config, device, dtype)
+    # where cache backends find the folder's shipped cache_defaults.json (pipelines/denoiser.py: model_folder_of)
+    setattr(pipeline, "omni_model_path", resolved.model_path)
+    apply_sequence_parallel_to_pipeline(pipeline, config)
+    return pipeline
 
 
 __all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "default_model_folder", "load_pipeline",

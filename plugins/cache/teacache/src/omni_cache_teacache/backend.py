@@ -3,17 +3,21 @@
 TeaCache skips a denoiser's transformer blocks while block 0's timestep-modulated input has barely moved
 since the last computed step, and adds the residual (blocks' output minus their input) cached at that step
 instead. The reference keeps one such state per module, so a batch follows its first row's decision. Here
-every call reads, from the forward context the pipeline sets (``states``, ``rows``, ``branch``,
-``expert``), which rows belong to which request, and each request decides for itself:
+everything about the model comes from the pipeline's declared
+:class:`~omni_core.pipelines.denoiser.DenoiserSpec` list (blocks, block parameters, carried streams, residual
+stream, per-row side inputs, ``modulated_input``, ``rows_separable``, shipped defaults), and every call reads
+from the typed :class:`~omni_core.forward_context.DenoiseCall` which rows belong to which request, branch and
+expert, so each request decides for itself:
 
 * block 0's wrapper computes every row's modulated input, each request's relative L1 change, rescales it
   with the model's polynomial and accumulates it in ``state.cache_state[(branch, expert)]``;
-* the blocks then run only the rows that must compute (their per-row inputs sliced), the others pass
-  through, and the last block's wrapper adds each reusing request's own cached residual.
+* the blocks then run only the rows that must compute (their per-row inputs sliced, the call context narrowed
+  with ``DenoiseCall.select``), the others pass through, and the last block's wrapper adds each reusing
+  request's own cached residual.
 
 When every row computes, every block receives exactly the arguments it would without the cache, so a
-threshold of 0 gives bit-identical output. A call without the extras (a pipeline that does not set them)
-is treated as one request whose state lives in the backend until the next request begins.
+threshold of 0 gives bit-identical output. A call without a DenoiseCall (a caller that sets none) is one
+request whose state lives in the backend until the next request begins.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from typing import Any
 import attrs
 
 from omni_core.cache import CacheBackend
+from omni_core.cache.calls import call_key, call_spans, current_call, only_groups
+from omni_core.cache.rows import span_index
 from omni_core.errors import ConfigError
-from omni_core.forward_context import forward_context, use_forward_context
+from omni_core.pipelines.denoiser import DenoiserSpec, denoisers_of, model_folder_of
 
-from omni_cache_teacache.adapters import ModelAdapter, adapter_for, check_signature
-from omni_cache_teacache.config import TeaCacheConfig
+from omni_cache_teacache.config import GENERIC_DEFAULTS, TeaCacheConfig
 
 logger = logging.getLogger("omni_cache_teacache")
 
@@ -57,7 +62,7 @@ class TeaState:
 
 @attrs.define(eq=False)
 class _Segment:
-    state: Any  # StepState, or None for a call without forward-context extras
+    state: Any  # StepState, or None for a call without a DenoiseCall
     start: int
     stop: int
     key: tuple
@@ -73,29 +78,30 @@ class _Segment:
 
 @attrs.define(eq=False)
 class _Denoiser:
-    name: str
-    module: Any
-    adapter: ModelAdapter
-    coefficients: tuple[float, ...]
-    thresh: float
-    warmup: int
-    blocks: Any
+    spec: DenoiserSpec
+    options: TeaCacheConfig
     #: (module, value of ``forward`` in its __dict__ before we replaced it, or None)
     saved: list = attrs.field(factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 @attrs.define(eq=False)
 class _Call:
     den: _Denoiser
-    extras: dict
+    #: the DenoiseCall covering this call's batch (None: one request)
+    context: Any = None
     segments: list = attrs.field(factory=list)
     #: all | none | slice | mask
     mode: str = "all"
     index: Any = None
+    #: indices of the computing segments (slice mode)
+    keep: list = attrs.field(factory=list)
     in0: dict = attrs.field(factory=dict)
     #: side argument name -> (the full tensor it came from, its compute rows)
     sliced: dict = attrs.field(factory=dict)
-    sliced_extras: dict | None = None
 
 
 def _poly(coefficients: tuple[float, ...], x: float) -> float:
@@ -105,21 +111,24 @@ def _poly(coefficients: tuple[float, ...], x: float) -> float:
     return out
 
 
-def denoisers(pipeline: Any) -> dict[str, Any]:
-    """name -> transformer: a pipeline's ``experts`` (Wan 2.2: transformer, transformer_2), else its
-    ``transformer`` / ``transformer_2`` (on the pipeline or its wrapped diffusers ``pipe``)."""
-    from torch import nn
-
-    experts = getattr(pipeline, "experts", None)
-    if isinstance(experts, dict) and experts:
-        return dict(experts)
-    out = {}
-    for owner in (pipeline, getattr(pipeline, "pipe", None)):
-        for name in ("transformer", "transformer_2"):
-            module = getattr(owner, name, None) if owner is not None else None
-            if isinstance(module, nn.Module) and name not in out:
-                out[name] = module
-    return out
+def resolve_options(spec: DenoiserSpec, user: TeaCacheConfig, model_path: str | None = None) -> TeaCacheConfig:
+    """The settings one denoiser runs with: the user's ``cache_config`` over the model folder's shipped
+    ``cache_defaults.json`` over the spec's ``cache_defaults["tea_cache"]`` over generic defaults (raw relative
+    change, see ``config.GENERIC_DEFAULTS``)."""
+    shipped = spec.defaults_for(TeaCacheBackend.name, model_path)
+    try:
+        model = TeaCacheConfig.from_dict(shipped)
+    except ConfigError as exc:
+        raise ConfigError(f"the {spec.name!r} denoiser's shipped tea_cache defaults are invalid: {exc}",
+                          field=exc.field) from None
+    merged = attrs.asdict(GENERIC_DEFAULTS, recurse=False)
+    for layer in (model, user):
+        merged.update({k: v for k, v in attrs.asdict(layer, recurse=False).items() if v is not None})
+    if not shipped.get("coefficients") and user.coefficients is None:
+        logger.info("tea_cache: the %r denoiser ships no coefficients; using the raw relative change (fit some "
+                    "with `omni cache calibrate`)", spec.name)
+    merged["warmup_steps"] = max(1, merged["warmup_steps"])
+    return TeaCacheConfig(**merged)
 
 
 class TeaCacheBackend(CacheBackend):
@@ -136,30 +145,29 @@ class TeaCacheBackend(CacheBackend):
         #: how calls ran: all rows computed / none / only some rows (sliced) / all rows, reused ones overwritten
         self.mode_counts = {"all": 0, "none": 0, "slice": 0, "mask": 0}
 
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """In the engine's process, before workers start: a bad key or value is a ``ConfigError`` naming it
+        (and, for a key, the allowed ones)."""
+        TeaCacheConfig.from_dict(config)
+
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:
-        found = denoisers(pipeline)
-        if not found:
-            raise ConfigError(f"tea_cache: {type(pipeline).__name__} exposes no transformer to cache",
-                              field="cache_backend")
+        specs = denoisers_of(pipeline)
         if self.denoisers:
             self.disable(pipeline)
-        opts = self.options
-        for name, module in found.items():
-            try:
-                adapter = adapter_for(module)
-                blocks = getattr(module, adapter.blocks_attr)
-                check_signature(adapter, blocks[0])
-            except ValueError as exc:
-                raise ConfigError(str(exc), field="cache_backend") from None
-            coeffs, thresh, warmup = adapter.defaults(module)
-            den = _Denoiser(name=name, module=module, adapter=adapter,
-                            coefficients=opts.coefficients if opts.coefficients is not None else tuple(coeffs),
-                            thresh=opts.rel_l1_thresh if opts.rel_l1_thresh is not None else thresh,
-                            warmup=max(1, opts.warmup_steps if opts.warmup_steps is not None else warmup),
-                            blocks=blocks)
+        folder = model_folder_of(pipeline)
+        dens = []
+        for spec in specs:
+            if spec.modulated_input is None:
+                raise ConfigError(f"tea_cache: the {spec.name!r} denoiser of {type(pipeline).__name__} declares no "
+                                  f"modulated_input (block 0's timestep-modulated input, TeaCache's signal) in its "
+                                  f"DenoiserSpec", field="modulated_input")
+            spec.check_block_signature("tea_cache")
+            dens.append(_Denoiser(spec=spec, options=resolve_options(spec, self.options, folder)))
+        for den in dens:
             self._install(den)
-            self.denoisers[name] = den
+            self.denoisers[den.name] = den
         self.enabled = True
 
     def disable(self, pipeline: Any = None) -> None:
@@ -191,12 +199,13 @@ class TeaCacheBackend(CacheBackend):
 
     # ------------------------------------------------------------------ hooks
     def _install(self, den: _Denoiser) -> None:
-        module = den.module
+        spec = den.spec
+        module = spec.module
         den.saved.append((module, module.__dict__.get("forward")))
         original = module.forward
 
         def transformer_forward(*args: Any, **kwargs: Any) -> Any:
-            call = _Call(den, dict(forward_context().extras))
+            call = _Call(den)
             token = _CURRENT.set(call)
             try:
                 out = original(*args, **kwargs)
@@ -207,14 +216,15 @@ class TeaCacheBackend(CacheBackend):
             return out
 
         module.forward = transformer_forward
-        last = len(den.blocks) - 1
-        for i, block in enumerate(den.blocks):
+        blocks = spec.blocks
+        last = len(blocks) - 1
+        for i, block in enumerate(blocks):
             den.saved.append((block, block.__dict__.get("forward")))
             block.forward = self._block_forward(den, i, i == last, block.forward)
 
     def _block_forward(self, den: _Denoiser, i: int, last: bool, original: Any) -> Any:
-        adapter = den.adapter
-        params = adapter.params
+        spec = den.spec
+        params = spec.block_params
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = _CURRENT.get()
@@ -225,14 +235,14 @@ class TeaCacheBackend(CacheBackend):
             if i == 0:
                 self._plan(call, a)
             if call.mode == "none":
-                out = tuple(a[n] for n in adapter.outputs) if len(adapter.outputs) > 1 else a[adapter.hidden]
+                out = _returned(spec, a)
             elif call.mode == "slice":
                 if i == 0:
-                    for name in adapter.carried:
+                    for name in spec.carried:
                         a[name] = a[name].index_select(0, call.index)
-                for name in adapter.side:
+                for name in spec.side_inputs:
                     a[name] = self._sliced(call, name, a.get(name))
-                with use_forward_context(extras=call.sliced_extras):
+                with only_groups(call.context, call.keep):
                     out = original(**a)
             else:
                 out = original(**a)
@@ -243,7 +253,7 @@ class TeaCacheBackend(CacheBackend):
     def _sliced(self, call: _Call, name: str, value: Any) -> Any:
         import torch
 
-        if not isinstance(value, torch.Tensor) or value.shape[0] == 1:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] == 1:
             return value
         cached = call.sliced.get(name)
         if cached is not None and cached[0] is value:
@@ -254,58 +264,46 @@ class TeaCacheBackend(CacheBackend):
 
     # ------------------------------------------------------------------ decisions
     def _segments(self, call: _Call, batch: int) -> list[_Segment]:
-        ex, den = call.extras, call.den
-        states, rows = ex.get("states"), ex.get("rows")
-        branch, expert = ex.get("branch"), ex.get("expert")
-        if states and rows and len(states) == len(rows) and sum(rows) == batch:
-            n = len(states)
-            branches = list(branch) if isinstance(branch, (list, tuple)) else [branch] * n
-            experts = list(expert) if isinstance(expert, (list, tuple)) else [expert] * n
-            segments, start = [], 0
-            for state, r, br, exp in zip(states, rows, branches, experts):
-                key = (br or "cond", exp or den.name)
-                tea = state.cache_state.get(key)
-                if not isinstance(tea, TeaState):
-                    tea = state.cache_state[key] = TeaState(records=[] if self.record else None)
-                segments.append(_Segment(state, start, start + r, key, tea))
-                start += r
-            return segments
-        if states or rows:
-            logger.debug("tea_cache: forward-context rows %s do not cover the batch of %d; one request assumed",
-                         rows, batch)
-        key = (branch if isinstance(branch, str) else "cond", expert if isinstance(expert, str) else den.name)
-        tea = self._fallback.get((den.name, key))
-        if tea is None:
-            tea = self._fallback[(den.name, key)] = TeaState(records=[] if self.record else None)
-        return [_Segment(None, 0, batch, key, tea)]
+        den = call.den
+        call.context = current_call(batch)
+        segments = []
+        for group, start, stop in call_spans(batch):
+            key = call_key(group, den.name)
+            if group is None or group.state is None:  # one request, state kept here until the next begins
+                store, skey = self._fallback, (den.name, key)
+            else:
+                store, skey = group.state.cache_state, key
+            tea = store.get(skey)
+            if not isinstance(tea, TeaState):
+                tea = store[skey] = TeaState(records=[] if self.record else None)
+            segments.append(_Segment(group.state if group is not None else None, start, stop, key, tea))
+        return segments
 
     def _plan(self, call: _Call, a: dict) -> None:
-        import torch
-
-        den, adapter = call.den, call.den.adapter
-        hidden = a[adapter.hidden]
+        den, spec = call.den, call.den.spec
+        hidden = a[spec.residual_stream]
         batch = hidden.shape[0]
         segments = call.segments = self._segments(call, batch)
-        call.in0 = {name: a[name] for name in adapter.carried}
-        thresh = 0.0 if self.record else den.thresh
+        call.in0 = {name: a[name] for name in spec.carried}
+        opts = den.options
+        thresh = 0.0 if self.record else opts.rel_l1_thresh
         rels: list[float | None] = [None] * len(segments)
         if thresh > 0 or self.record:
-            rels = self._changes(adapter.modulated(den.module, den.blocks[0], a), segments)
-        opts = self.options
+            rels = self._changes(spec.modulated_input(spec.module, spec.blocks[0], a), segments)
         for seg, rel in zip(segments, rels):
             tea = seg.tea
             step, total = seg.step
             if self.record:
                 tea.pending_rel = rel
             res = tea.residual
-            force = (thresh <= 0 or rel is None or res is None or step < den.warmup
+            force = (thresh <= 0 or rel is None or res is None or step < opts.warmup_steps
                      or (total is not None and step >= total - 1)
                      or res.shape != (seg.stop - seg.start, *hidden.shape[1:])
                      or (opts.max_consecutive_reuse is not None and tea.consecutive >= opts.max_consecutive_reuse))
             if force:
                 compute = True
             else:
-                tea.acc += _poly(den.coefficients, rel)
+                tea.acc += _poly(opts.coefficients, rel)
                 compute = tea.acc >= thresh
             if compute:
                 tea.acc, tea.consecutive = 0.0, 0
@@ -322,26 +320,22 @@ class TeaCacheBackend(CacheBackend):
             call.mode = "none"
         elif self._can_slice(call, a, batch):
             call.mode = "slice"
-            call.index = torch.cat([torch.arange(s.start, s.stop, device=hidden.device)
-                                    for s in segments if s.compute])
-            extras = dict(forward_context().extras)
-            for key in adapter.context_keys:
-                value = extras.get(key)
-                if isinstance(value, torch.Tensor) and value.shape[0] == batch:
-                    extras[key] = value.index_select(0, call.index)
-            call.sliced_extras = extras
+            call.keep = [k for k, seg in enumerate(segments) if seg.compute]
+            call.index = span_index([(s.start, s.stop) for s in segments if s.compute], hidden.device)
         else:
             call.mode = "mask"
         self.mode_counts[call.mode] += 1
 
     def _can_slice(self, call: _Call, a: dict, batch: int) -> bool:
+        """Rows can run apart when the spec says so, the call's context covers the batch (so the blocks see
+        the computing rows' masks) and every side input is per-row or broadcast."""
         import torch
 
-        adapter = call.den.adapter
-        if not adapter.can_slice(call.den.module):
+        spec = call.den.spec
+        if not spec.rows_separable or call.context is None:
             return False
-        values = [a.get(n) for n in adapter.side] + [forward_context().extras.get(k) for k in adapter.context_keys]
-        return all(not isinstance(v, torch.Tensor) or v.shape[0] in (batch, 1) for v in values)
+        values = [a.get(n) for n in spec.side_inputs] + [call.context.text_mask]
+        return all(not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] in (batch, 1) for v in values)
 
     def _changes(self, mod: Any, segments: list[_Segment]) -> list[float | None]:
         """Each segment's relative L1 change of its modulated input since its previous call (None on its
@@ -374,11 +368,12 @@ class TeaCacheBackend(CacheBackend):
         """Last block: cache the computing requests' residuals, give the reusing ones theirs."""
         import torch
 
-        adapter = call.den.adapter
-        multi = len(adapter.outputs) > 1
-        outs = dict(zip(adapter.outputs, out)) if multi else {adapter.hidden: out}
-        in0 = call.in0[adapter.hidden]
-        h_out = outs[adapter.hidden]
+        spec = call.den.spec
+        hidden = spec.residual_stream
+        multi = len(spec.block_outputs) > 1
+        outs = dict(zip(spec.block_outputs, out)) if multi else {hidden: out}
+        in0 = call.in0[hidden]
+        h_out = outs[hidden]
         if call.mode == "all":
             for seg in call.segments:
                 seg.tea.residual = h_out[seg.start:seg.stop] - in0[seg.start:seg.stop]
@@ -395,12 +390,12 @@ class TeaCacheBackend(CacheBackend):
                 seg.tea.residual = h_out[lo:hi] - in0[seg.start:seg.stop]
             else:
                 for name in outs:
-                    if name == adapter.hidden:
+                    if name == hidden:
                         pieces[name].append(in0[seg.start:seg.stop] + seg.tea.residual)
                     else:
                         pieces[name].append(call.in0[name][seg.start:seg.stop])
         full = {name: torch.cat(parts) for name, parts in pieces.items()}
-        return tuple(full[n] for n in adapter.outputs) if multi else full[adapter.hidden]
+        return tuple(full[n] for n in spec.block_outputs) if multi else full[hidden]
 
     # ------------------------------------------------------------------ calibration
     def _record_outputs(self, call: _Call, out: Any) -> None:
@@ -421,3 +416,8 @@ class TeaCacheBackend(CacheBackend):
                 rel_out = ((cur - prev).abs().mean() / prev.abs().mean().clamp_min(1e-12)).item()
                 tea.records.append((seg.step[0], tea.pending_rel, rel_out))
             tea.prev_out = cur.clone()
+
+
+def _returned(spec: DenoiserSpec, a: dict) -> Any:
+    """What a block returns when it is skipped: its carried inputs unchanged, in the declared order."""
+    return tuple(a[n] for n in spec.block_outputs) if len(spec.block_outputs) > 1 else a[spec.block_outputs[0]]

@@ -1,4 +1,6 @@
-"""``cache_config`` of ``tea_cache``: checked when the backend is built, with errors naming the field."""
+"""``cache_config`` of ``tea_cache``: checked in the engine's process (``TeaCacheBackend.check_config``) and when
+the backend is built, with errors naming the field and the allowed keys. The same checks apply to the defaults a
+model ships (its spec's ``cache_defaults["tea_cache"]`` and its folder's ``cache_defaults.json``)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ from omni_core.errors import ConfigError, suggest
 #: key -> what it takes (shown in errors)
 KEYS = {
     "rel_l1_thresh": "number >= 0: reuse while the accumulated rescaled change stays below it; 0 = always "
-                     "compute (default: the model's, e.g. 0.2 for Qwen-Image)",
+                     "compute (default: the model's shipped one, else 0.1)",
     "coefficients": "list of numbers, highest power first: the polynomial that rescales the input change "
-                    "(default: the model's; fit one with `omni cache calibrate`)",
-    "warmup_steps": "integer >= 0: the first steps always compute (default: the model's, at least 1)",
+                    "(default: the model's shipped one, else [1, 0]: the raw change; fit one with `omni cache calibrate`)",
+    "warmup_steps": "integer >= 0: the first steps always compute (default: the model's shipped one, else 1; at least 1)",
     "max_consecutive_reuse": "integer >= 1 or null: compute after this many reused steps in a row "
                              "(default null: no limit)",
 }
@@ -23,7 +25,8 @@ KEYS = {
 
 @attrs.frozen
 class TeaCacheConfig:
-    """User overrides; ``None`` means "the denoiser's default" (see ``adapters``)."""
+    """User overrides; ``None`` means "the denoiser's default" (its spec's / folder's shipped defaults, else
+    :data:`GENERIC_DEFAULTS`)."""
 
     rel_l1_thresh: float | None = None
     coefficients: tuple[float, ...] | None = None
@@ -73,3 +76,7 @@ def _integer(value: Any, key: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"cache_config.{key}={value!r} is not allowed: {KEYS[key]}", field=f"cache_config.{key}")
     return value
+
+
+#: what a denoiser that ships no tea_cache defaults runs with: the raw relative change of its modulated input
+GENERIC_DEFAULTS = TeaCacheConfig(rel_l1_thresh=0.1, coefficients=(1.0, 0.0), warmup_steps=1)

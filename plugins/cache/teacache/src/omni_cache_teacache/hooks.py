@@ -12,7 +12,8 @@ def omni_register_cache_backends():
         impl="omni_cache_teacache.backend:TeaCacheBackend",
         requires=("torch", "numpy"),
         description="TeaCache: skip the transformer blocks while the timestep-modulated input barely moves; "
-                    "per-request decisions (batches, step batching, CFG branches, Wan 2.2 experts)",
+                    "per-request decisions (batches, step batching, CFG branches, experts); any model that declares a "
+                    "DenoiserSpec with modulated_input",
     )]
 
 
