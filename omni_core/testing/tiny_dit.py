@@ -80,6 +80,13 @@ class TinyTextEncoder(ModelMixin, ConfigMixin):
         return self.proj(self.embed(input_ids) + self.pos[:, : input_ids.shape[1]])
 
 
+def per_row(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for per-row vectors ``[B, D]``, one row at a time: CPU GEMM kernels take another code path
+    for very few rows, so a batched call would make an image depend (by ~1e-7) on its batch. Token-level
+    matmuls (>= 16 rows per image) need no such care. Keeps "alone == batched" bit-exact for the contracts."""
+    return module(x) if x.shape[0] == 1 else torch.cat([module(row) for row in x.split(1)])
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale[:, None]) + shift[:, None]
 
@@ -118,12 +125,12 @@ class TinyDiTBlock(nn.Module):
 
     def modulated(self, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """The self-attention's modulated input (TeaCache's per-row signal)."""
-        shift, scale = self.adaLN(temb).chunk(6, dim=1)[:2]
+        shift, scale = per_row(self.adaLN, temb).chunk(6, dim=1)[:2]
         return modulate(self.norm1(hidden), shift, scale)
 
     def forward(self, hidden: torch.Tensor, temb: torch.Tensor, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(temb).chunk(6, dim=1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = per_row(self.adaLN, temb).chunk(6, dim=1)
         hidden = hidden + gate1[:, None] * self.attn1(modulate(self.norm1(hidden), shift1, scale1))
         hidden = hidden + self.attn2(self.norm2(hidden), context, context_mask)
         return hidden + gate2[:, None] * self.mlp(modulate(self.norm3(hidden), shift2, scale2))
@@ -169,7 +176,7 @@ class TinyDiTTransformer(ModelMixin, ConfigMixin):
             m = encoder_mask.to(encoder_hidden_states.dtype)[..., None]
             pooled = (encoder_hidden_states * m).sum(1) / m.sum(1).clamp(min=1)
         t = (timestep.reshape(-1).expand(b).to(tokens.dtype) / 1000.0)[:, None]
-        temb = self.time_embed(t) + self.text_pool(pooled)
+        temb = per_row(self.time_embed, t) + per_row(self.text_pool, pooled)
         context = self.context_proj(encoder_hidden_states)
         for block in self.blocks:
             tokens = block(tokens, temb, context, encoder_mask)

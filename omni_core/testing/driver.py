@@ -1,0 +1,55 @@
+"""Drive a loaded pipeline step by step as the runner does, so contract suites and plugin tests share one loop.
+
+* :func:`make_state` -- a ``StepState`` as the runner makes it (sampling params completed by the pipeline
+  class, a generator seeded per request);
+* :func:`run_step_batch` -- step waves over several states, each admitted at its own wave (staggered requests
+  at different steps share ``denoise_step`` calls), with an optional cache backend told of each request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def make_state(pipeline: Any, prompt: str, *, seed: int = 0, negative_prompt: str | None = None, **params: Any):
+    """A ``StepState`` for ``prompt`` with ``SamplingParams(seed=seed, **params)`` checked by the pipeline class."""
+    import torch
+
+    from omni_core.config import SamplingParams
+    from omni_core.pipelines import StepState
+    from omni_core.request import OmniDiffusionRequest
+
+    sp = type(pipeline).check_sampling_params(SamplingParams(seed=seed, **params))
+    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=sp)
+    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
+
+
+def run_step_batch(pipeline: Any, states: Sequence[Any], admit_at: Sequence[int] | None = None, *,
+                   cache_backend: Any = None) -> list[Any]:
+    """Run ``states`` to completion in step waves; returns their ``DiffusionOutput`` in order.
+
+    ``admit_at[i]`` is the wave at which state ``i`` is encoded and joins (default: all at wave 0), so later
+    requests run alongside earlier ones that are steps ahead. ``cache_backend`` (an enabled
+    ``CacheBackend``) gets ``begin_request`` for each state when it joins, as the runner does.
+    """
+    admit_at = list(admit_at) if admit_at is not None else [0] * len(states)
+    if len(admit_at) != len(states):
+        raise ValueError(f"admit_at has {len(admit_at)} entries for {len(states)} states")
+    joined: list[Any] = []
+    wave = 0
+    while len(joined) < len(states) or any(not s.done for s in joined):
+        for state, at in zip(states, admit_at):
+            if at == wave:
+                pipeline.prepare_encode(state)
+                if cache_backend is not None:
+                    cache_backend.begin_request(state)
+                joined.append(state)
+        active = [s for s in joined if not s.done]
+        if active:
+            for state, pred in zip(active, pipeline.denoise_step(active)):
+                pipeline.step_scheduler(state, pred)
+        wave += 1
+    return [pipeline.post_decode(s) for s in states]
+
+
+__all__ = ["make_state", "run_step_batch"]

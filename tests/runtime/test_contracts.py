@@ -1,0 +1,15 @@
+"""The tiny DiT of ``omni_core.testing`` passes the contract suites every model and cache plugin runs.
+
+The cache contract runs only where a cache backend is installed (the core's own test run needs no plugin).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_core.testing.pipeline_contract import PipelineContract
+
+
+class TestTinyDiTPipelineContract(PipelineContract):
+    model_fixture = "tiny_dit_model"
+    sampling = {"num_inference_steps": 4}
