@@ -169,3 +169,54 @@ def worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, s
             rows.append((label, "forward context restored after a failing forward", restored))
             rows += [(label, f"bytes sent by {name}", n) for (name, _), n in zip(mcases, model_bytes)]
     return rows
+
+
+# ---------------------------------------------------------------------- plans declared in denoiser specs
+class _SpecPipeline:
+    """A pipeline as the worker sees one after ``load``: it only declares its denoiser (no hooks of its own)."""
+
+    supported_parallel = ("ulysses", "ring")
+
+    def __init__(self, model: torch.nn.Module, plan: dict) -> None:
+        self.model, self.plan = model, plan
+
+    def denoisers(self):
+        from omni_core.pipelines.denoiser import DenoiserSpec
+
+        return [DenoiserSpec(name="transformer", module=self.model, blocks_attr="blocks",
+                             block_params=("hidden_states", "encoder_hidden_states", "rotary_emb"),
+                             carried="hidden_states", block_outputs="hidden_states", residual_stream="hidden_states",
+                             num_heads=4, sp_plan=self.plan)]
+
+
+def spec_worker(rank: int, world_size: int, configs: list[dict]) -> list[tuple[str, str, float]]:
+    """``apply_sequence_parallel_to_pipeline`` after ``init_parallel_state`` installs the plan a spec declares
+    (the module has no ``_sp_plan`` attribute): same output as one process, and tokens really travel."""
+    from types import SimpleNamespace
+
+    from omni_core.attention.parallel import apply_sequence_parallel_to_pipeline
+
+    tiny = load_tiny()
+    rows = []
+    with torch.inference_mode():
+        for cfg in configs:
+            model = tiny.build(tiny.TinyWanLike, seed=2)
+            plan = type(model)._sp_plan
+            model._sp_plan = None  # only the spec declares it
+            txt, _ = tiny.text_inputs(2, 6)
+            x = torch.randn(2, 4, 6, 14, generator=torch.Generator().manual_seed(12))
+            ref = model(x, txt)
+            pc = ParallelConfig.from_kwargs(**cfg)
+            init_parallel_state(pc)
+            try:
+                names = apply_sequence_parallel_to_pipeline(_SpecPipeline(model, plan), SimpleNamespace(parallel_config=pc))
+                reset_communication_stats()
+                out = model(x, txt)
+                sent = communication_stats()["total"]
+            finally:
+                destroy_parallel_state()
+            label = ", ".join(f"{k}={v}" for k, v in cfg.items())
+            rows += [(label, "installed", float(names == ["transformer"])), (label, "max abs diff",
+                                                                            float((out - ref).abs().max())),
+                     (label, "bytes sent", float(sent))]
+    return rows

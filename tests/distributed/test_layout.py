@@ -225,3 +225,37 @@ def test_plan_is_a_no_op_on_one_process(tiny):
     assert apply_sequence_parallel(model) is not handle  # re-applying replaces the hooks
     model._sp_handle.remove()
     assert not hasattr(model, "_sp_handle")
+
+
+def test_worker_checks_the_parallel_config_against_every_declared_denoiser():
+    """Head counts for Ulysses come from the specs (one process: nothing is installed, the check still runs)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from omni_core.attention.parallel import apply_sequence_parallel_to_pipeline
+    from omni_core.config import ParallelConfig
+    from omni_core.pipelines.denoiser import DenoiserSpec
+
+    class Block(nn.Module):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    class Pipe:
+        supported_parallel = ("ulysses",)
+
+        def denoisers(self):
+            module = nn.Module()
+            module.blocks = nn.ModuleList([Block()])
+            return [DenoiserSpec(name=n, module=module, blocks_attr="blocks", block_params="hidden_states",
+                                 carried="hidden_states", block_outputs="hidden_states",
+                                 residual_stream="hidden_states", num_heads=h,
+                                 sp_plan={"shard": {"hidden_states": 1}}) for n, h in (("a", 4), ("b", 6))]
+
+    ok = SimpleNamespace(parallel_config=ParallelConfig.from_kwargs(ulysses_degree=2))
+    assert apply_sequence_parallel_to_pipeline(Pipe(), ok) == []  # sp group of one rank: nothing to install
+    bad = SimpleNamespace(parallel_config=ParallelConfig.from_kwargs(ulysses_degree=4))
+    with pytest.raises(ConfigError, match=r"ulysses_degree=4 is invalid: Ulysses splits the 6 attention heads of "
+                                          r"Pipe \(b\)") as e:
+        apply_sequence_parallel_to_pipeline(Pipe(), bad)
+    assert e.value.field == "ulysses_degree"

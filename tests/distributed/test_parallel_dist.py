@@ -62,3 +62,17 @@ def _fail_on_rank_one(rank: int, world_size: int) -> None:
 def test_failing_rank_ends_the_others():
     with pytest.raises(Exception, match="deliberate failure on rank 1"):
         spawn_workers(f"{__file__}:_fail_on_rank_one", 2, timeout=60)
+
+
+def test_plan_declared_in_a_denoiser_spec_is_applied_by_the_core():
+    """What the worker does after ``load`` for every pipeline: the spec's ``sp_plan`` is installed (the module
+    declares none itself) and the sharded forward equals one process, with tokens really exchanged."""
+    configs = [{"ulysses_degree": 2}, {"ring_degree": 2}]
+    results = spawn_workers(f"{CASES}:spec_worker", 2, (configs,), timeout=240)
+    for rank, rows in enumerate(results):
+        got = {(label, what): value for label, what, value in rows}
+        for c in configs:
+            label = ", ".join(f"{k}={v}" for k, v in c.items())
+            assert got[(label, "installed")] == 1.0, (rank, label)
+            assert got[(label, "max abs diff")] <= TOL, (rank, label, got[(label, "max abs diff")])
+            assert got[(label, "bytes sent")] > 0, (rank, label)

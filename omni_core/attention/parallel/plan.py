@@ -281,8 +281,9 @@ def _argument_positions(module: nn.Module, names: list[str], field: str) -> dict
 
 
 def apply_sequence_parallel(module: nn.Module, plan: Any = None) -> SequenceParallelHandle:
-    """Install the plan's hooks on ``module`` (``plan`` defaults to ``module._sp_plan``). Idempotent: a second
-    call replaces the first. The hooks decide per forward, so it is safe to apply in any configuration."""
+    """Install the plan's hooks on ``module`` (``plan`` defaults to ``module._sp_plan``, for code that shards a
+    bare module; pipelines declare plans in their ``DenoiserSpec``). Idempotent: a second call replaces the
+    first. The hooks decide per forward, so it is safe to apply in any configuration."""
     if plan is None:
         plan = getattr(module, "_sp_plan", None)
         if plan is None:
@@ -296,18 +297,33 @@ def apply_sequence_parallel(module: nn.Module, plan: Any = None) -> SequencePara
     return handle
 
 
-#: attributes of a pipeline that hold denoisers (diffusers' names)
-DENOISER_ATTRS = ("transformer", "transformer_2", "dit", "unet")
+def apply_sequence_parallel_to_pipeline(pipeline: Any, config: Any = None) -> list[str]:
+    """Sequence parallelism for any pipeline, from its declared denoiser specs (``pipeline.denoisers()``).
 
+    Checks ``config.parallel_config`` against every spec (Ulysses needs each ``num_heads`` divisible by its
+    degree, the strategies the pipeline supports) and, when the sp group has more than one rank, installs each
+    spec's ``sp_plan`` on its module. Runs once in every worker after ``init_parallel_state`` and ``load``
+    (:func:`omni_core.pipelines.loader.load_pipeline`), so a model gets SP by declaring a plan and nothing else.
+    Returns the names of the denoisers whose plan was installed. A ``ConfigError`` when SP is asked for and the
+    pipeline declares specs but none with a plan; a pipeline that declares no specs at all is left alone (it
+    predates specs and installs its own hooks).
+    """
+    from omni_core.distributed import get_sp_group, validate_parallel_config
 
-def apply_sequence_parallel_to_pipeline(pipeline: Any, names: tuple[str, ...] = DENOISER_ATTRS) -> list[str]:
-    """Apply every denoiser's own ``_sp_plan`` found on ``pipeline`` (or on ``pipeline.pipe``); returns the
-    attribute names that opted in."""
-    done = []
-    for owner in (pipeline, getattr(pipeline, "pipe", None)):
-        for name in names:
-            module = getattr(owner, name, None) if owner is not None else None
-            if isinstance(module, nn.Module) and getattr(module, "_sp_plan", None) is not None:
-                apply_sequence_parallel(module)
-                done.append(name)
-    return done
+    specs = list(pipeline.denoisers()) if hasattr(pipeline, "denoisers") else []
+    model = type(pipeline).__name__
+    pc = getattr(config, "parallel_config", None)
+    supported = (*getattr(pipeline, "supported_parallel", ()), "data")
+    for spec in specs:
+        validate_parallel_config(pc, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, supported=supported,
+                                 model=f"{model} ({spec.name})" if len(specs) > 1 else model)
+    if get_sp_group().world_size == 1:
+        return []
+    planned = [spec for spec in specs if spec.sp_plan is not None]
+    if specs and not planned:
+        raise ConfigError(f"{model} declares no sequence-parallel plan (no DenoiserSpec from denoisers() has an "
+                          f"sp_plan), so ulysses/ring parallelism cannot shard it; declare sp_plan in its specs or "
+                          f"use cfg or data parallelism", field="parallel_config")
+    for spec in planned:
+        apply_sequence_parallel(spec.module, spec.sp_plan)
+    return [spec.name for spec in planned]

@@ -130,8 +130,8 @@ def test_parity_check_has_teeth(qwen_dir, omni_qwen, diffusers_qwen, monkeypatch
     import omni_model_qwen_image.pipeline as mod
 
     ref = reference(diffusers_qwen, PROMPTS[1], 11)
-    pad = mod._pad_text
-    monkeypatch.setattr(mod, "_pad_text", lambda *a: (pad(*a)[0], None))
+    pad = mod.QwenImagePipeline.pad_text
+    monkeypatch.setattr(mod.QwenImagePipeline, "pad_text", staticmethod(lambda *a: (pad(*a)[0], None)))
     states = [make_state(qwen_dir, p, 10 + i) for i, p in enumerate(PROMPTS)]
     omni_qwen.forward(states)
     assert (states[1].latents - ref[1]).abs().max() > 1e-3
@@ -217,3 +217,73 @@ def test_engine_matches_diffusers(qwen_dir, diffusers_qwen, step_execution):
         ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0], dtype=np.int16)
         diff = np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max()
         assert diff <= 1
+
+
+def test_denoiser_spec_matches_the_transformer(qwen_dir, omni_qwen):
+    """The declared spec is what accelerators rely on: the real block signature, forward parameters, heads,
+    the SP plan, TeaCache's signal (one row per batch row, computed from block 0's real inputs) and defaults."""
+    import inspect
+
+    from omni_core.attention.parallel import SequenceParallelPlan
+    from omni_core.pipelines.denoiser import denoisers_of
+
+    (spec,) = denoisers_of(omni_qwen)
+    t = omni_qwen.transformer
+    assert spec.name == "transformer" and spec.module is t and spec.blocks is t.transformer_blocks
+    spec.check_block_signature("test")
+    assert set(spec.batch_args) <= set(inspect.signature(t.forward).parameters)
+    assert spec.num_heads == t.config.num_attention_heads == 3
+    assert isinstance(spec.sp_plan, SequenceParallelPlan) and spec.sp_plan.joint_text_input == "encoder_hidden_states"
+    assert spec.rows_separable
+    defaults = spec.defaults_for("tea_cache")
+    assert defaults["rel_l1_thresh"] == 0.2 and defaults["warmup_steps"] == 1 and len(defaults["coefficients"]) == 5
+
+    seen = {}
+
+    def grab(block, args, kwargs):
+        names = spec.block_params
+        seen.setdefault("signal", spec.modulated_input(t, block, {**dict(zip(names, args)), **kwargs}))
+
+    hook = spec.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        omni_qwen.forward([make_state(qwen_dir, PROMPTS[0], 1), make_state(qwen_dir, PROMPTS[1], 2, n=2)])
+    finally:
+        hook.remove()
+    assert seen["signal"].shape[0] == 3  # one row per image of the call
+
+
+def test_every_transformer_call_carries_the_typed_context(qwen_dir, omni_qwen):
+    """Each call says which requests its rows belong to, the CFG branch, the expert and the text mask."""
+    from omni_core.forward_context import forward_context
+
+    calls = []
+    hook = omni_qwen.transformer.register_forward_pre_hook(
+        lambda mod, args, kwargs: calls.append((forward_context().call, kwargs["hidden_states"].shape[0])),
+        with_kwargs=True)
+    states = [make_state(qwen_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(qwen_dir, PROMPTS[1], 2, n=2)]
+    try:
+        omni_qwen.forward(states)
+    finally:
+        hook.remove()
+    assert len(calls) == 2 * STEPS
+    for call, batch in calls:
+        assert call.expert == "transformer" and call.covers(batch)
+    cond, uncond = calls[0][0], calls[1][0]
+    assert [(g.state, g.rows, g.branch) for g in cond.groups] == [(states[0], 1, "cond"), (states[1], 2, "cond")]
+    assert cond.text_mask.shape == (3, max(s.prompt_embeds.shape[1] for s in states))  # prompts differ in length
+    assert [(g.state, g.branch) for g in uncond.groups] == [(states[0], "uncond")] and uncond.text_mask is None
+
+
+def test_sequence_parallel_refused_for_zero_cond_t_before_workers(tmp_path):
+    import json
+
+    from omni_model_qwen_image.pipeline import QwenImagePipeline
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"num_attention_heads": 4, "zero_cond_t": True}))
+    with pytest.raises(ConfigError, match="zero_cond_t") as err:
+        QwenImagePipeline.check_parallel_config({"ulysses_degree": 2}, str(tmp_path))
+    assert err.value.field == "parallel_config"
+    QwenImagePipeline.check_parallel_config({"cfg_parallel_size": 2}, str(tmp_path))  # cfg parallel still works
+    with pytest.raises(ConfigError, match="ulysses_degree=3"):
+        QwenImagePipeline.check_parallel_config({"ulysses_degree": 3}, str(tmp_path))  # heads from the folder

@@ -153,8 +153,8 @@ def test_parity_check_has_teeth(wan22_dir, wan22, monkeypatch):
     omni.forward([state])
     assert (state.latents - ref[1]).abs().max() > 1e-3
     monkeypatch.undo()
-    pad = mod._pad_text
-    monkeypatch.setattr(mod, "_pad_text", lambda *a: (pad(*a)[0], None))
+    pad = mod.WanPipeline.pad_text
+    monkeypatch.setattr(mod.WanPipeline, "pad_text", staticmethod(lambda *a: (pad(*a)[0], None)))
     states = [make_state(wan22_dir, PROMPTS[1], 2, g=1.0, msl=16), make_state(wan22_dir, PROMPTS[0], 3, msl=32)]
     omni.forward(states)
     assert (states[0].latents - ref[1]).abs().max() > 1e-3
@@ -245,3 +245,51 @@ def test_engine_matches_diffusers(wan22_dir, wan22, step_execution):
         assert len(frames) == FRAMES
         for got, want in zip(frames, ref):
             assert np.abs(np.asarray(got, dtype=np.int16) - np.asarray(want, dtype=np.int16)).max() <= 1
+
+
+def test_wan22_declares_one_spec_per_expert(wan22_dir, wan22):
+    """Two specs (own module, heads, SP plan, TeaCache defaults by width); block signature and forward
+    parameters are the real ones."""
+    import inspect
+
+    from omni_core.attention.parallel import SequenceParallelPlan
+    from omni_core.pipelines.denoiser import denoisers_of
+
+    _, omni = wan22
+    specs = denoisers_of(omni)
+    assert [s.name for s in specs] == ["transformer", "transformer_2"]
+    for spec in specs:
+        assert spec.module is omni.experts[spec.name] and spec.blocks is spec.module.blocks
+        spec.check_block_signature("test")
+        assert set(spec.batch_args) <= set(inspect.signature(spec.module.forward).parameters)
+        assert spec.num_heads == spec.module.config.num_attention_heads
+        assert isinstance(spec.sp_plan, SequenceParallelPlan) and "blocks.0" in spec.sp_plan.shard_before
+        defaults = spec.defaults_for("tea_cache")  # the tiny model is narrow: the 1.3B polynomial
+        assert (defaults["rel_l1_thresh"], defaults["warmup_steps"], len(defaults["coefficients"])) == (0.08, 5, 5)
+
+
+def test_wan22_calls_carry_the_typed_context(wan22_dir, wan22):
+    """Each expert call names its expert, branch and requests; prompts of different max_sequence_length share
+    a call with a key-padding mask that the cross-attention reads."""
+    from omni_core.forward_context import forward_context
+
+    _, omni = wan22
+    calls = []
+    hooks = [model.register_forward_pre_hook(
+        lambda mod, args, kwargs, n=name: calls.append((n, forward_context().call, kwargs["hidden_states"].shape[0])),
+        with_kwargs=True) for name, model in omni.experts.items()]
+    states = [make_state(wan22_dir, PROMPTS[0], 1, negative=NEG, g=5.0), make_state(wan22_dir, PROMPTS[1], 2, g=1.0,
+                                                                                     msl=16)]
+    try:
+        omni.forward(states)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {n for n, _, _ in calls} == {"transformer", "transformer_2"}
+    for name, call, batch in calls:
+        assert call.expert == name and call.covers(batch)
+        if len(call.groups) == 2:  # the cond call of both requests: 32 vs 16 text tokens
+            assert [g.branch for g in call.groups] == ["cond", "cond"] and call.text_mask.shape == (2, 32)
+            assert not bool(call.text_mask[1, 16:].any())
+        else:
+            assert [(g.state, g.branch) for g in call.groups] == [(states[0], "uncond")] and call.text_mask is None

@@ -1,16 +1,13 @@
 """Omni's ``QwenImagePipeline``: text-to-image with true CFG, batched across requests, step by step.
 
-Components come from a diffusers-format folder through diffusers' own loader (``from_pretrained``,
-safetensors only, no remote code). A real ``diffusers.QwenImagePipeline`` object is kept for its helpers
-(``encode_prompt``, ``prepare_latents``, ``_unpack_latents``, the image processor); the denoise loop is
-Omni's: one scheduler per request, and one transformer call per CFG branch for a batch of requests that may
-be at different steps and have prompts of different token lengths (text padded, key-padding mask).
+Built on :class:`omni_core.pipelines.diffusers_step.DiffusersStepPipeline` (loading, the per-request
+scheduler, CFG through the cfg-parallel helpers, prompt padding with key-padding masks, previews); what is
+Qwen-Image's own is here: its sampling-parameter rules, the flow-matching shift of its timesteps, the
+packed-latent transformer call and its denoiser spec (blocks, TeaCache signal and defaults, SP plan).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Any, ClassVar
 
 import numpy as np
@@ -18,13 +15,11 @@ import torch
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.forward_context import forward_context, use_config, use_forward_context
 from omni_core.outputs import DiffusionOutput
-from omni_core.pipelines import OmniPipeline, StepState
-from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg
-from omni_core.pipelines.diffusers_folder import read_json as _read_json
+from omni_core.pipelines import StepState
+from omni_core.pipelines.denoiser import DenoiserSpec
+from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, folder_config
 
-#: libraries a model folder may name in model_index.json (anything else could be remote code)
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 #: diffusers' ``QwenImagePipeline.default_sample_size`` (latent pixels)
 DEFAULT_SAMPLE_SIZE = 128
@@ -38,21 +33,31 @@ MAX_SEQUENCE_LENGTH_LIMIT = 1024
 SP_PLAN = {"shard": {"hidden_states": 1}, "shard_after": {"pos_embed": {0: 0}}, "gather": 1,
            "joint_text": "encoder_hidden_states"}
 
+#: TeaCache polynomial published by ComfyUI-TeaCache (and used by vLLM-Omni) for QwenImageTransformer2DModel
+TEACACHE_COEFFICIENTS = (-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02)
+TEACACHE_DEFAULTS = {"coefficients": TEACACHE_COEFFICIENTS, "rel_l1_thresh": 0.2, "warmup_steps": 1}
+
 
 def vae_scale_factor(model_path: str | None) -> int:
     """diffusers: ``2 ** len(vae.temperal_downsample)`` (8 for Qwen-Image); 8 when the folder is unknown."""
-    cfg = _read_json(os.path.join(model_path, "vae", "config.json")) if model_path else None
+    cfg = folder_config(model_path, "vae")
     if cfg and "temperal_downsample" in cfg:
         return 2 ** len(cfg["temperal_downsample"])
     return 8
 
 
-class QwenImagePipeline(OmniPipeline):
+def modulated_input(transformer: Any, block: Any, a: dict) -> Any:
+    """TeaCache's signal: ``img_norm1(hidden)`` modulated by the first third of ``img_mod(temb)``, as the
+    block itself computes it."""
+    mod1 = block.img_mod(a["temb"]).chunk(2, dim=-1)[0]
+    return block._modulate(block.img_norm1(a["hidden_states"]), mod1, a.get("modulate_index"))[0]
+
+
+class QwenImagePipeline(DiffusersStepPipeline):
     """Qwen-Image text-to-image (diffusers ``QwenImagePipeline`` semantics, float-exact denoise math)."""
 
-    supports_request_batch = True
-    supports_step_execution = True
-    supported_parallel: ClassVar[tuple[str, ...]] = ("ulysses", "ring", "cfg")
+    diffusers_class = "QwenImagePipeline"
+    cfg_normalize = True
     size_multiple = 16
     default_height = 1024
     default_width = 1024
@@ -95,7 +100,7 @@ class QwenImagePipeline(OmniPipeline):
         if params.guidance_scale_2 is not None:
             raise ConfigError(f"guidance_scale_2 is not used by {cls.__name__} (it is Wan 2.2's second-expert "
                               f"scale); use true_cfg_scale with a negative prompt for CFG", field="guidance_scale_2")
-        tcfg = _read_json(os.path.join(model_path, "transformer", "config.json")) if model_path else None
+        tcfg = folder_config(model_path, "transformer")
         if tcfg and tcfg.get("guidance_embeds") and params.guidance_scale is None:
             raise ConfigError(f"this {cls.__name__} is guidance-distilled (guidance_embeds): guidance_scale is "
                               f"required", field="guidance_scale")
@@ -103,41 +108,46 @@ class QwenImagePipeline(OmniPipeline):
 
     @classmethod
     def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
-        """Ulysses splits attention heads: its degree must divide the transformer's head count (read from the
-        folder, so the engine refuses before starting workers)."""
-        from omni_core.distributed import validate_parallel_config
+        """Head counts (the base), and no sequence parallelism for ``zero_cond_t`` transformers (their
+        per-token modulation index is not sharded), refused before workers start."""
+        from omni_core.config import ParallelConfig
 
-        tcfg = _read_json(os.path.join(model_path, "transformer", "config.json")) if model_path else None
-        validate_parallel_config(parallel_config, num_heads=(tcfg or {}).get("num_attention_heads"),
-                                 supported=(*cls.supported_parallel, "data"), model=cls.__name__)
+        super().check_parallel_config(parallel_config, model_path)
+        pc = ParallelConfig.coerce(parallel_config)
+        if pc.sequence_parallel_size > 1 and (folder_config(model_path, "transformer") or {}).get("zero_cond_t"):
+            raise ConfigError(f"{cls.__name__}: sequence parallelism does not support zero_cond_t transformers "
+                              f"(per-token modulation index); use cfg or data parallelism", field="parallel_config")
 
     # ------------------------------------------------------------------ worker process
-    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.device = device
-        self.dtype = dtype
-        #: the Omni ``Attention`` layers every joint-attention call of the transformer goes through
-        self.attention_layers = layers
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.experts["transformer"]
 
     @classmethod
-    def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> QwenImagePipeline:
-        import diffusers
-
+    def install_attention(cls, module: torch.nn.Module, name: str) -> list:
         from omni_model_qwen_image.attention import install_omni_attention
 
-        check_model_index(model_path, "QwenImagePipeline")
-        dtype = dtype or torch.float32
-        kwargs = dict(getattr(config, "model_kwargs", None) or {})
-        pipe = diffusers.QwenImagePipeline.from_pretrained(model_path, **dtype_kwarg(dtype), use_safetensors=True,
-                                                           **kwargs)
-        pipe.set_progress_bar_config(disable=True)
-        device = torch.device(device)
-        pipe.to(device)
-        with use_config(config) if config is not None else contextlib.nullcontext():
-            layers = install_omni_attention(pipe.transformer)
-        setup_parallel(cls, pipe.transformer, config)
-        return cls(pipe, device, dtype, layers)
+        return install_omni_attention(module)
+
+    def denoisers(self) -> list[DenoiserSpec]:
+        t = self.transformer
+        zero_cond_t = bool(getattr(t.config, "zero_cond_t", False))
+        return [DenoiserSpec(
+            name="transformer", module=t, blocks_attr="transformer_blocks",
+            block_params=("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
+                          "image_rotary_emb", "joint_attention_kwargs", "modulate_index"),
+            carried=("hidden_states", "encoder_hidden_states"),
+            block_outputs=("encoder_hidden_states", "hidden_states"),
+            residual_stream="hidden_states",
+            side_inputs=("encoder_hidden_states_mask", "temb", "modulate_index"),
+            batch_args=("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
+                        "img_shapes", "guidance", "additional_t_cond"),
+            modulated_input=modulated_input,
+            # zero_cond_t doubles temb's batch ([cond rows; zero-t rows]): rows cannot be computed apart
+            rows_separable=not zero_cond_t,
+            num_heads=t.config.num_attention_heads,
+            sp_plan=None if zero_cond_t else SP_PLAN,
+            cache_defaults={"tea_cache": TEACACHE_DEFAULTS})]
 
     # -- step-wise protocol
     def prepare_encode(self, state: StepState) -> StepState:
@@ -155,8 +165,7 @@ class QwenImagePipeline(OmniPipeline):
                 state.negative_prompt_embeds, state.negative_prompt_mask = pipe.encode_prompt(
                     prompt=[req.negative_prompt], device=self.device, num_images_per_prompt=1,
                     max_sequence_length=msl)
-        if state.generator is None and sp.seed is not None:
-            state.generator = torch.Generator(self.device).manual_seed(sp.seed)
+        self.seed_generator(state)
         height, width = sp.height, sp.width
         state.latents = pipe.prepare_latents(n, self.transformer.config.in_channels // 4, height, width,
                                              state.prompt_embeds.dtype, self.device, state.generator)
@@ -166,82 +175,34 @@ class QwenImagePipeline(OmniPipeline):
         mu = calculate_shift(state.latents.shape[1], cfg.get("base_image_seq_len", 256),
                              cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
                              cfg.get("max_shift", 1.15))
-        scheduler = type(pipe.scheduler).from_config(cfg)
-        state.timesteps, state.num_steps = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        state.scheduler = scheduler
-        state.step_index = 0
-        state.extra.update(do_cfg=do_cfg, true_cfg_scale=true_cfg, height=height, width=width, rows=n)
+        scheduler = self.new_scheduler()
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        self.start_schedule(state, scheduler, timesteps)
+        state.extra.update(do_cfg=do_cfg, cfg_scale=true_cfg, height=height, width=width, rows=n)
         return state
 
-    def denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
-        """One cond call (and one uncond call for the CFG requests) per group of same-size requests."""
-        preds: dict[int, torch.Tensor] = {}
-        groups: dict[tuple, list[int]] = {}
-        for i, s in enumerate(states):
-            groups.setdefault((s.extra["height"], s.extra["width"], s.latents.dtype), []).append(i)
-        with torch.no_grad():
-            for (height, width, _), idx in groups.items():
-                group = [states[i] for i in idx]
-                cond, uncond_of = self._branches(group, height, width)
-                for i, s, noise_pred in zip(idx, group, cond):
-                    if s.extra["do_cfg"]:
-                        neg = uncond_of[id(s)]
-                        comb = neg + s.extra["true_cfg_scale"] * (noise_pred - neg)
-                        cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-                        noise_norm = torch.norm(comb, dim=-1, keepdim=True)
-                        noise_pred = comb * (cond_norm / noise_norm)
-                    preds[i] = noise_pred
-        return [preds[i] for i in range(len(states))]
+    def batch_key(self, state: StepState) -> tuple:
+        """Same image size (the transformer takes one ``img_shapes`` layout per call) and dtype."""
+        return (state.extra["height"], state.extra["width"], state.latents.dtype)
 
-    def _branches(self, group: list[StepState], height: int, width: int) -> tuple[list, dict]:
-        """(cond prediction per state, {id(state): uncond prediction} for the CFG states).
-
-        With a cfg group of two ranks the CFG states' cond and uncond calls run on cfg ranks 0 and 1 at the
-        same time and are exchanged (``cfg_parallel_predict``); states without CFG run on both ranks."""
-        from omni_core.distributed import cfg_parallel_predict, get_cfg_group
-
-        cfg_states = [s for s in group if s.extra["do_cfg"]]
-        if get_cfg_group().world_size == 1 or not cfg_states:
-            cond = self._run_branch(group, "cond", height, width)
-            uncond = self._run_branch(cfg_states, "uncond", height, width) if cfg_states else []
-            return cond, dict(zip(map(id, cfg_states), uncond))
-        rows = [s.latents.shape[0] for s in cfg_states]
-        pos, neg = cfg_parallel_predict(lambda: torch.cat(self._run_branch(cfg_states, "cond", height, width)),
-                                        lambda: torch.cat(self._run_branch(cfg_states, "uncond", height, width)))
-        cond_of = dict(zip(map(id, cfg_states), pos.split(rows)))
-        plain = [s for s in group if not s.extra["do_cfg"]]
-        cond_of.update(zip(map(id, plain), self._run_branch(plain, "cond", height, width) if plain else []))
-        return [cond_of[id(s)] for s in group], dict(zip(map(id, cfg_states), neg.split(rows)))
-
-    def _run_branch(self, states: list[StepState], branch: str, height: int, width: int) -> list[torch.Tensor]:
-        """One transformer call over every row of ``states``; returns each state's noise prediction."""
+    def run_branch(self, expert: str, states: list[StepState], branch: str) -> list[torch.Tensor]:
         negative = branch == "uncond"
         rows = [s.latents.shape[0] for s in states]
         latents = torch.cat([s.latents for s in states])
         embeds = [s.negative_prompt_embeds if negative else s.prompt_embeds for s in states]
         masks = [s.negative_prompt_mask if negative else s.prompt_mask for s in states]
-        text, text_mask = _pad_text(embeds, masks, rows)
+        text, text_mask = self.pad_text(embeds, masks, rows)
         timestep = torch.cat([s.timesteps[s.step_index].expand(r) for s, r in zip(states, rows)]).to(latents.dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.cat([torch.full([r], s.sampling_params.guidance_scale, device=self.device,
                                              dtype=torch.float32) for s, r in zip(states, rows)])
         vsf = self.pipe.vae_scale_factor
+        height, width = states[0].extra["height"], states[0].extra["width"]
         img_shapes = [[(1, height // vsf // 2, width // vsf // 2)]] * latents.shape[0]
-        extras = {"branch": branch, "states": states, "rows": rows}
-        with use_forward_context(extras={**forward_context().extras, **extras}), \
-                self.transformer.cache_context(branch):
-            out = self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
-                                   encoder_hidden_states_mask=text_mask, encoder_hidden_states=text,
-                                   img_shapes=img_shapes, attention_kwargs={}, return_dict=False)[0]
-        return list(out.split(rows))
-
-    def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
-        t = state.timesteps[state.step_index]
-        with torch.no_grad():
-            state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
-        state.step_index += 1
+        return self.call_denoiser(expert, states, branch, text_mask, hidden_states=latents, timestep=timestep / 1000,
+                                  guidance=guidance, encoder_hidden_states_mask=text_mask,
+                                  encoder_hidden_states=text, img_shapes=img_shapes, attention_kwargs={})
 
     def post_decode(self, state: StepState) -> DiffusionOutput:
         pipe, sp = self.pipe, state.sampling_params
@@ -252,62 +213,12 @@ class QwenImagePipeline(OmniPipeline):
             return out
         with torch.no_grad():
             latents = pipe._unpack_latents(state.latents, state.extra["height"], state.extra["width"],
-                                           pipe.vae_scale_factor).to(pipe.vae.dtype)
-            vcfg = pipe.vae.config
-            mean = torch.tensor(vcfg.latents_mean).view(1, vcfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-            std = 1.0 / torch.tensor(vcfg.latents_std).view(1, vcfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-            latents = latents / std + mean
-            image = pipe.vae.decode(latents, return_dict=False)[0][:, :, 0]
+                                           pipe.vae_scale_factor)
+            image = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0][:, :, 0]
             out.tensor = pipe.image_processor.postprocess(image, output_type="pt")
         return out
 
-    def preview(self, state: StepState) -> torch.Tensor | None:
-        """Cheap RGB of the current latents (first three latent channels, min-max scaled; no VAE)."""
-        if state.latents is None:
-            return None
-        lat = self.pipe._unpack_latents(state.latents[:1], state.extra["height"], state.extra["width"],
-                                        self.pipe.vae_scale_factor)[0, :, 0].float()
-        return latents_to_rgb(lat)
-
-
-def setup_parallel(cls: type, transformer: torch.nn.Module, config: Any) -> None:
-    """Check the parallel config against the denoiser (heads, supported strategies) and install the SP plan's
-    hooks when the sp group has more than one rank. Runs in each worker after ``init_parallel_state``."""
-    from omni_core.attention.parallel import apply_sequence_parallel
-    from omni_core.distributed import get_sp_group, validate_parallel_config
-
-    pc = getattr(config, "parallel_config", None)
-    validate_parallel_config(pc, num_heads=transformer.config.num_attention_heads,
-                             supported=(*cls.supported_parallel, "data"), model=cls.__name__)
-    transformer._sp_plan = SP_PLAN
-    if get_sp_group().world_size > 1:
-        if getattr(transformer.config, "zero_cond_t", False):
-            raise ConfigError(f"{cls.__name__}: sequence parallelism does not support zero_cond_t transformers "
-                              f"(per-token modulation index); use cfg or data parallelism", field="parallel_config")
-        apply_sequence_parallel(transformer)
-
-
-def latents_to_rgb(lat: torch.Tensor) -> torch.Tensor:
-    """``[C, h, w]`` latents -> ``[3, h, w]`` in [0, 1]: channels 0..2 (repeated when fewer), each min-max scaled."""
-    rgb = lat[:3] if lat.shape[0] >= 3 else lat[:1].expand(3, -1, -1)
-    lo = rgb.amin(dim=(1, 2), keepdim=True)
-    hi = rgb.amax(dim=(1, 2), keepdim=True)
-    return ((rgb - lo) / (hi - lo).clamp_min(1e-6)).cpu()
-
-
-def _pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None], rows: list[int]
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack ``[1, L_i, D]`` prompt embeddings into ``[sum(rows), max L, D]`` with zero padding, and the
-    key-padding mask (None when nothing is padded, as diffusers passes for a single prompt)."""
-    longest = max(e.shape[1] for e in embeds)
-    parts, mask_parts = [], []
-    for e, m, r in zip(embeds, masks, rows):
-        length = e.shape[1]
-        valid = m.bool() if m is not None else torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
-        if length < longest:
-            e = torch.cat([e, e.new_zeros(e.shape[0], longest - length, e.shape[2])], dim=1)
-            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], longest - length)], dim=1)
-        parts.append(e.expand(r, -1, -1))
-        mask_parts.append(valid.expand(r, -1))
-    mask = torch.cat(mask_parts)
-    return torch.cat(parts), (None if bool(mask.all()) else mask)
+    def preview_latents(self, state: StepState) -> torch.Tensor:
+        """The first image's unpacked latents ``[C, h, w]``."""
+        return self.pipe._unpack_latents(state.latents[:1], state.extra["height"], state.extra["width"],
+                                         self.pipe.vae_scale_factor)[0, :, 0]

@@ -32,8 +32,8 @@ class OmniWanAttnProcessor:
     """Drop-in for diffusers' ``WanAttnProcessor`` whose attention kernels are Omni layers.
 
     A cross-attention call reads an optional ``[batch, text_len]`` key-padding mask from
-    ``forward_context().extras["text_mask"]`` (the pipeline sets it when it batches requests whose
-    ``max_sequence_length`` differs); diffusers passes none.
+    ``forward_context().call.text_mask`` (the typed denoise-call context; the pipeline sets a mask when it
+    batches requests whose ``max_sequence_length`` differs); diffusers passes none.
     """
 
     _attention_backend = None
@@ -70,7 +70,8 @@ class OmniWanAttnProcessor:
 
         mask = attention_mask
         if mask is None and is_cross:
-            mask = forward_context().extras.get("text_mask")
+            call = forward_context().call
+            mask = call.text_mask if call is not None else None
         hidden_states = self.layer(query, key, value, attn_mask=mask).flatten(2, 3).type_as(query)
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
