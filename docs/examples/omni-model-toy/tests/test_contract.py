@@ -1,0 +1,6 @@
+from omni_core.testing.pipeline_contract import PipelineContract
+
+
+class TestToyContract(PipelineContract):
+    model = "toy"  # the short name registered in hooks.py
+    sampling = {"num_inference_steps": 4}
