@@ -30,8 +30,9 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from omni_core.testing.attention import AttentionBackendContract, reference_attention
+from omni_core.testing.driver import make_state, run_step_batch
 
-__all__ = ["AttentionBackendContract", "reference_attention"]
+__all__ = ["AttentionBackendContract", "make_state", "reference_attention", "run_step_batch"]
 
 _MARKERS = (
     "gpu: needs a real accelerator (skipped when none is present)",

@@ -11,7 +11,7 @@ import torch
 
 from omni_core.errors import ConfigError
 from omni_model_shapes.pipeline import ShapesPipeline
-from omni_model_shapes.testing import make_state
+from omni_core.testing.driver import make_state
 from omni_model_shapes.weights import model_path
 
 PROMPT = "a red circle in the top left"

@@ -9,7 +9,7 @@ import torch
 
 from omni_core.errors import ConfigError
 
-from omni_model_shapes.testing import make_state
+from omni_core.testing.driver import make_state
 
 PROMPTS = ["a red circle in the top left", "a blue square in the center", "a green triangle in the bottom right"]
 

@@ -36,7 +36,7 @@ def test_trained_folder_loads_and_generates(tmp_path):
         assert json.load(f)["_class_name"] == "ShapesPipeline"
     assert json.load(open(out / "training.json"))["config"]["iterations"] == 3
     pipe = load_pipeline(resolve_model(str(out)), OmniDiffusionConfig(model=str(out)), "cpu", torch.float32)
-    from omni_model_shapes.testing import make_state
+    from omni_core.testing.driver import make_state
 
     img = pipe.forward([make_state(pipe, "a red circle in the top left", seed=0, num_inference_steps=2)])[0]
     assert img.tensor.shape == (1, 3, 32, 32)

@@ -167,10 +167,6 @@ class ShapesTransformer2DModel(ModelMixin, ConfigMixin):
     drive the adaLN modulation; the text tokens are also attended to by cross-attention.
     """
 
-    #: sequence parallelism: shard the image tokens after the patch embedding, gather them after the output
-    #: projection (the text context stays whole on every rank; cross-attention needs no exchange)
-    _sp_plan = {"shard_after": {"x_embed": 1}, "gather_after": {"proj_out": 1}, "gather": None}
-
     @register_to_config
     def __init__(self, in_channels: int = 3, patch_size: int = 4, sample_size: int = 32, dim: int = 192,
                  num_layers: int = 6, num_heads: int = 6, mlp_ratio: float = 3.0, text_dim: int = 128,

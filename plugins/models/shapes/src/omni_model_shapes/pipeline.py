@@ -21,6 +21,7 @@ from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import OmniPipeline, StepState
 from omni_core.pipelines.base import read_model_index
+from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_json, refuse_pickled_weights
 from omni_core.request import OmniDiffusionRequest
 from omni_model_shapes.models import ShapesTextEncoder, ShapesTransformer2DModel, velocity
@@ -35,6 +36,23 @@ DEFAULT_CPU_THREADS = 1
 #: ``SamplingParams.extra_args`` this pipeline understands
 EXTRA_ARGS = {"upscale": "integer 1..32: nearest-neighbour upscaling of PIL outputs for display (default 8)"}
 DEFAULT_UPSCALE = 8
+
+#: sequence parallelism: shard the image tokens after the patch embedding, gather them after the output
+#: projection (the text context stays whole on every rank; cross-attention needs no exchange)
+SP_PLAN = {"shard_after": {"x_embed": 1}, "gather_after": {"proj_out": 1}, "gather": None}
+
+#: TeaCache: fitted on the shipped weights with ``omni cache calibrate --model shapes --prompts 48 --steps 50``
+#: (guidance 3.0; 4704 step pairs, R^2 0.34); refit when the model is retrained
+TEA_CACHE_COEFFICIENTS: tuple[float, ...] = (2.74887208e+04, -3.81222300e+03, 2.08794877e+02, -5.95705452e+00,
+                                             8.32354849e-02)
+#: tuned on 120 prompts at 50 steps: ~4x fewer evaluations, PSNR ~35 dB, evaluator accuracy unchanged
+TEA_CACHE_THRESH = 0.03
+TEA_CACHE_WARMUP = 1
+
+
+def _modulated_input(transformer: ShapesTransformer2DModel, block: Any, args: dict) -> torch.Tensor:
+    """Block 0's adaLN-modulated input (what TeaCache compares between steps)."""
+    return transformer.modulated_input(0, args["hidden"], args["temb"])
 
 
 class ShapesPipeline(OmniPipeline):
@@ -136,20 +154,26 @@ class ShapesPipeline(OmniPipeline):
             tokenizer=ShapesTokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(model_path, "scheduler")),
             device=device, dtype=dtype, cpu_threads=threads)
-        pipeline.setup_parallel(config)
         return pipeline
 
-    def setup_parallel(self, config: Any) -> None:
-        """Check the parallel config against the heads and the supported strategies; install the transformer's
-        sequence-parallel plan when the sp group has more than one rank."""
-        from omni_core.attention.parallel import apply_sequence_parallel
-        from omni_core.distributed import get_sp_group, validate_parallel_config
+    def denoisers(self) -> list[DenoiserSpec]:
+        """The transformer as caches and sequence parallelism see it (the core installs ``sp_plan``)."""
+        return [DenoiserSpec(
+            name="transformer", module=self.transformer, blocks_attr="blocks",
+            block_params=("hidden", "temb", "context", "context_mask"), carried=("hidden",),
+            block_outputs=("hidden",), residual_stream="hidden", side_inputs=("temb", "context", "context_mask"),
+            batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_mask"),
+            modulated_input=_modulated_input, num_heads=self.transformer.config.num_heads, sp_plan=SP_PLAN,
+            cache_defaults={"tea_cache": {"coefficients": TEA_CACHE_COEFFICIENTS, "rel_l1_thresh": TEA_CACHE_THRESH,
+                                          "warmup_steps": TEA_CACHE_WARMUP}})]
 
-        validate_parallel_config(getattr(config, "parallel_config", None),
-                                 num_heads=self.transformer.config.num_heads,
-                                 supported=(*self.supported_parallel, "data"), model=type(self).__name__)
-        if get_sp_group().world_size > 1:
-            apply_sequence_parallel(self.transformer)
+    @classmethod
+    def example_prompts(cls) -> list[str]:
+        """Prompts in the model's closed vocabulary (shape, colour, place)."""
+        return ["a red circle in the top left", "a blue square in the center", "a green triangle in the bottom right",
+                "a yellow cross in the top right", "a large purple circle in the bottom left",
+                "a small orange square in the center", "a blue cross in the bottom left",
+                "a green circle in the top right"]
 
     @contextlib.contextmanager
     def threads(self) -> Iterator[None]:
@@ -257,9 +281,9 @@ class ShapesPipeline(OmniPipeline):
         return preds
 
     def _run(self, segments: list[tuple[StepState, str]]) -> list[torch.Tensor]:
-        """One transformer call over (state, branch) segments -> the velocity of each segment. The forward
+        """One transformer call over (state, branch) segments -> the velocity of each segment. The typed call
         context tells cache backends which rows belong to which request and branch."""
-        from omni_core.forward_context import forward_context, use_forward_context
+        from omni_core.forward_context import use_denoise_call
 
         xs, ts, sigmas, embs, masks, rows = [], [], [], [], [], []
         for s, branch in segments:
@@ -273,10 +297,9 @@ class ShapesPipeline(OmniPipeline):
             masks.append(mask.expand(n, -1))
             rows.append(n)
         x, t, sigma = torch.cat(xs), torch.cat(ts).to(self.dtype), torch.cat(sigmas).to(self.device)
-        extras = {**forward_context().extras, "states": [s for s, _ in segments], "rows": rows,
-                  "branch": [b for _, b in segments]}
-        with use_forward_context(extras=extras):
-            out = self.transformer(x, t, torch.cat(embs), torch.cat(masks))
+        mask = torch.cat(masks)
+        with use_denoise_call([(s, n, b) for (s, b), n in zip(segments, rows)], expert="transformer", text_mask=mask):
+            out = self.transformer(x, t, torch.cat(embs), mask)
         return list(velocity(out.float(), x.float(), sigma.float(), self.transformer.config.prediction_type)
                     .split(rows))
 

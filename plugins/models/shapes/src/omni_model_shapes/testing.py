@@ -1,4 +1,6 @@
-"""Builders for tests and for the evaluator's baseline: shapes model folders with random weights."""
+"""Builders for tests and for the evaluator's baseline: shapes model folders with random weights.
+
+(Request states and step loops for tests come from the core: :mod:`omni_core.testing.driver`.)"""
 
 from __future__ import annotations
 
@@ -46,13 +48,3 @@ def build_random_shapes(folder: str | os.PathLike, cfg: TrainConfig | None = Non
     save_model_folder(folder, tokenizer, text_encoder, transformer, make_scheduler())
     return folder
 
-
-def make_state(pipeline, prompt: str, seed: int, negative_prompt: str | None = None, **params):
-    """A ``StepState`` as the runner makes it: completed sampling params and a generator seeded per request."""
-    from omni_core.config import SamplingParams
-    from omni_core.pipelines import StepState
-    from omni_core.request import OmniDiffusionRequest
-
-    sp = type(pipeline).check_sampling_params(SamplingParams(seed=seed, **params))
-    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=sp)
-    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
