@@ -6,23 +6,24 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 
 from omni_core.config import SamplingParams
 from omni_core.pipelines import StepState
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing.driver import run_step_batch
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
 NEG = "blurry, low quality"
 
 
-def qwen_states(qwen_dir, prompts, *, steps=8, negative=NEG, seed=0):
-    from omni_model_qwen_image.pipeline import QwenImagePipeline
-
+def qwen_states(pipeline, qwen_dir, prompts, *, steps=8, negative=NEG, seed=0):
+    """States for the loaded Qwen-Image ``pipeline`` (its class checks the params; no model-plugin import)."""
     out = []
     for i, prompt in enumerate(prompts):
-        params = QwenImagePipeline.check_sampling_params(
+        params = type(pipeline).check_sampling_params(
             SamplingParams(height=32, width=32, num_inference_steps=steps if isinstance(steps, int) else steps[i],
                            seed=seed + i, max_sequence_length=64), qwen_dir)
         req = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
@@ -30,12 +31,10 @@ def qwen_states(qwen_dir, prompts, *, steps=8, negative=NEG, seed=0):
     return out
 
 
-def wan_states(wan_dir, prompts, *, steps=8, seed=0):
-    from omni_model_wan.pipeline import WanPipeline
-
+def wan_states(pipeline, wan_dir, prompts, *, steps=8, seed=0):
     out = []
     for i, prompt in enumerate(prompts):
-        params = WanPipeline.check_sampling_params(
+        params = type(pipeline).check_sampling_params(
             SamplingParams(height=16, width=16, num_frames=5, num_inference_steps=steps, guidance_scale=5.0,
                            seed=seed + i, max_sequence_length=32), wan_dir)
         req = OmniDiffusionRequest(prompt=prompt, negative_prompt=NEG, sampling_params=params)
@@ -65,21 +64,8 @@ def run(pipeline, states, backend=None):
 
 def run_steps(pipeline, states, backend, admit_at):
     """STEP_BATCH as the runner drives it: state i joins at global step admit_at[i]."""
-    pending = sorted(range(len(states)), key=lambda i: admit_at[i])
-    active, step = [], 0
     with torch.inference_mode():
-        while pending or any(not s.done for s in active):
-            while pending and admit_at[pending[0]] <= step:
-                state = states[pending.pop(0)]
-                pipeline.prepare_encode(state)
-                backend.begin_request(state)
-                active.append(state)
-            running = [s for s in active if not s.done]
-            if running:
-                for state, pred in zip(running, pipeline.denoise_step(running)):
-                    pipeline.step_scheduler(state, pred)
-            step += 1
-        return [pipeline.post_decode(s).tensor for s in states]
+        return [o.tensor for o in run_step_batch(pipeline, states, admit_at, cache_backend=backend)]
 
 
 @pytest.fixture
@@ -109,9 +95,9 @@ def patterns(state):
 
 # ---------------------------------------------------------------------------------------------- exactness
 def test_threshold_zero_and_disable_are_bit_identical(qwen, qwen_dir, tea):
-    base = run(qwen, qwen_states(qwen_dir, PROMPTS[:3]))
+    base = run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:3]))
     backend = tea(qwen, rel_l1_thresh=0)
-    states = qwen_states(qwen_dir, PROMPTS[:3])
+    states = qwen_states(qwen, qwen_dir, PROMPTS[:3])
     zero = run(qwen, states, backend)
     assert all(torch.equal(a, b) for a, b in zip(base, zero))
     assert backend.mode_counts["all"] > 0 and backend.mode_counts["slice"] == 0
@@ -119,7 +105,7 @@ def test_threshold_zero_and_disable_are_bit_identical(qwen, qwen_dir, tea):
     backend.disable(qwen)
     assert all("forward" not in b.__dict__ for b in qwen.transformer.transformer_blocks)
     assert "forward" not in qwen.transformer.__dict__
-    assert all(torch.equal(a, b) for a, b in zip(base, run(qwen, qwen_states(qwen_dir, PROMPTS[:3]))))
+    assert all(torch.equal(a, b) for a, b in zip(base, run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:3]))))
 
 
 def test_engine_threshold_zero_bit_identical(qwen_dir):
@@ -164,11 +150,11 @@ def test_skipping_really_happens_and_is_counted(qwen, qwen_dir, tea):
     hook = qwen.transformer.transformer_blocks[1].img_mlp.register_forward_pre_hook(
         lambda m, a: rows.append(a[0].shape[0]))
     try:
-        base = run(qwen, qwen_states(qwen_dir, PROMPTS[:2], steps=10))
+        base = run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:2], steps=10))
         base_rows = sum(rows)
         rows.clear()
         backend = tea(qwen, rel_l1_thresh=0.6)
-        states = qwen_states(qwen_dir, PROMPTS[:2], steps=10)
+        states = qwen_states(qwen, qwen_dir, PROMPTS[:2], steps=10)
         cached = run(qwen, states, backend)
     finally:
         hook.remove()
@@ -187,7 +173,7 @@ def test_skipping_really_happens_and_is_counted(qwen, qwen_dir, tea):
 
 def test_cfg_branches_and_wan22_experts_keep_separate_state(wan22, wan22_dir, tea):
     backend = tea(wan22, rel_l1_thresh=0.45, coefficients=[1.0, 0.0], warmup_steps=1)
-    states = wan_states(wan22_dir, PROMPTS[:2], steps=8)
+    states = wan_states(wan22, wan22_dir, PROMPTS[:2], steps=8)
     run(wan22, states, backend)
     for state in states:
         keys = set(patterns(state))
@@ -210,19 +196,22 @@ def test_batch_decides_per_request_request_mode(qwen, qwen_dir, tea, monkeypatch
     backend = tea(qwen, rel_l1_thresh=0.45)
     alone, alone_patterns = [], []
     for i in range(4):
-        (state,) = qwen_states(qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])
+        (state,) = qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])
         alone += run(qwen, [state], backend)
         alone_patterns.append(patterns(state))
-    states = [qwen_states(qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
+    states = [qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
     batched = run(qwen, states, backend)
     assert [patterns(s) for s in states] == alone_patterns
     assert len({str(p) for p in alone_patterns}) > 1, "the requests should make different decisions"
     assert backend.mode_counts["slice"] > 0
     for a, b in zip(alone, batched):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
-    # a model whose rows cannot be sliced runs them all and overwrites the reused ones: same results
-    monkeypatch.setattr(backend, "_can_slice", lambda *a: False)
-    states = [qwen_states(qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
+    # a model that declares its rows inseparable runs them all and overwrites the reused ones: same results
+    backend.disable(qwen)
+    specs = qwen.denoisers()
+    monkeypatch.setattr(qwen, "denoisers", lambda: [attrs.evolve(s, rows_separable=False) for s in specs])
+    backend = tea(qwen, rel_l1_thresh=0.45)
+    states = [qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
     masked = run(qwen, states, backend)
     assert backend.mode_counts["mask"] > 0
     assert [patterns(s) for s in states] == alone_patterns
@@ -234,10 +223,10 @@ def test_step_batch_requests_at_different_steps_decide_for_themselves(wan22, wan
     backend = tea(wan22, rel_l1_thresh=0.45, coefficients=[1.0, 0.0], warmup_steps=1)
     alone, alone_patterns = [], []
     for i in range(3):
-        (state,) = wan_states(wan22_dir, [PROMPTS[i]], seed=i)
+        (state,) = wan_states(wan22, wan22_dir, [PROMPTS[i]], seed=i)
         alone += run(wan22, [state], backend)
         alone_patterns.append(patterns(state))
-    states = [wan_states(wan22_dir, [PROMPTS[i]], seed=i)[0] for i in range(3)]
+    states = [wan_states(wan22, wan22_dir, [PROMPTS[i]], seed=i)[0] for i in range(3)]
     stepped = run_steps(wan22, states, backend, admit_at=[0, 1, 3])
     assert [patterns(s) for s in states] == alone_patterns
     assert backend.mode_counts["slice"] > 0
@@ -245,8 +234,8 @@ def test_step_batch_requests_at_different_steps_decide_for_themselves(wan22, wan
         torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
 
 
-def test_call_without_forward_context_is_one_request(qwen, qwen_dir, tea):
-    """A caller that sets no extras (e.g. diffusers' own loop) still gets TeaCache, as one request."""
+def test_call_without_denoise_call_is_one_request(qwen, qwen_dir, tea):
+    """A caller that sets no DenoiseCall (e.g. diffusers' own loop) still gets TeaCache, as one request."""
     backend = tea(qwen, rel_l1_thresh=0.6)
     t = qwen.transformer
     x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
