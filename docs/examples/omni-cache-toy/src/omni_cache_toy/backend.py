@@ -1,0 +1,93 @@
+"""``every_other``: a request computes the denoiser on steps 0, interval, 2 * interval, ... and reuses its
+last output in between, per CFG branch and denoiser. It names no model: it wraps each declared denoiser's
+``forward`` (``DenoiserSpec.module``), learns from the typed call context which rows belong to which request
+and branch, and runs only the rows that compute (``batch_args``, sliced with the core's row helpers).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from omni_core.cache import CacheBackend
+from omni_core.cache.rows import span_index, take_rows
+from omni_core.errors import ConfigError
+from omni_core.forward_context import forward_context, use_forward_context
+from omni_core.pipelines.denoiser import denoisers_of
+
+
+class EveryOtherStep(CacheBackend):
+    name = "every_other"
+    requires = ("torch",)
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """Runs in the engine's process before any worker starts: ``interval`` is the only key."""
+        for key, value in config.items():
+            if key != "interval":
+                raise ConfigError(f"every_other: unknown cache_config key {key!r}; allowed: interval",
+                                  field=f"cache_config.{key}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"every_other: cache_config.interval={value!r} must be an integer >= 1",
+                                  field="cache_config.interval")
+
+    def enable(self, pipeline: Any) -> None:
+        self.interval = self.config.get("interval", 2)
+        self.specs = denoisers_of(pipeline)
+        for spec in self.specs:
+            spec.module.forward = self._wrap(spec, spec.module.forward)  # an instance attribute: disable deletes it
+        super().enable(pipeline)
+
+    def disable(self, pipeline: Any) -> None:
+        for spec in getattr(self, "specs", []):
+            vars(spec.module).pop("forward", None)
+        super().disable(pipeline)
+
+    def begin_request(self, state: Any) -> None:
+        state.cache_state.clear()
+        state.cache_state["every_other"] = {"outputs": {}, "computed": 0, "reused": 0}
+
+    def request_metrics(self, state: Any) -> dict[str, Any]:
+        mine = state.cache_state.get("every_other")
+        return {"steps_computed": mine["computed"], "steps_reused": mine["reused"]} if mine else {}
+
+    def _wrap(self, spec: Any, forward: Any) -> Any:
+        signature = inspect.signature(forward)
+
+        def cached_forward(*args: Any, **kwargs: Any) -> Any:
+            call = forward_context().call
+            if call is None or any(g.state is None or "every_other" not in g.state.cache_state for g in call.groups):
+                return forward(*args, **kwargs)  # a call outside a request (e.g. a warm-up probe): compute it
+            spans = call.spans()
+            key = f"{call.expert or spec.name}/"
+            reuse = [g.state.step_index % self.interval != 0 and key + g.branch in g.state.cache_state["every_other"]
+                     ["outputs"] for g, _, _ in spans]
+            keep = [i for i, r in enumerate(reuse) if not r] if spec.rows_separable else list(range(len(spans)))
+            computed = None
+            if keep:
+                bound = signature.bind(*args, **kwargs)
+                index = span_index([(a, b) for i, (_, a, b) in enumerate(spans) if i in keep])
+                for name in spec.batch_args:
+                    if name in bound.arguments:
+                        bound.arguments[name] = take_rows(bound.arguments[name], index, call.batch)
+                with use_forward_context(call=call.select(keep)):
+                    computed = forward(*bound.args, **bound.kwargs)
+                if not isinstance(computed, torch.Tensor):
+                    raise TypeError(f"every_other needs a denoiser that returns a tensor; {spec.name!r} returned "
+                                    f"{type(computed).__name__}")
+            parts, row = [], 0
+            for i, (group, a, b) in enumerate(spans):
+                mine = group.state.cache_state["every_other"]
+                if i in keep:
+                    out, row = computed[row:row + b - a], row + b - a
+                    if not reuse[i]:
+                        mine["outputs"][key + group.branch] = out
+                if reuse[i]:
+                    out = mine["outputs"][key + group.branch]
+                mine["reused" if reuse[i] else "computed"] += 1
+                parts.append(out)
+            return torch.cat(parts)
+
+        return cached_forward
