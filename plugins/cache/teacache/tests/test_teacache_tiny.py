@@ -13,11 +13,22 @@ import attrs
 import pytest
 import torch
 
+from omni_core.testing.cache_contract import CacheBackendContract
 from omni_core.testing.driver import make_state, run_step_batch
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
 #: a threshold at which the tiny model reuses some steps and computes others
 THRESH = 0.02
+
+
+class TestTeaCacheContract(CacheBackendContract):
+    """The contract every cache backend owes its users, on the tiny DiT."""
+
+    cache_backend = "tea_cache"
+    cache_config = {"rel_l1_thresh": THRESH}
+    off_config = {"rel_l1_thresh": 0}
+    sampling = {"num_inference_steps": 8}
+    metric_keys = ("cache_backend", "steps_computed", "steps_reused", "cache_branches")
 
 
 def load(path: str):
