@@ -1,4 +1,7 @@
-"""The plugin author's guide is true: its files are the example package's files, and its commands run as written.
+"""The plugin guides are true: each guide's files are its example package's files, and its commands run as written.
+
+Guides and packages: ``authoring.md`` (attention backend ``omni-attention-toy``), ``models.md`` (model
+``omni-model-toy``), ``caches.md`` (cache backend ``omni-cache-toy``).
 
 The commands run in a throwaway virtual environment layered over this one (a ``.pth`` adds this
 environment's site-packages), so installing the example never touches the project's ``.venv``.
@@ -17,27 +20,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDE = ROOT / "docs" / "plugins" / "authoring.md"
-EXAMPLE = ROOT / "docs" / "examples" / "omni-attention-toy"
+#: guide -> (example package folder, the command whose output the guide shows, the plugin's entry-point name)
+GUIDES = {
+    "authoring.md": ("omni-attention-toy", "omni plugins list --kind attention", "attention-toy"),
+    "models.md": ("omni-model-toy", "omni plugins list --kind pipeline", "model-toy"),
+    "caches.md": ("omni-cache-toy", "omni plugins list --kind cache", "cache-toy"),
+}
 BLOCK = re.compile(r"<!-- (example-[a-z]+)(?:: ([^\n]*?))? -->\n\n?```[a-z]*\n(.*?)```", re.S)
 
 
-def guide_blocks(kind: str) -> list[tuple[str, str]]:
-    return [(arg, body) for k, arg, body in BLOCK.findall(GUIDE.read_text()) if k == kind]
+def guide_blocks(guide: str, kind: str) -> list[tuple[str, str]]:
+    text = (ROOT / "docs" / "plugins" / guide).read_text()
+    return [(arg, body) for k, arg, body in BLOCK.findall(text) if k == kind]
 
 
-def test_guide_shows_every_example_file_verbatim():
-    shown = dict(guide_blocks("example-file"))
-    files = sorted(str(p.relative_to(EXAMPLE)) for p in EXAMPLE.rglob("*")
+def example_dir(guide: str) -> Path:
+    return ROOT / "docs" / "examples" / GUIDES[guide][0]
+
+
+@pytest.mark.parametrize("guide", GUIDES)
+def test_guide_shows_every_example_file_verbatim(guide):
+    example = example_dir(guide)
+    shown = dict(guide_blocks(guide, "example-file"))
+    files = sorted(str(p.relative_to(example)) for p in example.rglob("*")
                    if p.is_file() and p.suffix in (".py", ".toml") and "egg-info" not in str(p))
     assert sorted(shown) == files
     for rel, body in shown.items():
-        assert body == (EXAMPLE / rel).read_text(), f"the guide's copy of {rel} differs from the example package"
+        assert body == (example / rel).read_text(), f"{guide}'s copy of {rel} differs from the example package"
 
 
-def test_guide_has_commands_and_expected_output():
-    assert len(guide_blocks("example-run")) == 1
-    assert guide_blocks("example-output")[0][0] == "omni plugins list --kind attention"
+@pytest.mark.parametrize("guide", GUIDES)
+def test_guide_has_commands_and_expected_output(guide):
+    assert len(guide_blocks(guide, "example-run")) == 1
+    assert guide_blocks(guide, "example-output")[0][0] == GUIDES[guide][1]
 
 
 @pytest.fixture
@@ -58,12 +73,13 @@ def layered_venv(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_guide_commands_run_as_written(tmp_path: Path, layered_venv: Path):
-    work = tmp_path / "omni-attention-toy"
-    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+@pytest.mark.parametrize("guide", GUIDES)
+def test_guide_commands_run_as_written(guide, tmp_path: Path, layered_venv: Path):
+    work = tmp_path / GUIDES[guide][0]
+    shutil.copytree(example_dir(guide), work, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNI_", "PYTHON", "PYTEST_"))}
     env.update(VIRTUAL_ENV=str(layered_venv), PATH=f"{layered_venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
-    (script,) = [body for _, body in guide_blocks("example-run")]
+    (script,) = [body for _, body in guide_blocks(guide, "example-run")]
     outputs = {}
     for command in [line for line in script.splitlines() if line.strip() and not line.startswith("#")]:
         proc = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
@@ -71,10 +87,10 @@ def test_guide_commands_run_as_written(tmp_path: Path, layered_venv: Path):
         assert proc.returncode == 0, f"`{command}` failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         outputs[command] = proc.stdout
     assert "passed" in outputs["pytest -q tests"] and "failed" not in outputs["pytest -q tests"]
-    (cmd, expected), = guide_blocks("example-output")
+    (cmd, expected), = guide_blocks(guide, "example-output")
     actual = [line.split() for line in outputs[cmd].splitlines()]
     for line in expected.splitlines():
         assert line.split() in actual, f"`{cmd}` did not print {line!r}; it printed:\n{outputs[cmd]}"
     # the project's environment was not touched
-    assert "attention-toy" not in subprocess.run([sys.executable, "-m", "omni_core.cli", "plugins", "list"],
+    assert GUIDES[guide][2] not in subprocess.run([sys.executable, "-m", "omni_core.cli", "plugins", "list"],
                                                  capture_output=True, text=True).stdout

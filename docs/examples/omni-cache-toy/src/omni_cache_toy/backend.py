@@ -34,10 +34,11 @@ class EveryOtherStep(CacheBackend):
                                   field="cache_config.interval")
 
     def enable(self, pipeline: Any) -> None:
-        self.interval = self.config.get("interval", 2)
         self.specs = denoisers_of(pipeline)
         for spec in self.specs:
-            spec.module.forward = self._wrap(spec, spec.module.forward)  # an instance attribute: disable deletes it
+            # the user's cache_config over what the model ships for this backend, over our own default
+            interval = {"interval": 2, **spec.defaults_for(self.name), **self.config}["interval"]
+            spec.module.forward = self._wrap(spec, spec.module.forward, interval)  # disable deletes the attribute
         super().enable(pipeline)
 
     def disable(self, pipeline: Any) -> None:
@@ -53,7 +54,7 @@ class EveryOtherStep(CacheBackend):
         mine = state.cache_state.get("every_other")
         return {"steps_computed": mine["computed"], "steps_reused": mine["reused"]} if mine else {}
 
-    def _wrap(self, spec: Any, forward: Any) -> Any:
+    def _wrap(self, spec: Any, forward: Any, interval: int) -> Any:
         signature = inspect.signature(forward)
 
         def cached_forward(*args: Any, **kwargs: Any) -> Any:
@@ -61,9 +62,10 @@ class EveryOtherStep(CacheBackend):
             if call is None or any(g.state is None or "every_other" not in g.state.cache_state for g in call.groups):
                 return forward(*args, **kwargs)  # a call outside a request (e.g. a warm-up probe): compute it
             spans = call.spans()
-            key = f"{call.expert or spec.name}/"
-            reuse = [g.state.step_index % self.interval != 0 and key + g.branch in g.state.cache_state["every_other"]
-                     ["outputs"] for g, _, _ in spans]
+            key = f"{call.expert or spec.name}/"  # one stored output per denoiser and CFG branch
+            stores = [g.state.cache_state["every_other"] for g, _, _ in spans]
+            reuse = [g.state.step_index % interval != 0 and key + g.branch in store["outputs"]
+                     for (g, _, _), store in zip(spans, stores)]
             keep = [i for i, r in enumerate(reuse) if not r] if spec.rows_separable else list(range(len(spans)))
             computed = None
             if keep:
@@ -78,8 +80,7 @@ class EveryOtherStep(CacheBackend):
                     raise TypeError(f"every_other needs a denoiser that returns a tensor; {spec.name!r} returned "
                                     f"{type(computed).__name__}")
             parts, row = [], 0
-            for i, (group, a, b) in enumerate(spans):
-                mine = group.state.cache_state["every_other"]
+            for i, ((group, a, b), mine) in enumerate(zip(spans, stores)):
                 if i in keep:
                     out, row = computed[row:row + b - a], row + b - a
                     if not reuse[i]:
