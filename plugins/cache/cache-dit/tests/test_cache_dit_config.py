@@ -1,5 +1,6 @@
 """cache_dit with only this plugin installed: registration through the entry point and config errors naming the
-field. Tests that run it on a model plugin live in the repository's tests/combos/."""
+field, from the backend and from ``check_config`` in the engine's process before any worker starts (with the ``mp``
+executor too). Tests on a model: test_cache_dit_tiny.py (the core's tiny DiT) and the repository's tests/combos/."""
 
 from __future__ import annotations
 
@@ -29,7 +30,28 @@ def test_registered_through_entry_point():
 def test_bad_cache_config_names_the_field(config, field):
     from omni_cache_dit.backend import CacheDiTBackend
 
-    with pytest.raises(ConfigError) as err:
-        CacheDiTBackend(config)
-    assert err.value.field == field
-    assert "residual_diff_threshold" in str(err.value) or field.split(".")[1] in str(err.value)
+    for check in (CacheDiTBackend, CacheDiTBackend.check_config):
+        with pytest.raises(ConfigError) as err:
+            check(config)
+        assert err.value.field == field
+        assert "residual_diff_threshold" in str(err.value) or field.split(".")[1] in str(err.value)
+
+
+def test_good_cache_config_passes_the_check():
+    from omni_cache_dit.backend import CacheDiTBackend
+
+    CacheDiTBackend.check_config({"residual_diff_threshold": 0.3, "Fn_compute_blocks": 2, "enable_taylorseer": True,
+                                  "scm_steps_mask_policy": "fast"})
+
+
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_engine_refuses_a_bad_key_before_any_worker_starts(tiny_dit_model, executor):
+    import multiprocessing
+
+    from omni_core import Omni
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ConfigError, match="'bogus' is not a cache_dit option") as err:
+        Omni(tiny_dit_model, executor=executor, warmup=False, cache_backend="cache_dit", cache_config={"bogus": 1})
+    assert err.value.field == "cache_config.bogus"
+    assert set(multiprocessing.active_children()) == before

@@ -32,7 +32,7 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.rows import concat_rows, slice_rows
 from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_forward_context
-from omni_core.pipelines.denoiser import denoisers_of
+from omni_core.pipelines.denoiser import denoisers_of, model_folder_of
 
 from omni_cache_dit.blocks import build_entry, build_stack, forward_pattern, patched_blocks
 from omni_cache_dit.config import CacheDiTConfig
@@ -104,10 +104,11 @@ class CacheDiTBackend(CacheBackend):
             raise ConfigError("cache_dit cannot run with Omni's sequence parallelism: its skip decisions are not "
                               "agreed across ranks (use tea_cache, whose decisions are)", field="cache_backend")
         specs = denoisers_of(pipeline)
+        folder = model_folder_of(pipeline)
         made: list[_Denoiser] = []
         try:
             for spec in specs:
-                den = self._prepare(spec, cache_dit, BlockAdapter)
+                den = self._prepare(spec, spec.defaults_for(self.name, folder), cache_dit, BlockAdapter)
                 made.append(den)
                 spec.module.forward = self._forward(den)
                 self.denoisers[spec.name] = den
@@ -116,11 +117,12 @@ class CacheDiTBackend(CacheBackend):
             raise
         self.enabled = True
 
-    def _prepare(self, spec: Any, cache_dit: Any, BlockAdapter: Any) -> _Denoiser:
+    def _prepare(self, spec: Any, defaults: dict, cache_dit: Any, BlockAdapter: Any) -> _Denoiser:
+        """Enable cache-dit on ``spec``'s block stack with the user's config over the model's ``defaults``."""
         from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
 
         spec.check_block_signature("cache_dit")
-        opts = CacheDiTConfig.from_dict({**spec.defaults_for(self.name), **self.config})
+        opts = CacheDiTConfig.from_dict({**defaults, **self.config})
         n_blocks = len(spec.blocks)
         if opts.Fn_compute_blocks >= n_blocks or opts.Fn_compute_blocks + opts.Bn_compute_blocks > n_blocks:
             raise ConfigError(f"cache_config.Fn_compute_blocks={opts.Fn_compute_blocks} and Bn_compute_blocks="
