@@ -30,9 +30,16 @@ def omni_register_pipelines():
         description="test-only tiny DiT (random weights, 16x16 RGB) from omni_core.testing")]
 
 
+def _sdpa_plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec("omni_attention_sdpa") is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules (as a test does)
+        return False
+
+
 @hookimpl
 def omni_register_attention_backends():
-    if importlib.util.find_spec("omni_attention_sdpa") is not None:
+    if _sdpa_plugin_installed():
         return []
     return [AttentionBackendSpec(name="TORCH_SDPA", impl="omni_core.testing.reference_backend:ReferenceSDPABackend",
                                  requires=("torch",),
