@@ -83,3 +83,13 @@ def dtype_kwarg(dtype: Any) -> dict:
     from packaging.version import Version
 
     return {"dtype" if Version(diffusers.__version__).release >= (0, 42) else "torch_dtype": dtype}
+
+
+def load_diffusers_pipeline(model_path: str) -> Any:
+    """diffusers' own pipeline from a folder (safetensors only, progress bar off): the reference that parity
+    tests compare an Omni pipeline built on the same folder with."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model_path, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -66,6 +66,13 @@ def pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None] | None
     return torch.cat(parts), (None if bool(mask.all()) else mask)
 
 
+def fill_defaults(params: Any, **defaults: Any) -> Any:
+    """``params`` (``SamplingParams``) with every field that is None set to its default here (as a diffusers
+    ``__call__``'s keyword defaults would be)."""
+    changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
+    return params.replace(**changes) if changes else params
+
+
 def folder_config(model_path: str | None, component: str) -> dict | None:
     """``<model_path>/<component>/config.json`` as a dict; None without a folder or file."""
     return read_json(os.path.join(model_path, component, "config.json")) if model_path else None

@@ -18,7 +18,7 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def diffusers_qwen(qwen_dir: str):
-    from omni_model_qwen_image.testing import load_diffusers_pipeline
+    from omni_core.pipelines.diffusers_folder import load_diffusers_pipeline
 
     return load_diffusers_pipeline(qwen_dir)
 

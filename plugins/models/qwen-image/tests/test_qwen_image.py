@@ -93,7 +93,7 @@ def test_request_batch_three_prompts_of_different_lengths(qwen_dir, omni_qwen, d
 
 
 def test_step_batch_requests_admitted_at_different_steps(qwen_dir, omni_qwen, diffusers_qwen):
-    from omni_model_qwen_image.testing import run_step_batch
+    from omni_core.testing.driver import run_step_batch
 
     cases = [dict(prompt=PROMPTS[0], seed=1, negative=NEG, cfg=4.0),
              dict(prompt=PROMPTS[1], seed=2),
@@ -144,9 +144,9 @@ def test_parity_check_has_teeth(qwen_dir, omni_qwen, diffusers_qwen, monkeypatch
 def test_sizes_the_model_cannot_take_name_the_multiple(qwen_dir):
     from omni_model_qwen_image.pipeline import QwenImagePipeline
 
-    with pytest.raises(ConfigError, match=r"height=36 .*multiples of 8 .*e\.g\. 32 or 40"):
+    with pytest.raises(ConfigError, match=r"height=36 .*a multiple of 8 .*e\.g\. 32 or 40"):
         QwenImagePipeline.check_sampling_params(SamplingParams(height=36, width=32), qwen_dir)  # tiny VAE: 4 x 2
-    with pytest.raises(ConfigError, match=r"width=1000 .*multiples of 16") as err:
+    with pytest.raises(ConfigError, match=r"width=1000 .*a multiple of 16") as err:
         QwenImagePipeline.check_sampling_params(SamplingParams(height=1024, width=1000))  # Qwen-Image: 8 x 2
     assert err.value.field == "width"
     with pytest.raises(ConfigError, match="max_sequence_length=2048"):

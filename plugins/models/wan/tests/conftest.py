@@ -28,7 +28,7 @@ def _load_both(path: str):
 
     from omni_core.config import OmniDiffusionConfig
     from omni_core.pipelines import load_pipeline, resolve_model
-    from omni_model_wan.testing import load_diffusers_pipeline
+    from omni_core.pipelines.diffusers_folder import load_diffusers_pipeline
 
     config = OmniDiffusionConfig(model=path, dtype="float32")
     return load_diffusers_pipeline(path), load_pipeline(resolve_model(path), config, "cpu", torch.float32)

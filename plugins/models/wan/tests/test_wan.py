@@ -108,7 +108,7 @@ def test_wan22_two_experts_request_batch(wan22_dir, wan22):
 def test_wan22_step_batch_requests_admitted_at_different_steps(wan22_dir, wan22):
     """Requests join at steps 0, 1, 2, so one denoise_step holds both experts; CFG on and off, different
     max_sequence_length (key-padding mask in cross-attention) and a non-square size."""
-    from omni_model_wan.testing import run_step_batch
+    from omni_core.testing.driver import run_step_batch
 
     ref_pipe, omni = wan22
     cases = [dict(prompt=PROMPTS[0], seed=1, negative=NEG, g=5.0, g2=3.0),

@@ -18,7 +18,7 @@ from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
-from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, folder_config
+from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 #: diffusers' ``QwenImagePipeline.default_sample_size`` (latent pixels)
@@ -75,20 +75,15 @@ class QwenImagePipeline(DiffusersStepPipeline):
         vsf = vae_scale_factor(model_path)
         multiple = vsf * 2
         default_size = DEFAULT_SAMPLE_SIZE * vsf  # diffusers: default_sample_size * vae_scale_factor (1024)
-        changes: dict[str, Any] = {}
-        for name, default in (("height", default_size), ("width", default_size),
-                              ("num_inference_steps", cls.default_num_inference_steps),
-                              ("true_cfg_scale", cls.default_true_cfg_scale),
-                              ("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)):
-            if getattr(params, name) is None:
-                changes[name] = default
-        params = params.replace(**changes) if changes else params
+        params = fill_defaults(params, height=default_size, width=default_size,
+                               num_inference_steps=cls.default_num_inference_steps,
+                               true_cfg_scale=cls.default_true_cfg_scale, max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH)
         for name in ("height", "width"):
             value = getattr(params, name)
             if value % multiple:
                 lo, hi = value // multiple * multiple, (value // multiple + 1) * multiple
                 raise ConfigError(
-                    f"{name}={value} is not allowed for {cls.__name__}: height and width must be multiples of "
+                    f"{name}={value} is not allowed for {cls.__name__}: height and width must each be a multiple of "
                     f"{multiple} (VAE scale factor {vsf} x 2 for latent packing), e.g. {lo or multiple} or {hi}",
                     field=name)
         if params.num_frames not in (None, 1):

@@ -64,32 +64,3 @@ def build_tiny_qwen_image(path: str | os.PathLike, num_layers: int = 2, sharpen:
     path = os.fspath(path)
     QwenImagePipeline(**tiny_qwen_image_components(num_layers, sharpen, num_heads)).save_pretrained(path, safe_serialization=True)
     return path
-
-
-def load_diffusers_pipeline(path: str):
-    """diffusers' own pipeline from the same folder (the parity reference)."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(path, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def run_step_batch(pipeline, states: list, admit_at: list[int]) -> list:
-    """Drive the step-wise protocol as a STEP_BATCH runner would: state ``i`` is encoded and joins the running
-    batch at global step ``admit_at[i]``; every global step is one ``denoise_step`` over all unfinished
-    states (which are then at different steps). Returns ``post_decode`` outputs in ``states`` order."""
-    pending = sorted(range(len(states)), key=lambda i: admit_at[i])
-    active: list = []
-    step = 0
-    while pending or any(not s.done for s in active):
-        while pending and admit_at[pending[0]] <= step:
-            state = states[pending.pop(0)]
-            pipeline.prepare_encode(state)
-            active.append(state)
-        running = [s for s in active if not s.done]
-        if running:
-            for state, pred in zip(running, pipeline.denoise_step(running)):
-                pipeline.step_scheduler(state, pred)
-        step += 1
-    return [pipeline.post_decode(s) for s in states]

@@ -19,7 +19,7 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_json
-from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, folder_config
+from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
@@ -82,15 +82,9 @@ class WanPipeline(DiffusersStepPipeline):
         patch size (16 for Wan) and ``num_frames - 1`` a multiple of the temporal factor (4); diffusers
         silently rounds such sizes, Omni refuses them."""
         hm, wm, temporal, _ = size_rules(model_path)
-        changes: dict[str, Any] = {}
-        for name, default in (("height", cls.default_height), ("width", cls.default_width),
-                              ("num_frames", cls.default_num_frames),
-                              ("num_inference_steps", cls.default_num_inference_steps),
-                              ("guidance_scale", cls.default_guidance_scale),
-                              ("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)):
-            if getattr(params, name) is None:
-                changes[name] = default
-        params = params.replace(**changes) if changes else params
+        params = fill_defaults(params, height=cls.default_height, width=cls.default_width,
+                               num_frames=cls.default_num_frames, num_inference_steps=cls.default_num_inference_steps,
+                               guidance_scale=cls.default_guidance_scale, max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH)
         for name, m in (("height", hm), ("width", wm)):
             value = getattr(params, name)
             if value % m:
