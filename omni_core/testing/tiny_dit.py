@@ -136,6 +136,28 @@ class TinyDiTBlock(nn.Module):
         return hidden + gate2[:, None] * self.mlp(modulate(self.norm3(hidden), shift2, scale2))
 
 
+class TinyPatchEmbed(nn.Module):
+    """Image ``[B, C, H, W]`` -> tokens ``[B, N, dim]`` with a fixed sin-cos position embedding added, so
+    everything per-token leaves this one module (the SP plan shards its output)."""
+
+    def __init__(self, in_channels: int, patch_size: int, dim: int) -> None:
+        super().__init__()
+        self.p, self.dim = patch_size, dim
+        self.proj = nn.Linear(in_channels * patch_size * patch_size, dim)
+        self.pos_scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        b, c, hh, ww = images.shape
+        p = self.p
+        gh, gw = hh // p, ww // p
+        patches = images.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * p * p)
+        ys, xs = torch.meshgrid(torch.arange(gh, dtype=torch.float32), torch.arange(gw, dtype=torch.float32),
+                                indexing="ij")
+        freqs = torch.arange(1, self.dim // 4 + 1, dtype=torch.float32)
+        pos = torch.cat([f(v.reshape(-1, 1) * freqs) for v in (ys, xs) for f in (torch.sin, torch.cos)], 1)
+        return self.proj(patches) + (pos.to(patches.device, patches.dtype) * self.pos_scale)[None]
+
+
 class TinyDiTTransformer(ModelMixin, ConfigMixin):
     """``forward(hidden_states [B, C, H, W], timestep [B], encoder_hidden_states [B, L, text_dim],
     encoder_mask [B, L] bool)`` -> the flow-matching velocity ``[B, C, H, W]``."""
@@ -145,8 +167,7 @@ class TinyDiTTransformer(ModelMixin, ConfigMixin):
                  num_layers: int = 2, text_dim: int = 16) -> None:
         super().__init__()
         p = patch_size
-        self.x_embed = nn.Linear(in_channels * p * p, dim)
-        self.pos_scale = nn.Parameter(torch.ones(dim))
+        self.x_embed = TinyPatchEmbed(in_channels, p, dim)
         self.time_embed = nn.Sequential(nn.Linear(1, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.text_pool = nn.Linear(text_dim, dim)
         self.context_proj = nn.Linear(text_dim, dim)
@@ -154,22 +175,12 @@ class TinyDiTTransformer(ModelMixin, ConfigMixin):
         self.norm_out = nn.LayerNorm(dim)
         self.proj_out = nn.Linear(dim, p * p * in_channels)
 
-    def positions(self, gh: int, gw: int, dim: int) -> torch.Tensor:
-        """A fixed sin-cos embedding of the ``gh x gw`` patch grid, ``[gh * gw, dim]``."""
-        ys, xs = torch.meshgrid(torch.arange(gh, dtype=torch.float32), torch.arange(gw, dtype=torch.float32),
-                                indexing="ij")
-        freqs = torch.arange(1, dim // 4 + 1, dtype=torch.float32)
-        parts = [f(c.reshape(-1, 1) * freqs) for c in (ys, xs) for f in (torch.sin, torch.cos)]
-        return torch.cat(parts, 1)
-
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, c, hh, ww = hidden_states.shape
         p = self.config.patch_size
         gh, gw = hh // p, ww // p
-        patches = hidden_states.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * p * p)
-        pos = self.positions(gh, gw, self.config.dim).to(patches.device, patches.dtype)
-        tokens = self.x_embed(patches) + (pos * self.pos_scale)[None]
+        tokens = self.x_embed(hidden_states)
         if encoder_mask is None:
             pooled = encoder_hidden_states.mean(1)
         else:
