@@ -6,7 +6,8 @@
         model = "my-model"                  # a folder or registered model name; or model_fixture = "<fixture>"
         sampling = {"num_inference_steps": 4, "height": 64, "width": 64}   # small and fast
 
-Checked: request mode and step mode give the same image for a seed; a request alone, in a batch and joining
+Checked: the declared ``DenoiserSpec``s match the model (block signature, ``batch_args``, a per-row
+``modulated_input``, every call inside ``use_denoise_call`` covering its rows); request mode and step mode give the same image for a seed; a request alone, in a batch and joining
 a step wave late give the same image (within ``batch_atol``; 0 = bit-identical); an abort stops a running
 request within a step; bad sampling params are refused before any work; streaming gives one preview per step;
 a height/width that is not a multiple of ``size_multiple`` is refused with the field named.
@@ -104,6 +105,43 @@ class PipelineContract:
             self._same(a, b, f"prompt {i}: alone vs in a request batch")
             self._same(a, c, f"prompt {i}: alone vs joining a step wave late")
         assert not any(alone[0].equal(x) for x in alone[1:]), "different prompts and seeds gave the same image"
+
+    def test_denoiser_specs_match_the_model(self, contract_pipeline: Any) -> None:
+        import inspect
+
+        from omni_core.forward_context import forward_context
+        from omni_core.pipelines.denoiser import denoisers_of
+
+        p = contract_pipeline
+        specs = denoisers_of(p)
+        seen: dict[str, list] = {spec.name: [] for spec in specs}
+        hooks = []
+        for spec in specs:
+            spec.check_block_signature("PipelineContract")
+            params = set(inspect.signature(spec.module.forward).parameters)
+            assert set(spec.batch_args) <= params, f"{spec.name}: batch_args {spec.batch_args} not all in {params}"
+
+            def on_block0(module, args, kwargs, spec=spec):
+                bound = dict(zip(spec.block_params, args))
+                bound.update({k: v for k, v in kwargs.items() if k in spec.block_params})
+                seen[spec.name].append((forward_context().call, bound))
+
+            hooks.append(spec.blocks[0].register_forward_pre_hook(on_block0, with_kwargs=True))
+        try:
+            run_step_batch(p, [make_state(p, prompt, seed=i, **{**self.sampling, "num_inference_steps": 2})
+                               for i, prompt in enumerate(self._prompts(type(p))[:2])])
+        finally:
+            for h in hooks:
+                h.remove()
+        assert any(seen.values()), "no declared denoiser's blocks ran"
+        for spec in specs:
+            for call, bound in seen[spec.name]:
+                batch = bound[spec.residual_stream].shape[0]
+                assert call is not None and call.covers(batch), \
+                    f"{spec.name} ran outside use_denoise_call(...) or its groups do not cover its {batch} rows"
+                if spec.modulated_input is not None:
+                    signal = spec.modulated_input(spec.module, spec.blocks[0], bound)
+                    assert signal.shape[0] == batch, f"{spec.name}: modulated_input must give one row per batch row"
 
     @pytest.mark.parametrize("step_execution", [False, True], ids=["request-mode", "step-mode"])
     def test_abort_stops_a_running_request_within_a_step(self, contract_model_path: str,
