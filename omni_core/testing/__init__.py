@@ -122,7 +122,7 @@ def tiny_dit_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from omni_core.testing.tiny_dit import build_tiny_dit
     from omni_core.testing.tiny_dit_plugin import DIST_NAME, ENTRY_POINT
 
-    path = build_tiny_dit(tmp_path_factory.mktemp("tiny-dit") / "model")
+    path = str(tmp_path_factory.mktemp("tiny-dit") / "model")
     site = tmp_path_factory.mktemp("tiny-dit-site")
     info = site / f"{DIST_NAME.replace('-', '_')}-0.1.dist-info"
     info.mkdir()
@@ -135,6 +135,8 @@ def tiny_dit_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     importlib.invalidate_caches()
     reset_plugin_manager()
     try:
+        # built once registered: where no attention plugin is installed, the entry point provides TORCH_SDPA
+        build_tiny_dit(path)
         yield path
     finally:
         sys.path.remove(str(site))
