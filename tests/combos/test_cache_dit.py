@@ -12,6 +12,7 @@ from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing.driver import run_step_batch
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
 NEG = "blurry, low quality"
@@ -66,21 +67,8 @@ def run(pipeline, states, backend=None):
 
 def run_steps(pipeline, states, backend, admit_at):
     """STEP_BATCH as the runner drives it: state i joins at global step admit_at[i]."""
-    pending = sorted(range(len(states)), key=lambda i: admit_at[i])
-    active, step = [], 0
     with torch.inference_mode():
-        while pending or any(not s.done for s in active):
-            while pending and admit_at[pending[0]] <= step:
-                state = states[pending.pop(0)]
-                pipeline.prepare_encode(state)
-                backend.begin_request(state)
-                active.append(state)
-            running = [s for s in active if not s.done]
-            if running:
-                for state, pred in zip(running, pipeline.denoise_step(running)):
-                    pipeline.step_scheduler(state, pred)
-            step += 1
-        return [pipeline.post_decode(s).tensor for s in states]
+        return [o.tensor for o in run_step_batch(pipeline, states, admit_at, cache_backend=backend)]
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""cache_dit on the shipped ``shapes`` model through ``Omni("shapes")`` (a DiT cache-dit does not know, cached
-through a BlockAdapter): threshold 0 is bit-identical, and a batch of 4 different prompts gives every request
+"""cache_dit on the shipped ``shapes`` model through ``Omni("shapes")`` (a DiT cache-dit does not know, cached by
+its ``DenoiserSpec`` alone): threshold 0 is bit-identical, and a batch of 4 different prompts gives every request
 exactly the image it gets alone, in both execution modes."""
 
 from __future__ import annotations

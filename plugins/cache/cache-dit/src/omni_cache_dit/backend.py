@@ -34,7 +34,7 @@ from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_forward_context
 from omni_core.pipelines.denoiser import denoisers_of, model_folder_of
 
-from omni_cache_dit.blocks import build_entry, build_stack, forward_pattern, patched_blocks
+from omni_cache_dit.blocks import build_stack, build_stand_ins, forward_pattern, patched_blocks
 from omni_cache_dit.config import CacheDiTConfig
 
 logger = logging.getLogger("omni_cache_dit")
@@ -50,8 +50,8 @@ class _Denoiser:
     init_kwargs: dict
     #: what cache-dit was enabled on (the spec's block stack)
     stack: Any
-    #: the one-element block list standing in for the model's blocks during a cached forward
-    entry: Any
+    #: the blocks' forwards during a cached forward (block 0 runs the stack, the others pass through)
+    stand_ins: Any
     #: the module's own forward (bound), what runs at threshold 0
     plain_forward: Any
     signature: Any
@@ -63,7 +63,7 @@ class _Denoiser:
         return self.spec.name
 
     def cached_forward(self, *args: Any, **kwargs: Any) -> Any:
-        with patched_blocks(self.spec, self.entry):
+        with patched_blocks(self.spec, self.stand_ins):
             return self.plain_forward(*args, **kwargs)
 
 
@@ -152,8 +152,8 @@ class CacheDiTBackend(CacheBackend):
         plain = spec.module.forward
         return _Denoiser(spec=spec, options=opts, manager=manager, context_name=context_name,
                          init_kwargs=copy.deepcopy(manager.get_context(context_name)._init_kwargs), stack=stack,
-                         entry=build_entry(spec, stack), plain_forward=plain, signature=inspect.signature(plain),
-                         previous_forward=spec.module.__dict__.get("forward"))
+                         stand_ins=build_stand_ins(spec, stack), plain_forward=plain,
+                         signature=inspect.signature(plain), previous_forward=spec.module.__dict__.get("forward"))
 
     def _release(self, dens: Any) -> None:
         import cache_dit

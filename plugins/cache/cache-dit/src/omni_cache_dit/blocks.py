@@ -9,13 +9,14 @@ its spec declares, so this module puts two thin adapters around them, for any mo
   ``(hidden_states[, encoder_hidden_states], omni_side={...})`` into the block's declared parameters and its declared
   outputs back into cache-dit's order. The stream cache-dit calls ``hidden_states`` (whose Fn residual decides)
   is the spec's ``residual_stream``; a second carried stream, if any, is ``encoder_hidden_states``.
-* :func:`patched_blocks` -- while the model's own forward runs, its block list (``spec.blocks_attr``) is
-  one ``_Entry`` that takes the model's native block call (positional or by name), hands it to the
-  stack, and returns what a block returns. This is what cache-dit itself does for the models it knows
-  (its adapters swap the block list during the forward), so the model's forward must call its blocks in a
-  plain loop, ``for block in self.<blocks_attr>: ... = block(...)``.
+* :func:`patched_blocks` -- while the model's own forward runs, block 0's ``forward`` takes the model's native
+  block call (positional or by name), hands it to the stack and returns what the last block returns; every
+  later block passes the streams it gets through. cache-dit does the same for the models it knows (its
+  adapters stand in for the whole block loop), so the model's forward must call its blocks in a plain loop,
+  ``for block in self.<blocks_attr>: ... = block(...)``, with nothing between blocks that changes the streams.
+  The block list, its length and the blocks' attributes stay as they are (a model may read them).
 
-The model's blocks are never modified; outside :func:`patched_blocks` the model is exactly as loaded.
+Outside :func:`patched_blocks` the model is exactly as loaded.
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ def build_stack(spec: Any) -> Any:
         def __init__(self, inner: nn.Module) -> None:
             super().__init__()
             self.inner = inner
+            #: the block's own forward, taken now: during a cached call ``inner.forward`` is a stand-in
+            self._own = [inner.forward]
 
         def forward(self, hidden_states: Any, *encoder_hidden_states: Any, omni_side: dict) -> Any:
             streams = {hidden: hidden_states}
             if encoder is not None:
                 streams[encoder] = encoder_hidden_states[0]
-            out = self.inner(**streams, **omni_side)
+            out = self._own[0](**streams, **omni_side)
             if len(outputs) == 1:
                 return out
             named = dict(zip(outputs, out))
@@ -89,49 +92,65 @@ def build_stack(spec: Any) -> Any:
     return SpecStack(spec.blocks)
 
 
-def build_entry(spec: Any, stack: Any) -> Any:
-    """The one-element block list that stands in for the model's blocks during a cached forward."""
-    from torch import nn
+def _binder(spec: Any) -> Any:
+    """``bind(args, kwargs) -> {param: value}`` for the model's native call of one of ``spec``'s blocks."""
+    params = spec.block_params
 
+    def bind(args: tuple, kwargs: dict) -> dict:
+        if len(args) > len(params):
+            raise TypeError(f"cache_dit: the {spec.name!r} denoiser's forward calls a block with {len(args)} "
+                            f"positional arguments, but its spec declares block_params {list(params)}")
+        bound = dict(zip(params, args))
+        dup = sorted(set(bound) & set(kwargs))
+        if dup:
+            raise TypeError(f"cache_dit: block argument {dup[0]!r} given twice")
+        bound.update(kwargs)
+        return bound
+
+    return bind
+
+
+def build_stand_ins(spec: Any, stack: Any) -> tuple[Any, Any]:
+    """``(first, rest)``: the forwards blocks take during a cached call. ``first`` (block 0) runs the whole
+    cached stack on the model's block call and returns the last block's streams; ``rest`` (every later block)
+    returns the streams it is given, so the model's own loop carries block 0's result to its end."""
     hidden, encoder = _streams(spec)
-    params, outputs = spec.block_params, spec.block_outputs
+    outputs = spec.block_outputs
+    bind = _binder(spec)
 
-    class _Entry(nn.Module):
-        """The model's native block call -> one call of the cached stack -> the block's declared return."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self._stack = [stack]  # not a submodule: the stack is cache-dit's, this is only a call site
-
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            if len(args) > len(params):
-                raise TypeError(f"cache_dit: the {spec.name!r} denoiser's forward calls a block with {len(args)} "
-                                f"positional arguments, but its spec declares block_params {list(params)}")
-            bound = dict(zip(params, args))
-            dup = sorted(set(bound) & set(kwargs))
-            if dup:
-                raise TypeError(f"cache_dit: block argument {dup[0]!r} given twice")
-            bound.update(kwargs)
-            h = bound.pop(hidden)
-            e = bound.pop(encoder) if encoder is not None else None
+    def first(*args: Any, **kwargs: Any) -> Any:
+        bound = bind(args, kwargs)
+        h = bound.pop(hidden)
+        if encoder is None:
             # every other block argument travels as one keyword, which cache-dit passes through untouched (so
             # a side input may have any name, even one of cache-dit's stream names)
-            out = self._stack[0](h, e, omni_side=bound) if encoder is not None else self._stack[0](h, omni_side=bound)
-            if encoder is None:
-                return out
-            named = {hidden: out[0], encoder: out[1]}
-            return tuple(named[name] for name in outputs)
+            return stack(h, omni_side=bound)
+        e = bound.pop(encoder)
+        named = dict(zip((hidden, encoder), stack(h, e, omni_side=bound)))
+        return tuple(named[name] for name in outputs)
 
-    return nn.ModuleList([_Entry()])
+    def rest(*args: Any, **kwargs: Any) -> Any:
+        bound = bind(args, kwargs)
+        return bound[outputs[0]] if len(outputs) == 1 else tuple(bound[name] for name in outputs)
+
+    return first, rest
 
 
 @contextlib.contextmanager
-def patched_blocks(spec: Any, entry: Any) -> Iterator[None]:
-    """While the body runs, the model's ``blocks_attr`` is ``entry`` (restored after, even on an error)."""
-    module, name = spec.module, spec.blocks_attr
-    original = getattr(module, name)
-    setattr(module, name, entry)
+def patched_blocks(spec: Any, stand_ins: tuple[Any, Any]) -> Iterator[None]:
+    """While the body runs, block 0's ``forward`` is ``stand_ins[0]`` and every later block's ``stand_ins[1]``
+    (instance attributes, removed after, even on an error). The block list itself, its length and the blocks'
+    other attributes stay as they are, so a model's forward that reads them still works."""
+    blocks = list(spec.blocks)
+    saved = [block.__dict__.get("forward") for block in blocks]
+    first, rest = stand_ins
     try:
+        for i, block in enumerate(blocks):
+            block.forward = first if i == 0 else rest
         yield
     finally:
-        setattr(module, name, original)
+        for block, previous in zip(blocks, saved):
+            if previous is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = previous
