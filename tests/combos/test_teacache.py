@@ -71,8 +71,9 @@ def run_steps(pipeline, states, backend, admit_at):
 @pytest.fixture
 def tea():
     """A fresh backend; ``tea(pipeline, **config)`` enables it, and it is disabled after the test."""
-    from omni_cache_teacache.backend import TeaCacheBackend
+    from omni_core.plugins import get_plugin_manager
 
+    TeaCacheBackend = get_plugin_manager().load_component("cache", "tea_cache")  # by component name
     made = []
 
     def make(pipeline, **config):
@@ -87,10 +88,9 @@ def tea():
 
 
 def patterns(state):
-    from omni_cache_teacache.backend import TeaState
-
+    """``(branch, expert) -> "CRRC..."`` from the request's tea_cache state (one letter per call)."""
     return {k: "".join("C" if c else "R" for c in v.pattern) for k, v in state.cache_state.items()
-            if isinstance(v, TeaState)}
+            if hasattr(v, "pattern")}
 
 
 # ---------------------------------------------------------------------------------------------- exactness
