@@ -1,15 +1,17 @@
 """Sequence-parallel plans: a model declares where its tokens are sharded and gathered; hooks do the rest.
 
-A denoiser opts in without touching its forward::
+A pipeline opts in without touching its denoiser's forward, by declaring the plan in the denoiser's
+:class:`~omni_core.pipelines.denoiser.DenoiserSpec`::
 
-    class MyDiT(nn.Module):
-        _sp_plan = {
-            "shard_after": {"x_embedder": 1, "rope": {0: 0, 1: 0}},   # outputs to shard (tokens on dim 1 / 0)
-            "gather_before": "final_layer",                          # gather the input of this submodule
-            "joint_text": "encoder_hidden_states",                  # text tokens replicated in joint attention
-        }
+    DenoiserSpec(name="transformer", module=dit, ..., num_heads=24, sp_plan={
+        "shard_after": {"x_embedder": 1, "rope": {0: 0, 1: 0}},   # outputs to shard (tokens on dim 1 / 0)
+        "gather_before": "final_layer",                          # gather the input of this submodule
+        "joint_text": "encoder_hidden_states",                  # text tokens replicated in joint attention
+    })
 
-    apply_sequence_parallel(model)       # after init_parallel_state; a no-op while the sp group has one rank
+and every worker installs it after ``init_parallel_state`` and ``load``
+(:func:`apply_sequence_parallel_to_pipeline`, called by ``load_pipeline``); code that shards a bare module
+calls ``apply_sequence_parallel(module, plan)`` itself (hooks are a no-op while the sp group has one rank)
 
 or, for a model whose forward already takes tokens, ``{"shard": {"hidden_states": 1, "rotary_emb": 0},
 "gather": 1}``; for one that builds its token sequence inline (Wan: conv, flatten, transpose), shard the
