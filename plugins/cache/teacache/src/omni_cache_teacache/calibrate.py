@@ -58,7 +58,8 @@ def model_prompts(pipeline: Any, n: int) -> list[str]:
 
 
 def collect(pipeline: Any, prompts: list[str], *, model_path: str | None = None, steps: int | None = None,
-            batch: int = 4, seed: int = 0, negative_prompt: str | None = "", **sampling: Any) -> dict[str, list[tuple[float, float]]]:
+            batch: int = 4, seed: int = 0, negative_prompt: str | None = "",
+            **sampling: Any) -> dict[str, list[tuple[float, float]]]:
     """Run ``prompts`` uncached through ``pipeline`` (a loaded Omni pipeline); returns
     ``{"branch/expert": [(input change, output change), ...]}``."""
     import torch
@@ -152,7 +153,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(f"model: {args.model} ({result['denoiser']}), {len(every)} step pairs from {len(prompts)} prompts")
     print(f"input change range: {x.min():.4g} .. {x.max():.4g}; fit R^2 = {r2:.3f}")
     print("coefficients: [" + ", ".join(f"{c:.8e}" for c in coeffs) + "]")
-    print(f"use: cache_backend='tea_cache', cache_config={{'coefficients': [...], 'rel_l1_thresh': ...}}")
+    print("use: cache_backend='tea_cache', cache_config={'coefficients': [...], 'rel_l1_thresh': ...}")
     print("or ship it in the model's DenoiserSpec: " + spec_snippet(coeffs, args.rel_l1_thresh))
     if args.write:
         path = write_shipped_defaults(resolved.model_path, coeffs, args.rel_l1_thresh)
