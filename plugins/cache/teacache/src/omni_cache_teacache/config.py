@@ -16,8 +16,10 @@ KEYS = {
     "rel_l1_thresh": "number >= 0: reuse while the accumulated rescaled change stays below it; 0 = always "
                      "compute (default: the model's shipped one, else 0.1)",
     "coefficients": "list of numbers, highest power first: the polynomial that rescales the input change "
-                    "(default: the model's shipped one, else [1, 0]: the raw change; fit one with `omni cache calibrate`)",
-    "warmup_steps": "integer >= 0: the first steps always compute (default: the model's shipped one, else 1; at least 1)",
+                    "(default: the model's shipped one, else [1, 0]: the raw change; fit one with "
+                    "`omni cache calibrate`)",
+    "warmup_steps": "integer >= 0: the first steps always compute (default: the model's shipped one, else 1; "
+                    "at least 1)",
     "max_consecutive_reuse": "integer >= 1 or null: compute after this many reused steps in a row "
                              "(default null: no limit)",
 }
