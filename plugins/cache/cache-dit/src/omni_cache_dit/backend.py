@@ -95,9 +95,6 @@ class CacheDiTBackend(CacheBackend):
 
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:
-        import cache_dit
-        from cache_dit import BlockAdapter
-
         from omni_core.distributed import get_sp_group
 
         if get_sp_group().world_size > 1:
@@ -108,18 +105,19 @@ class CacheDiTBackend(CacheBackend):
         made: list[_Denoiser] = []
         try:
             for spec in specs:
-                den = self._prepare(spec, spec.defaults_for(self.name, folder), cache_dit, BlockAdapter)
+                den = self._prepare(spec, spec.defaults_for(self.name, folder))
                 made.append(den)
                 spec.module.forward = self._forward(den)
-                self.denoisers[spec.name] = den
         except Exception:
-            self._release(made)
+            self._release(made)  # a model that cannot be cached is left exactly as loaded
             raise
+        self.denoisers = {den.name: den for den in made}
         self.enabled = True
 
-    def _prepare(self, spec: Any, defaults: dict, cache_dit: Any, BlockAdapter: Any) -> _Denoiser:
+    def _prepare(self, spec: Any, defaults: dict) -> _Denoiser:
         """Enable cache-dit on ``spec``'s block stack with the user's config over the model's ``defaults``."""
-        from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+        import cache_dit
+        from cache_dit import BlockAdapter, DBCacheConfig, TaylorSeerCalibratorConfig
 
         spec.check_block_signature("cache_dit")
         opts = CacheDiTConfig.from_dict({**defaults, **self.config})
