@@ -52,4 +52,5 @@ def test_a_gone_max_size_client_delays_a_small_request_by_at_most_about_one_of_i
     # a large request left running would hold the small one for ~200 steps (about a minute here); the margins
     # absorb a loaded 2-core machine
     assert queued <= 2 * step + 1.0, f"waited {queued:.2f} s in the queue; one large step is {step:.2f} s"
-    assert latency <= idle + 2 * step + 3.0, f"small request took {latency:.2f} s (idle {idle:.2f} s, step {step:.2f} s)"
+    assert latency <= idle + 2 * step + 3.0, \
+        f"small request took {latency:.2f} s (idle {idle:.2f} s, step {step:.2f} s)"
