@@ -18,13 +18,12 @@ PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a hor
 NEG = "blurry, low quality"
 
 
-def qwen_states(qwen_dir, prompts, *, steps=8, seed=0):
-    from omni_model_qwen_image.pipeline import QwenImagePipeline
-
+def qwen_states(pipeline, qwen_dir, prompts, *, steps=8, seed=0):
+    """States for the loaded Qwen-Image ``pipeline`` (its class checks the params; no model-plugin import)."""
     out = []
     for i, prompt in enumerate(prompts):
         n = steps if isinstance(steps, int) else steps[i]
-        params = QwenImagePipeline.check_sampling_params(
+        params = type(pipeline).check_sampling_params(
             SamplingParams(height=32, width=32, num_inference_steps=n, seed=seed + i, max_sequence_length=64),
             qwen_dir)
         req = OmniDiffusionRequest(prompt=prompt, negative_prompt=NEG, sampling_params=params)
@@ -32,12 +31,10 @@ def qwen_states(qwen_dir, prompts, *, steps=8, seed=0):
     return out
 
 
-def wan_states(wan_dir, prompts, *, steps=8, seed=0):
-    from omni_model_wan.pipeline import WanPipeline
-
+def wan_states(pipeline, wan_dir, prompts, *, steps=8, seed=0):
     out = []
     for i, prompt in enumerate(prompts):
-        params = WanPipeline.check_sampling_params(
+        params = type(pipeline).check_sampling_params(
             SamplingParams(height=16, width=16, num_frames=5, num_inference_steps=steps, guidance_scale=5.0,
                            seed=seed + i, max_sequence_length=32), wan_dir)
         req = OmniDiffusionRequest(prompt=prompt, negative_prompt=NEG, sampling_params=params)
@@ -74,12 +71,10 @@ def run_steps(pipeline, states, backend, admit_at):
 @pytest.fixture
 def dit():
     """``dit(pipeline, **config)`` enables a fresh backend; disabled after the test."""
-    from omni_cache_dit.backend import CacheDiTBackend
-
     made = []
 
     def make(pipeline, **config):
-        backend = CacheDiTBackend(config)
+        backend = cache_dit_backend()(config)
         backend.enable(pipeline)
         made.append((backend, pipeline))
         return backend
@@ -90,30 +85,40 @@ def dit():
             backend.disable(pipeline)
 
 
+def cache_dit_backend():
+    """The ``cache_dit`` backend class, reached by component name (no plugin import)."""
+    from omni_core.plugins.manager import get_plugin_manager
+
+    return get_plugin_manager().load_component("cache", "cache_dit")
+
+
+def dit_states(state):
+    """The request's cache-dit contexts (the backend's per-(branch, expert) records carry ``context``)."""
+    return {k: v for k, v in state.cache_state.items() if hasattr(v, "context") and hasattr(v, "calls")}
+
+
 def cached_steps(backend, state):
     return {k: v["cached_steps"] for k, v in backend.request_metrics(state)["cache_branches"].items()}
 
 
 # ---------------------------------------------------------------------------------------------- config vs model
 def test_compute_blocks_must_fit_the_model(qwen):
-    from omni_cache_dit.backend import CacheDiTBackend
-
     with pytest.raises(ConfigError, match="Fn_compute_blocks=2 .* 2 blocks: Fn must be < 2"):
-        CacheDiTBackend({"Fn_compute_blocks": 2}).enable(qwen)
+        cache_dit_backend()({"Fn_compute_blocks": 2}).enable(qwen)
     assert "forward" not in qwen.transformer.__dict__
 
 
 # ---------------------------------------------------------------------------------------------- exactness
 def test_threshold_zero_and_disable_are_bit_identical(qwen, qwen_dir, dit):
-    base = run(qwen, qwen_states(qwen_dir, PROMPTS[:3]))
+    base = run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:3]))
     backend = dit(qwen, residual_diff_threshold=0)
-    states = qwen_states(qwen_dir, PROMPTS[:3])
+    states = qwen_states(qwen, qwen_dir, PROMPTS[:3])
     zero = run(qwen, states, backend)
     assert all(torch.equal(a, b) for a, b in zip(base, zero))
     assert [backend.request_metrics(s)["steps_computed"] for s in states] == [16] * 3
     backend.disable(qwen)
     assert "forward" not in qwen.transformer.__dict__
-    assert all(torch.equal(a, b) for a, b in zip(base, run(qwen, qwen_states(qwen_dir, PROMPTS[:3]))))
+    assert all(torch.equal(a, b) for a, b in zip(base, run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:3]))))
 
 
 # ---------------------------------------------------------------------------------------------- skipping
@@ -124,7 +129,7 @@ def test_skipping_really_happens_and_is_counted(qwen, qwen_dir, dit):
         lambda m, a, i=i: calls.__setitem__(i, calls[i] + a[0].shape[0])) for i in (0, 1)]
     try:
         backend = dit(qwen, residual_diff_threshold=0.6, max_warmup_steps=2, max_continuous_cached_steps=-1)
-        states = qwen_states(qwen_dir, PROMPTS[:2], steps=10)
+        states = qwen_states(qwen, qwen_dir, PROMPTS[:2], steps=10)
         run(qwen, states, backend)
     finally:
         for h in hooks:
@@ -144,12 +149,12 @@ def test_batch_decides_per_request_and_matches_alone(qwen, qwen_dir, dit):
     backend = dit(qwen, residual_diff_threshold=0.5, max_warmup_steps=2)
     alone, alone_steps = [], []
     for i in range(4):
-        (state,) = qwen_states(qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])
+        (state,) = qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])
         alone += run(qwen, [state], backend)
         alone_steps.append(cached_steps(backend, state))
     assert len({str(s) for s in alone_steps}) > 1, "the requests should make different decisions"
     for runner in (lambda st: run(qwen, st, backend), lambda st: run_steps(qwen, st, backend, [0, 1, 1, 3])):
-        states = [qwen_states(qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
+        states = [qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
         batched = runner(states)
         assert [cached_steps(backend, s) for s in states] == alone_steps
         for a, b in zip(alone, batched):
@@ -158,14 +163,12 @@ def test_batch_decides_per_request_and_matches_alone(qwen, qwen_dir, dit):
 
 
 def test_cfg_branches_and_wan22_experts_have_their_own_contexts(wan22, wan22_dir, dit):
-    from omni_cache_dit.backend import DiTState
-
     backend = dit(wan22, residual_diff_threshold=0.8, max_warmup_steps=1, max_continuous_cached_steps=-1)
-    states = wan_states(wan22_dir, PROMPTS[:2], steps=8)
+    states = wan_states(wan22, wan22_dir, PROMPTS[:2], steps=8)
     run(wan22, states, backend)
     contexts = set()
     for state in states:
-        dits = {k: v for k, v in state.cache_state.items() if isinstance(v, DiTState)}
+        dits = dit_states(state)
         assert set(dits) == {("cond", "transformer"), ("uncond", "transformer"),
                              ("cond", "transformer_2"), ("uncond", "transformer_2")}
         assert sum(d.calls for d in dits.values()) == 16
@@ -177,15 +180,13 @@ def test_cfg_branches_and_wan22_experts_have_their_own_contexts(wan22, wan22_dir
 
 def test_scm_mask_and_taylorseer_per_request(qwen, qwen_dir, dit):
     """Each request's SCM mask is sized to its own step count (requests of 10 and 16 steps in one batch)."""
-    from omni_cache_dit.backend import DiTState
-
     backend = dit(qwen, residual_diff_threshold=0.3, max_warmup_steps=2, scm_steps_mask_policy="fast",
                   scm_steps_policy="static", enable_taylorseer=True, max_continuous_cached_steps=-1)
-    states = qwen_states(qwen_dir, PROMPTS[:2], steps=[10, 16])
+    states = qwen_states(qwen, qwen_dir, PROMPTS[:2], steps=[10, 16])
     outs = run(qwen, states, backend)
     for state, n in zip(states, (10, 16)):
-        ctx = state.cache_state["cond", "transformer"]
-        assert isinstance(ctx, DiTState) and ctx.context.calibrator is not None
+        ctx = dit_states(state)["cond", "transformer"]
+        assert ctx.context.calibrator is not None
         mask = ctx.context.cache_config.steps_computation_mask
         assert len(mask) == n
         cached = set(backend.request_metrics(state)["cache_branches"]["cond/transformer"]["cached_steps"])
