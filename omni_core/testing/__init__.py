@@ -30,9 +30,10 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from omni_core.testing.attention import AttentionBackendContract, reference_attention
-from omni_core.testing.driver import make_state, run_step_batch
+from omni_core.testing.driver import enabled_cache_backend, make_state, run_request_batch, run_step_batch
 
-__all__ = ["AttentionBackendContract", "make_state", "reference_attention", "run_step_batch"]
+__all__ = ["AttentionBackendContract", "enabled_cache_backend", "make_state", "reference_attention",
+           "run_request_batch", "run_step_batch"]
 
 _MARKERS = (
     "gpu: needs a real accelerator (skipped when none is present)",

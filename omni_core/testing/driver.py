@@ -3,12 +3,17 @@
 * :func:`make_state` -- a ``StepState`` as the runner makes it (sampling params completed by the pipeline
   class, a generator seeded per request);
 * :func:`run_step_batch` -- step waves over several states, each admitted at its own wave (staggered requests
-  at different steps share ``denoise_step`` calls), with an optional cache backend told of each request.
+  at different steps share ``denoise_step`` calls), with an optional cache backend told of each request;
+* :func:`run_request_batch` -- the request path: ``pipeline.forward`` over whole requests, the cache backend
+  told of each request after it is encoded;
+* :func:`enabled_cache_backend` -- a cache backend by component name, enabled on a pipeline for a ``with``
+  block and disabled after it (so a test never imports the backend's plugin).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 
 def make_state(pipeline: Any, prompt: str, *, seed: int = 0, negative_prompt: str | None = None, **params: Any):
@@ -52,4 +57,41 @@ def run_step_batch(pipeline: Any, states: Sequence[Any], admit_at: Sequence[int]
     return [pipeline.post_decode(s) for s in states]
 
 
-__all__ = ["make_state", "run_step_batch"]
+class _BeginRequests:
+    """The ``StepControl`` a test needs: nothing stops, the cache backend begins each request when encoded."""
+
+    def __init__(self, cache_backend: Any = None) -> None:
+        self.cache_backend = cache_backend
+
+    def stopped(self, request_ids: list[str]) -> set[str]:
+        return set()
+
+    def on_encoded(self, state: Any) -> None:
+        if self.cache_backend is not None:
+            self.cache_backend.begin_request(state)
+
+    def on_step(self, state: Any) -> None:
+        pass
+
+
+def run_request_batch(pipeline: Any, states: Sequence[Any], *, cache_backend: Any = None) -> list[Any]:
+    """Run ``states`` as one request batch (``pipeline.forward``); returns their ``DiffusionOutput`` in order."""
+    return pipeline.forward(list(states), _BeginRequests(cache_backend))
+
+
+@contextlib.contextmanager
+def enabled_cache_backend(name: str, pipeline: Any, **config: Any) -> Iterator[Any]:
+    """The cache backend registered as ``name`` (e.g. ``"tea_cache"``), built from ``config`` and enabled on
+    ``pipeline`` inside the block; disabled afterwards so the pipeline computes as before."""
+    from omni_core.plugins.manager import get_plugin_manager
+
+    backend = get_plugin_manager().load_component("cache", name)(config)
+    backend.enable(pipeline)
+    try:
+        yield backend
+    finally:
+        if backend.is_enabled():
+            backend.disable(pipeline)
+
+
+__all__ = ["enabled_cache_backend", "make_state", "run_request_batch", "run_step_batch"]

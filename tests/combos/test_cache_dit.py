@@ -5,6 +5,8 @@ plugins/cache/cache-dit/tests/test_cache_dit_config.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.request import OmniDiffusionRequest
-from omni_core.testing.driver import run_step_batch
+from omni_core.testing.driver import enabled_cache_backend, run_request_batch, run_step_batch
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
 NEG = "blurry, low quality"
@@ -42,24 +44,9 @@ def wan_states(pipeline, wan_dir, prompts, *, steps=8, seed=0):
     return out
 
 
-class Control:
-    def __init__(self, backend=None):
-        self.backend = backend
-
-    def stopped(self, ids):
-        return set()
-
-    def on_encoded(self, state):
-        if self.backend is not None:
-            self.backend.begin_request(state)
-
-    def on_step(self, state):
-        pass
-
-
 def run(pipeline, states, backend=None):
     with torch.inference_mode():
-        return [o.tensor for o in pipeline.forward(states, Control(backend))]
+        return [o.tensor for o in run_request_batch(pipeline, states, cache_backend=backend)]
 
 
 def run_steps(pipeline, states, backend, admit_at):
@@ -70,19 +57,9 @@ def run_steps(pipeline, states, backend, admit_at):
 
 @pytest.fixture
 def dit():
-    """``dit(pipeline, **config)`` enables a fresh backend; disabled after the test."""
-    made = []
-
-    def make(pipeline, **config):
-        backend = cache_dit_backend()(config)
-        backend.enable(pipeline)
-        made.append((backend, pipeline))
-        return backend
-
-    yield make
-    for backend, pipeline in made:
-        if backend.enabled:
-            backend.disable(pipeline)
+    """``dit(pipeline, **config)``: a fresh enabled ``cache_dit`` backend, disabled after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda pipeline, **config: stack.enter_context(enabled_cache_backend("cache_dit", pipeline, **config))
 
 
 def cache_dit_backend():

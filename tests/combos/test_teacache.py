@@ -4,6 +4,7 @@ command (config errors: plugins/cache/teacache/tests/test_teacache_config.py).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import attrs
@@ -13,7 +14,7 @@ import torch
 from omni_core.config import SamplingParams
 from omni_core.pipelines import StepState
 from omni_core.request import OmniDiffusionRequest
-from omni_core.testing.driver import run_step_batch
+from omni_core.testing.driver import enabled_cache_backend, run_request_batch, run_step_batch
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
 NEG = "blurry, low quality"
@@ -42,24 +43,9 @@ def wan_states(pipeline, wan_dir, prompts, *, steps=8, seed=0):
     return out
 
 
-class Control:
-    def __init__(self, backend=None):
-        self.backend = backend
-
-    def stopped(self, ids):
-        return set()
-
-    def on_encoded(self, state):
-        if self.backend is not None:
-            self.backend.begin_request(state)
-
-    def on_step(self, state):
-        pass
-
-
 def run(pipeline, states, backend=None):
     with torch.inference_mode():
-        return [o.tensor for o in pipeline.forward(states, Control(backend))]
+        return [o.tensor for o in run_request_batch(pipeline, states, cache_backend=backend)]
 
 
 def run_steps(pipeline, states, backend, admit_at):
@@ -70,21 +56,9 @@ def run_steps(pipeline, states, backend, admit_at):
 
 @pytest.fixture
 def tea():
-    """A fresh backend; ``tea(pipeline, **config)`` enables it, and it is disabled after the test."""
-    from omni_core.plugins import get_plugin_manager
-
-    TeaCacheBackend = get_plugin_manager().load_component("cache", "tea_cache")  # by component name
-    made = []
-
-    def make(pipeline, **config):
-        backend = TeaCacheBackend(config)
-        backend.enable(pipeline)
-        made.append((backend, pipeline))
-        return backend
-
-    yield make
-    for backend, pipeline in made:
-        backend.disable(pipeline)
+    """``tea(pipeline, **config)``: a fresh enabled ``tea_cache`` backend, disabled after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda pipeline, **config: stack.enter_context(enabled_cache_backend("tea_cache", pipeline, **config))
 
 
 def patterns(state):

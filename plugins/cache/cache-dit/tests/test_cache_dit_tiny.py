@@ -6,6 +6,7 @@ backend through its ``DenoiserSpec`` only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -14,7 +15,7 @@ import torch
 
 from omni_core.errors import ConfigError
 from omni_core.testing.cache_contract import CacheBackendContract
-from omni_core.testing.driver import make_state, run_step_batch
+from omni_core.testing.driver import enabled_cache_backend, make_state, run_step_batch
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
 #: the tiny model's requests reuse some steps at this threshold, and (at 8, 10, 12 steps) different ones
@@ -42,21 +43,9 @@ def tiny(tiny_dit_model):
 
 @pytest.fixture
 def dit():
-    """``dit(pipeline, **config)``: a fresh enabled backend, disabled after the test."""
-    from omni_cache_dit.backend import CacheDiTBackend
-
-    made = []
-
-    def make(pipeline, **config):
-        backend = CacheDiTBackend(config)
-        backend.enable(pipeline)
-        made.append((backend, pipeline))
-        return backend
-
-    yield make
-    for backend, pipeline in made:
-        if backend.enabled:
-            backend.disable(pipeline)
+    """``dit(pipeline, **config)``: a fresh enabled ``cache_dit`` backend, disabled after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda pipeline, **config: stack.enter_context(enabled_cache_backend("cache_dit", pipeline, **config))
 
 
 def states(pipeline, steps=(8, 10, 12), seed=0):

@@ -5,6 +5,7 @@ its ``DenoiserSpec`` alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from omni_core.testing.cache_contract import CacheBackendContract
-from omni_core.testing.driver import make_state, run_step_batch
+from omni_core.testing.driver import enabled_cache_backend, make_state, run_request_batch, run_step_batch
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
 #: a threshold at which the tiny model reuses some steps and computes others
@@ -45,20 +46,9 @@ def tiny(tiny_dit_model):
 
 @pytest.fixture
 def tea():
-    """``tea(pipeline, **config)``: a fresh enabled backend, disabled after the test."""
-    from omni_cache_teacache.backend import TeaCacheBackend
-
-    made = []
-
-    def make(pipeline, **config):
-        backend = TeaCacheBackend(config)
-        backend.enable(pipeline)
-        made.append((backend, pipeline))
-        return backend
-
-    yield make
-    for backend, pipeline in made:
-        backend.disable(pipeline)
+    """``tea(pipeline, **config)``: a fresh enabled ``tea_cache`` backend, disabled after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda pipeline, **config: stack.enter_context(enabled_cache_backend("tea_cache", pipeline, **config))
 
 
 def states(pipeline, steps=(8, 10, 12), seed=0):
@@ -66,24 +56,9 @@ def states(pipeline, steps=(8, 10, 12), seed=0):
                        num_inference_steps=n) for i, n in enumerate(steps)]
 
 
-class Control:
-    def __init__(self, backend=None):
-        self.backend = backend
-
-    def stopped(self, ids):
-        return set()
-
-    def on_encoded(self, state):
-        if self.backend is not None:
-            self.backend.begin_request(state)
-
-    def on_step(self, state):
-        pass
-
-
 def run(pipeline, batch, backend=None):
     with torch.inference_mode():
-        return [o.tensor for o in pipeline.forward(batch, Control(backend))]
+        return [o.tensor for o in run_request_batch(pipeline, batch, cache_backend=backend)]
 
 
 def patterns(state):
