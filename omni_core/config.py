@@ -379,6 +379,17 @@ def _normalise_dtype(value: Any) -> Any:
     return value
 
 
+def _check_registered(kind: str, name: str, where: str, field: str) -> None:
+    """``ConfigError`` (naming ``where``, the allowed names and the closest one) unless ``name`` is registered."""
+    from omni_core.errors import UnknownComponentError
+    from omni_core.plugins.manager import get_plugin_manager
+
+    try:
+        get_plugin_manager().get_component(kind, name)
+    except UnknownComponentError as exc:
+        raise ConfigError(f"{where}: {exc}", field=field) from None
+
+
 def _component_name(kind: str, *, optional: bool = False) -> Callable:
     """Validate a component name against the plugin registry (loaded on first use)."""
 
@@ -387,16 +398,7 @@ def _component_name(kind: str, *, optional: bool = False) -> Callable:
             return
         if not isinstance(value, str) or not value:
             _fail(instance, attribute, value, f"expected the name of a registered {kind} component")
-        if kind == "cache" and value == "none":
-            return
-        from omni_core.errors import UnknownComponentError
-        from omni_core.plugins.manager import get_plugin_manager
-
-        try:
-            get_plugin_manager().get_component(kind, value)
-        except UnknownComponentError as exc:
-            extra = " (or 'none')" if kind == "cache" else ""
-            raise ConfigError(f"{_where(instance, attribute)}: {exc}{extra}", field=attribute.name) from None
+        _check_registered(kind, value, _where(instance, attribute), attribute.name)
 
     return check
 
@@ -434,17 +436,8 @@ class OmniDiffusionConfig(_FromKwargs):
     oversubscribe: bool = attrs.field(default=False, validator=bool_field)
 
     def __attrs_post_init__(self) -> None:
-        names = self.attention_config.backend_names()
-        if names:
-            from omni_core.errors import UnknownComponentError
-            from omni_core.plugins.manager import get_plugin_manager
-
-            pm = get_plugin_manager()
-            for name in sorted(names):
-                try:
-                    pm.get_component("attention", name)
-                except UnknownComponentError as exc:
-                    raise ConfigError(f"OmniDiffusionConfig.attention_config: {exc}", field="attention_config") from None
+        for name in sorted(self.attention_config.backend_names()):
+            _check_registered("attention", name, "OmniDiffusionConfig.attention_config", "attention_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:

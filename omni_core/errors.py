@@ -71,3 +71,12 @@ def unknown_choice_message(what: str, name: object, choices: Iterable[str]) -> s
     if hint is not None:
         msg += f". Did you mean {hint!r}?"
     return msg
+
+
+class RecordMismatchError(PluginLoadError, ComponentUnavailableError):
+    """A plugin's class restates a field of its registration record (``name``, ``requires``,
+    ``supported_parallel``) with another value; the record is the truth, so the plugin is at fault."""
+
+    def __init__(self, message: str, *, plugin: str = "", dist: str = "", field: str = ""):
+        OmniError.__init__(self, message)
+        self.plugin, self.dist, self.error, self.field = plugin, dist, message, field

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from omni_core.plugins.types import missing_requirements
-
 ALL_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -63,6 +61,7 @@ class AttentionImpl:
 class AttentionBackend:
     """Static description of a kernel: what it supports and which ``AttentionImpl`` runs it."""
 
+    #: the component name, used in reasons; the registration record states it and this must agree
     name: ClassVar[str] = ""
     #: head sizes the kernel accepts; None = any
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
@@ -71,8 +70,6 @@ class AttentionBackend:
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     supports_mask: ClassVar[bool] = True
     supports_causal: ClassVar[bool] = True
-    #: import names the kernel library needs
-    requires: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
@@ -80,10 +77,9 @@ class AttentionBackend:
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Whether the kernel library is importable here (device checks come per call)."""
-        missing = missing_requirements(cls.requires)
-        if missing:
-            return False, f"{cls.name} needs the Python package(s) {', '.join(missing)}, which are not installed"
+        """Whether the kernel library works here (device checks come per call). The record's ``requires`` are
+        checked before the class is imported (:func:`omni_core.plugins.availability.check_record`); override
+        for what they cannot tell (a version, a build for this torch)."""
         return True, ""
 
     @classmethod

@@ -29,28 +29,44 @@ class AttentionSelection:
         return self.spec.backend
 
 
-def load_backend(name: str, pm=None, *, chosen_by: str = "") -> type[AttentionBackend]:
-    """Import the backend class registered as ``name``.
+def _unavailable(name: str, av, where: str, chosen: str) -> Exception:
+    """The error for a backend the walk refused, worded by the step that failed."""
+    if av.step == "requires":
+        return ComponentUnavailableError(f"{where} cannot run here: it {av.reason}")
+    if av.step == "import" and isinstance(av.error, ImportError):
+        return ComponentUnavailableError(f"{where} cannot be imported: {type(av.error).__name__}: {av.error}")
+    if av.error is not None:  # not an import problem (a bug in the plugin, or a record mismatch): as raised
+        return av.error
+    if av.step == "base":
+        return TypeError(f"attention backend {name!r} must be an AttentionBackend subclass, got {av.cls!r}")
+    return ComponentUnavailableError(f"attention backend {name!r} ({chosen}) cannot run here: {av.reason}")
 
-    The record's ``requires`` are checked first (without importing), and an import failure of the
-    backend module becomes a :class:`ComponentUnavailableError` that says which backend and why.
+
+def load_backend(name: str, pm=None, *, chosen_by: str = "", ctx=None, until: str | None = "base"
+                 ) -> type[AttentionBackend]:
+    """Import the backend class registered as ``name``, walked by
+    :func:`~omni_core.plugins.availability.check_record` up to ``until`` (default: requirements, import, record,
+    base class; ``None``: every check ``ctx`` allows); a refusal becomes an error that says which backend and why.
     """
+    from omni_core.plugins.availability import check_record
     from omni_core.plugins.manager import get_plugin_manager
-    from omni_core.plugins.types import missing_requirements
 
     spec = (pm or get_plugin_manager()).get_component("attention", name)
+    av = check_record(spec, ctx, until=until)
+    if av.ok:
+        return av.cls
     where = f"attention backend {name!r} ({spec.provider}{', chosen by ' + chosen_by if chosen_by else ''})"
-    missing = missing_requirements(spec.requires)
-    if missing:
-        raise ComponentUnavailableError(f"{where} cannot run here: it needs the Python package(s) "
-                                        f"{', '.join(missing)}, which are not installed")
-    try:
-        cls = spec.load()
-    except ImportError as exc:
-        raise ComponentUnavailableError(f"{where} cannot be imported: {type(exc).__name__}: {exc}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-        raise TypeError(f"attention backend {name!r} must be an AttentionBackend subclass, got {cls!r}")
-    return cls
+    if av.step == "requires":
+        raise ComponentUnavailableError(f"{where} cannot run here: it {av.reason}")
+    if av.step == "import" and isinstance(av.error, ImportError):
+        raise ComponentUnavailableError(f"{where} cannot be imported: {type(av.error).__name__}: {av.error}"
+                                        ) from av.error
+    if av.error is not None:  # a bug in the plugin, or its class disagreeing with its record: as raised
+        raise av.error
+    if av.step == "base":
+        raise TypeError(f"attention backend {name!r} must be an AttentionBackend subclass, got {av.cls!r}")
+    chosen = f"chosen by {chosen_by}" if chosen_by else spec.provider
+    raise ComponentUnavailableError(f"attention backend {name!r} ({chosen}) cannot run here: {av.reason}")
 
 
 def select_attention_backend(
@@ -80,15 +96,8 @@ def select_attention_backend(
             from omni_core.platforms import current_platform as platform  # noqa: N813
         spec = AttentionSpec(backend=platform.default_attention_backend(head_size, dtype))
         source = f"platform default ({platform.name})"
-    backend_cls = load_backend(spec.backend, pm, chosen_by=f"{source} for role {role!r}")
-    ok, why = backend_cls.is_available()
-    if not ok:
-        raise ComponentUnavailableError(f"attention backend {spec.backend!r} (chosen by {source} for role "
-                                        f"{role!r}) cannot run here: {why}")
-    why = backend_cls.check_head_size(head_size)
-    if not why and dtype is not None and device_type is not None:
-        why = backend_cls.check_call(dtype, str(device_type), False, causal)
-    if why:
-        raise ComponentUnavailableError(f"attention backend {spec.backend!r} (chosen by {source} for role "
-                                        f"{role!r}) cannot run here: {why}")
+    from omni_core.plugins.availability import Context
+
+    ctx = Context(device_type=device_type, dtype=dtype, head_size=head_size, causal=causal)
+    backend_cls = load_backend(spec.backend, pm, chosen_by=f"{source} for role {role!r}", ctx=ctx, until=None)
     return AttentionSelection(backend_cls, spec, source)

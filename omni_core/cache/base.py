@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from omni_core.plugins.types import missing_requirements
-
 
 class CacheBackend:
     """Base class of cache backends (``tea_cache``, ``cache_dit``, ...)."""
 
+    #: the component name; optional, since the registration record states it (if set, it must agree)
     name: ClassVar[str] = ""
-    #: import names the backend needs (``omni env`` reports what is missing)
-    requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self.config = dict(config or {})
@@ -38,9 +35,8 @@ class CacheBackend:
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        missing = missing_requirements(cls.requires)
-        if missing:
-            return False, f"{cls.name} needs the Python package(s) {', '.join(missing)}, which are not installed"
+        """Whether the backend can run here, and why not. The record's ``requires`` are checked before the class
+        is imported (:func:`omni_core.plugins.availability.check_record`); override for anything beyond that."""
         return True, ""
 
     def enable(self, pipeline: Any) -> None:

@@ -48,38 +48,29 @@ def _platform_report(pm) -> tuple[dict[str, Any], Any]:
             "error": None}, res.platform
 
 
-def _usable(spec, base_cls: type, conflicts: dict, kind: str, platform) -> tuple[bool, str]:
-    """Whether the component can run here and, if not, why. Imports the class only if its requirements exist."""
-    from omni_core.plugins.types import missing_requirements
+def _backend_rows(pm, kind: str, platform, conflicts: dict, default: str | None = None) -> list[dict[str, Any]]:
+    """One row per registered component of ``kind`` (the core's built-ins first): whether it can run on this
+    platform (:func:`~omni_core.plugins.availability.check_record`) and, if not, why."""
+    from omni_core.plugins.availability import Context, check_record
+    from omni_core.plugins.manager import CORE_DISTRIBUTION
 
-    if (kind, spec.name) in conflicts:
-        return False, f"name registered by several distributions: {' and '.join(conflicts[(kind, spec.name)])}"
-    missing = missing_requirements(spec.requires)
-    if missing:
-        return False, f"needs the Python package(s) {', '.join(missing)}, which are not installed"
-    try:
-        cls = spec.load()
-    except Exception as exc:  # noqa: BLE001
-        return False, f"cannot import {spec.impl}: {type(exc).__name__}: {exc}"
-    if not (isinstance(cls, type) and issubclass(cls, base_cls)):
-        return False, f"{spec.impl} is not a {base_cls.__name__} subclass"
-    try:
-        ok, why = cls.is_available()
-    except Exception as exc:  # noqa: BLE001
-        return False, f"is_available() raised {type(exc).__name__}: {exc}"
-    if not ok:
-        return False, why
-    devices = getattr(cls, "supported_devices", None)
-    if platform is not None and devices is not None and platform.device_type not in devices:
-        return False, f"does not run on device type {platform.device_type!r} (supports {', '.join(devices)})"
-    return True, ""
+    ctx = Context(device_type=platform.device_type if platform is not None else None)
+    rows = []
+    for name, spec in sorted(pm.components(kind).items(), key=lambda kv: (kv[1].provider != CORE_DISTRIBUTION,
+                                                                            kv[0])):
+        if (kind, name) in conflicts:
+            ok, why = False, f"name registered by several distributions: {' and '.join(conflicts[(kind, name)])}"
+        else:
+            av = check_record(spec, ctx)
+            ok, why = av.ok, av.reason
+        rows.append({"name": name, "provider": spec.provider, "usable": ok, "reason": why,
+                     "platform_default": name == default})
+    return rows
 
 
 def collect_env(pm=None) -> dict[str, Any]:
     """The ``omni env --json`` payload."""
-    from omni_core.attention.backend import AttentionBackend
-    from omni_core.cache.base import CacheBackend
-    from omni_core.plugins.manager import ACTIVE, CORE_DISTRIBUTION, get_plugin_manager
+    from omni_core.plugins.manager import ACTIVE, get_plugin_manager
 
     pm = pm or get_plugin_manager()
     platform_info, platform = _platform_report(pm)
@@ -90,15 +81,8 @@ def collect_env(pm=None) -> dict[str, Any]:
             default_backend = platform.default_attention_backend(128, platform.default_dtype)
         except Exception:  # noqa: BLE001
             default_backend = None
-    attention = []
-    for name, spec in sorted(pm.components("attention").items()):
-        ok, why = _usable(spec, AttentionBackend, conflicts, "attention", platform)
-        attention.append({"name": name, "provider": spec.provider, "usable": ok, "reason": why,
-                          "platform_default": name == default_backend})
-    cache = [{"name": "none", "provider": CORE_DISTRIBUTION, "usable": True, "reason": "", "platform_default": False}]
-    for name, spec in sorted(pm.components("cache").items()):
-        ok, why = _usable(spec, CacheBackend, conflicts, "cache", platform)
-        cache.append({"name": name, "provider": spec.provider, "usable": ok, "reason": why, "platform_default": False})
+    attention = _backend_rows(pm, "attention", platform, conflicts, default_backend)
+    cache = _backend_rows(pm, "cache", platform, conflicts)
     # what Omni(model=...) accepts: a pipeline's short names, or a folder naming the pipeline
     pipelines = [{"name": name, "provider": spec.provider, "model_names": list(spec.model_names)}
                  for name, spec in sorted(pm.components("pipeline").items())]

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Sequence
 
-from omni_core.errors import OmniError, PluginLoadError
+from omni_core.errors import OmniError
 
 logger = logging.getLogger("omni_core.cli")
 
@@ -38,24 +38,9 @@ def _setup_logging(level: int = logging.WARNING) -> None:
 
 
 def register_commands(pm, subparsers: argparse._SubParsersAction) -> None:
-    """Call every plugin's ``omni_register_commands``, each in isolation (a broken one is listed as failed)."""
-    from omni_core.plugins.manager import FAILED
-
-    for impl in pm.hook.omni_register_commands.get_hookimpls():  # registration order: built-ins first
-        kwargs = {"subparsers": subparsers}
-        try:
-            impl.function(*[kwargs[name] for name in impl.argnames])
-        except Exception as exc:  # noqa: BLE001 - one plugin's broken command must not take the CLI down
-            info = pm.infos.get(impl.plugin_name)
-            dist = info.dist if info else impl.plugin_name
-            if pm.strict:
-                raise PluginLoadError(impl.plugin_name, dist, exc) from exc
-            if info is not None:
-                info.status = FAILED
-                info.error = f"omni_register_commands raised {type(exc).__name__}: {exc}"
-                pm._registry = None  # drop the plugin's components too
-            logger.warning("plugin %r (%s): omni_register_commands raised %s: %s", impl.plugin_name, dist,
-                           type(exc).__name__, exc)
+    """Call every plugin's ``omni_register_commands`` in registration order (built-ins first), each in isolation
+    (:meth:`~omni_core.plugins.manager.OmniPluginManager.call_each`: a broken one is listed as failed)."""
+    pm.call_each("omni_register_commands", registration_order=True, subparsers=subparsers)
 
 
 def build_parser(pm=None) -> argparse.ArgumentParser:

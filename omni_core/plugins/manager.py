@@ -1,9 +1,10 @@
 """The plugin manager: loads built-ins and entry points one by one, isolates failures, builds the registry.
 
-Built-in plugins (CPU platform, schedulers, executors) are registered with the same ``register`` call as
-entry-point plugins. Each entry point is loaded on its own: one that fails to import is recorded as
-``skipped`` (a missing optional dependency) or ``failed`` (anything else) and everything else keeps
-working, unless strict mode is on.
+Built-in plugins (CPU platform, ``none`` cache, schedulers, executors, commands) are registered with the same
+``register`` call as entry-point plugins. Each entry point is loaded on its own: one that fails to import is
+recorded as ``skipped`` (a missing optional dependency) or ``failed`` (anything else) and everything else keeps
+working, unless strict mode is on. Hooks are always called through pluggy (so ``OMNI_TRACE_PLUGINS=1`` traces
+them), one plugin at a time (:meth:`OmniPluginManager.call_each`), so a raising hook disables only its plugin.
 """
 
 from __future__ import annotations
@@ -18,37 +19,33 @@ from typing import Any, Iterable
 import attrs
 import pluggy
 
+import omni_core.plugins.hookspecs as hookspecs
 from omni_core.errors import (
     ComponentConflictError,
     PluginLoadError,
     UnknownComponentError,
     unknown_choice_message,
 )
-from omni_core.plugins import hookspecs
-from omni_core.plugins.types import KINDS, ComponentSpec
+from omni_core.plugins.types import KINDS, ComponentSpec, kind_of
 
 logger = logging.getLogger("omni_core.plugins")
 
 ENTRY_POINT_GROUP = "omni_core.plugins"
 CORE_DISTRIBUTION = "omni-core"
 
-#: modules of the core registered as built-in plugins (name -> module)
-BUILTIN_PLUGINS: dict[str, str] = {
-    "builtin-platform-cpu": "omni_core.builtin.platform_cpu",
-    "builtin-schedulers": "omni_core.builtin.schedulers",
-    "builtin-executors": "omni_core.builtin.executors",
-    "builtin-commands": "omni_core.builtin.commands",
-    "builtin-command-generate": "omni_core.builtin.command_generate",
-    "builtin-command-serve": "omni_core.builtin.command_serve",
-}
+#: built-in plugins that are not tied to a kind (the CLI's own commands)
+BUILTIN_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("builtin-commands", "omni_core.builtin.commands"),
+    ("builtin-command-generate", "omni_core.builtin.command_generate"),
+    ("builtin-command-serve", "omni_core.builtin.command_serve"),
+)
+
+#: modules of the core registered as built-in plugins (name -> module): each kind's, then the commands
+BUILTIN_PLUGINS: dict[str, str] = dict([pair for kind in KINDS.values() for pair in kind.builtins]
+                                       + list(BUILTIN_COMMANDS))
 
 ACTIVE, SKIPPED, FAILED, DISABLED = "active", "skipped", "failed", "disabled"
 STATUSES = (ACTIVE, SKIPPED, FAILED, DISABLED)
-
-#: how error messages name each kind
-KIND_LABELS = {"platform": "platform", "attention": "attention backend", "cache": "cache backend",
-               "pipeline": "pipeline", "scheduler": "scheduler", "executor": "executor"}
-
 
 def _env_list(name: str) -> list[str] | None:
     raw = os.environ.get(name)
@@ -89,6 +86,9 @@ class OmniPluginManager(pluggy.PluginManager):
         self.strict = strict
         self.infos: dict[str, PluginInfo] = {}
         self._registry: dict[str, dict[str, list[ComponentSpec]]] | None = None
+        #: plugins whose hook raised (also those registered without a PluginInfo), until unregistered
+        self._hook_failed: set[str] = set()
+        self._records: list[ComponentSpec] = []
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- registration
@@ -102,6 +102,7 @@ class OmniPluginManager(pluggy.PluginManager):
             name = self.get_name(plugin)
         if name is not None:
             self.infos.pop(name, None)
+            self._hook_failed.discard(name)
         return super().unregister(plugin, name)
 
     def register_plugin(self, plugin: Any, name: str, *, dist: str, version: str = "", builtin: bool = False) -> None:
@@ -178,54 +179,74 @@ class OmniPluginManager(pluggy.PluginManager):
                 continue
             self.infos[ep.name] = info
 
-    # ---------------------------------------------------------------- registry
-    def _build_registry(self) -> dict[str, dict[str, list[ComponentSpec]]]:
-        # Two passes: collect every plugin's records first, so that a plugin whose hook raises contributes
-        # nothing at all (not the records of the hooks that happened to run before the broken one).
-        for info in self.infos.values():  # rebuilt from scratch each time the plugin set changes
-            info.kinds, info.components = [], {}
-        collected: list[tuple[str, Any, ComponentSpec]] = []  # (kind, impl, record) in call order
-        broken: set[str] = set()
-        for kind, (record_cls, hook_name) in KINDS.items():
-            hook = getattr(self.hook, hook_name)
-            for impl in reversed(hook.get_hookimpls()):  # call order: tryfirst, then newest first, trylast
-                info = self.infos.get(impl.plugin_name)
-                if impl.plugin_name in broken or (info is not None and info.status != ACTIVE):
-                    continue
-                provider = info.dist if info else impl.plugin_name
-                try:
-                    records = list(impl.function() or ())
-                    for rec in records:
-                        if not isinstance(rec, record_cls):
-                            raise TypeError(f"{hook_name} must return {record_cls.__name__} records, got {rec!r}")
-                except Exception as exc:  # noqa: BLE001 - a broken hook disables only its plugin
-                    broken.add(impl.plugin_name)
-                    if info is not None:
-                        info.status = FAILED
-                        info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
-                    logger.warning("omni plugin %r (%s): %s raised %s: %s", impl.plugin_name, provider, hook_name,
-                                   type(exc).__name__, exc)
-                    if self.strict:
-                        raise PluginLoadError(impl.plugin_name, provider, exc) from exc
-                    continue
-                collected.extend((kind, impl, attrs.evolve(rec, provider=provider)) for rec in records)
-        registry: dict[str, dict[str, list[ComponentSpec]]] = {kind: {} for kind in KINDS}
-        for kind, impl, rec in collected:
-            if impl.plugin_name in broken:
-                continue
-            registry[kind].setdefault(rec.name, []).append(rec)
+    # ---------------------------------------------------------------- calling hooks
+    def call_each(self, hook_name: str, *, registration_order: bool = False, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call hook ``hook_name`` through pluggy for one active plugin at a time; ``[(plugin name, result)]``.
+
+        A plugin whose implementation raises is marked ``failed`` (its components are dropped with it) and
+        skipped, or, in strict mode, :class:`PluginLoadError` is raised. Order: pluggy's call order (tryfirst,
+        newest first, trylast), or with ``registration_order`` the order the plugins were registered in.
+        """
+        hook = getattr(self.hook, hook_name)
+        impls = hook.get_hookimpls()
+        plugins = [impl.plugin for impl in impls]
+        results = []
+        for impl in (impls if registration_order else reversed(impls)):
             info = self.infos.get(impl.plugin_name)
-            if info is not None:
-                if kind not in info.kinds:
-                    info.kinds.append(kind)
-                info.components.setdefault(kind, []).append(rec.name)
-        return registry
+            if impl.plugin_name in self._hook_failed or (info is not None and info.status != ACTIVE):
+                continue
+            caller = self.subset_hook_caller(hook_name, remove_plugins=[p for p in plugins if p is not impl.plugin])
+            try:
+                out = caller(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - a broken hook disables only its plugin
+                self.fail_plugin(impl.plugin_name, f"{hook_name} raised {type(exc).__name__}: {exc}", exc)
+                continue
+            results.append((impl.plugin_name, out[0] if out else None))
+        return results
+
+    def fail_plugin(self, name: str, error: str, exc: BaseException) -> None:
+        """Record that plugin ``name`` failed (``error`` is what listings show) and drop its components; in
+        strict mode raise :class:`PluginLoadError` naming it and its distribution instead."""
+        info = self.infos.get(name)
+        dist = info.dist if info else name
+        logger.warning("omni plugin %r (%s): %s", name, dist, error)
+        if self.strict:
+            raise PluginLoadError(name, dist, exc) from exc
+        self._hook_failed.add(name)
+        if info is not None:
+            info.status, info.error = FAILED, error
+        self._registry = None
+
+    # ---------------------------------------------------------------- registry
+    def _build_registry(self) -> list[ComponentSpec]:
+        """Every active plugin's records, in call order (hooks called through :meth:`call_each`)."""
+        # Two passes: collect every plugin's records first, so that a plugin whose hook raises (or returns
+        # records of the wrong type) contributes nothing at all, not the records of the hooks that ran before.
+        collected: list[tuple[str, str, ComponentSpec]] = []  # (kind, plugin name, record) in call order
+        for kind in KINDS.values():
+            for plugin, records in self.call_each(kind.hook):
+                info = self.infos.get(plugin)
+                records = list(records or ())
+                bad = [rec for rec in records if not isinstance(rec, kind.record_cls)]
+                if bad:
+                    exc = TypeError(f"{kind.hook} must return {kind.record_cls.__name__} records, got {bad[0]!r}")
+                    self.fail_plugin(plugin, f"{kind.hook} raised {type(exc).__name__}: {exc}", exc)
+                    continue
+                provider = info.dist if info else plugin
+                collected.extend((kind.name, plugin, attrs.evolve(rec, provider=provider, plugin=plugin))
+                                 for rec in records)
+        return [rec for _, plugin, rec in collected if plugin not in self._hook_failed]
 
     @property
     def registry(self) -> dict[str, dict[str, list[ComponentSpec]]]:
+        """``{kind: {name: [record, ...]}}``, rebuilt after the plugin set changes."""
         with self._lock:
             if self._registry is None:
-                self._registry = self._build_registry()
+                records = self._build_registry()
+                registry: dict[str, dict[str, list[ComponentSpec]]] = {kind: {} for kind in KINDS}
+                for rec in records:
+                    registry[kind_of(rec).name].setdefault(rec.name, []).append(rec)
+                self._records, self._registry = records, registry
             return self._registry
 
     def components(self, kind: str) -> dict[str, ComponentSpec]:
@@ -250,7 +271,7 @@ class OmniPluginManager(pluggy.PluginManager):
         _check_kind(kind)
         recs = self.registry[kind].get(name)
         if not recs:
-            msg = unknown_choice_message(KIND_LABELS[kind], name, self.registry[kind])
+            msg = unknown_choice_message(KINDS[kind].label, name, self.registry[kind])
             broken = [i for i in self.infos.values() if i.status in (FAILED, SKIPPED)]
             if broken:
                 msg += ("" if msg.endswith("?") else ".") + " Note: " + "; ".join(
@@ -260,7 +281,7 @@ class OmniPluginManager(pluggy.PluginManager):
         providers = sorted({r.provider for r in recs})
         if len(providers) > 1:
             raise ComponentConflictError(
-                f"conflicting {KIND_LABELS[kind]}s named {name!r}: provided by {' and '.join(providers)}. "
+                f"conflicting {KINDS[kind].label}s named {name!r}: provided by {' and '.join(providers)}. "
                 f"Uninstall one, or block one with OMNI_DISABLE_PLUGINS=<entry point name>"
             )
         return recs[0]
@@ -270,8 +291,15 @@ class OmniPluginManager(pluggy.PluginManager):
         return self.get_component(kind, name).load()
 
     def list_plugins(self, include_builtin: bool = False) -> list[PluginInfo]:
-        self.registry  # fills kinds/components and marks plugins whose hooks raised
-        return [i for i in self.infos.values() if include_builtin or not i.builtin]
+        """Every plugin with its status and, from the registry, the kinds and components it provides."""
+        with self._lock:
+            self.registry  # noqa: B018 - built first: a plugin whose hook raises is listed as failed
+            records = self._records
+        provided: dict[str, dict[str, list[str]]] = {}
+        for rec in records:  # in the order the hooks returned them
+            provided.setdefault(rec.plugin, {}).setdefault(kind_of(rec).name, []).append(rec.name)
+        return [attrs.evolve(i, kinds=list(provided.get(i.name, {})), components=provided.get(i.name, {}))
+                for i in self.infos.values() if include_builtin or not i.builtin]
 
 
 def _check_kind(kind: str) -> None:

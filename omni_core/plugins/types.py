@@ -1,7 +1,10 @@
-"""Registration records returned by the ``omni_register_*`` hooks.
+"""Registration records returned by the ``omni_register_*`` hooks, and the one description of each plugin kind.
 
 A record is cheap metadata plus a ``"module:attr"`` string naming the implementation; the manager fills
-in ``provider`` (the distribution that returned it) so conflicts and failures can name a package.
+in ``provider`` (the distribution that returned it) and ``plugin`` so conflicts and failures can name a package.
+The record is the truth about a component's name, requirements and parallel strategies: a class that restates
+one of them must agree, which :meth:`ComponentSpec.load` checks. :data:`KINDS` holds one :class:`KindSpec` per
+kind (record type, hook, label, base class, built-ins); everything else is derived from it.
 """
 
 from __future__ import annotations
@@ -65,8 +68,6 @@ def missing_requirements(requires: tuple[str, ...]) -> list[str]:
 class ComponentSpec:
     """Fields every record shares."""
 
-    kind: ClassVar[str] = "component"
-
     name: str = attrs.field(validator=_check_name)
     impl: str = attrs.field(validator=_check_impl)
     description: str = ""
@@ -74,15 +75,24 @@ class ComponentSpec:
     requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: filled by the plugin manager: the distribution (or built-in plugin) that registered the record
     provider: str = ""
+    #: filled by the plugin manager: the name of the plugin (entry point) whose hook returned the record
+    plugin: str = ""
+
+    @property
+    def kind(self) -> KindSpec:
+        """The descriptor of this record's kind."""
+        return kind_of(self)
 
     def load(self) -> Any:
-        """Import the implementation."""
-        return resolve_impl(self.impl)
+        """Import the implementation and check it against this record (:class:`~omni_core.errors.RecordMismatchError` if a class
+        restates a field of the record with another value)."""
+        obj = resolve_impl(self.impl)
+        check_against_record(self, obj)
+        return obj
 
 
 @attrs.frozen(kw_only=True)
 class PlatformSpec(ComponentSpec):
-    kind: ClassVar[str] = "platform"
     #: ``"module:attr"`` of a cheap, side-effect free function returning ``(available, reason)``;
     #: ``None`` for the built-in CPU fallback, which is never auto-detected.
     detect: str | None = attrs.field(default=None, validator=_check_impl)
@@ -90,17 +100,16 @@ class PlatformSpec(ComponentSpec):
 
 @attrs.frozen(kw_only=True)
 class AttentionBackendSpec(ComponentSpec):
-    kind: ClassVar[str] = "attention"
+    """An attention kernel (``impl``: an ``AttentionBackend`` subclass)."""
 
 
 @attrs.frozen(kw_only=True)
 class CacheBackendSpec(ComponentSpec):
-    kind: ClassVar[str] = "cache"
+    """A step cache (``impl``: a ``CacheBackend`` subclass)."""
 
 
 @attrs.frozen(kw_only=True)
 class PipelineSpec(ComponentSpec):
-    kind: ClassVar[str] = "pipeline"
     #: short model names accepted as ``model=`` (e.g. ``"shapes"``)
     model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: the folder of the model named by ``model_names``: either ``"module:attr"`` of a function (no arguments)
@@ -113,20 +122,83 @@ class PipelineSpec(ComponentSpec):
 
 @attrs.frozen(kw_only=True)
 class SchedulerSpec(ComponentSpec):
-    kind: ClassVar[str] = "scheduler"
+    """A request scheduler (``impl``: a ``BaseScheduler`` subclass)."""
 
 
 @attrs.frozen(kw_only=True)
 class ExecutorSpec(ComponentSpec):
-    kind: ClassVar[str] = "executor"
+    """An executor (``impl``: a ``DiffusionExecutor`` subclass)."""
 
 
-#: kind name -> (record class, registration hook name)
-KINDS: dict[str, tuple[type[ComponentSpec], str]] = {
-    "platform": (PlatformSpec, "omni_register_platforms"),
-    "attention": (AttentionBackendSpec, "omni_register_attention_backends"),
-    "cache": (CacheBackendSpec, "omni_register_cache_backends"),
-    "pipeline": (PipelineSpec, "omni_register_pipelines"),
-    "scheduler": (SchedulerSpec, "omni_register_schedulers"),
-    "executor": (ExecutorSpec, "omni_register_executors"),
-}
+@attrs.frozen
+class KindSpec:
+    """Everything the core knows about one kind of component, stated once."""
+
+    name: str
+    record_cls: type[ComponentSpec]
+    #: the registration hook (``omni_register_*``) that returns this kind's records
+    hook: str
+    #: how messages name one component of the kind
+    label: str
+    #: ``"module:attr"`` of the class every implementation subclasses (a string, so this module stays light)
+    base_cls: str
+    #: record fields a class may restate (then it must agree with the record)
+    class_fields: tuple[str, ...] = ("name",)
+    #: built-in plugins of the core that register components of this kind (plugin name -> module)
+    builtins: tuple[tuple[str, str], ...] = ()
+
+    def base(self) -> type:
+        """Import the base class."""
+        return resolve_impl(self.base_cls)
+
+
+KINDS: dict[str, KindSpec] = {k.name: k for k in (
+    KindSpec("platform", PlatformSpec, "omni_register_platforms", "platform", "omni_core.platforms.interface:Platform",
+             builtins=(("builtin-platform-cpu", "omni_core.builtin.platform_cpu"),)),
+    KindSpec("attention", AttentionBackendSpec, "omni_register_attention_backends", "attention backend",
+             "omni_core.attention.backend:AttentionBackend", class_fields=("name", "requires")),
+    KindSpec("cache", CacheBackendSpec, "omni_register_cache_backends", "cache backend",
+             "omni_core.cache.base:CacheBackend", class_fields=("name", "requires"),
+             builtins=(("builtin-cache-none", "omni_core.builtin.cache_none"),)),
+    KindSpec("pipeline", PipelineSpec, "omni_register_pipelines", "pipeline", "omni_core.pipelines.base:OmniPipeline",
+             class_fields=("requires", "supported_parallel")),
+    KindSpec("scheduler", SchedulerSpec, "omni_register_schedulers", "scheduler",
+             "omni_core.sched.base:BaseScheduler", class_fields=(),
+             builtins=(("builtin-schedulers", "omni_core.builtin.schedulers"),)),
+    KindSpec("executor", ExecutorSpec, "omni_register_executors", "executor",
+             "omni_core.executor.base:DiffusionExecutor", class_fields=(),
+             builtins=(("builtin-executors", "omni_core.builtin.executors"),)),
+)}
+
+
+def kind_of(record: ComponentSpec) -> KindSpec:
+    """The kind whose record class ``record`` is an instance of."""
+    for kind in KINDS.values():
+        if isinstance(record, kind.record_cls):
+            return kind
+    raise TypeError(f"{type(record).__name__} is not the record type of any plugin kind "
+                    f"({', '.join(k.record_cls.__name__ for k in KINDS.values())})")
+
+
+def check_against_record(record: ComponentSpec, obj: Any) -> None:
+    """Raise if ``obj`` restates one of its kind's ``class_fields`` with a value other than the record's.
+
+    A class that leaves a field empty (the base class's default) takes the record's; only a value the class
+    states itself is compared. The error names the component, plugin, distribution, field and both values.
+    """
+    from omni_core.errors import RecordMismatchError as Error
+
+    kind = kind_of(record)
+    for field in kind.class_fields:
+        stated = getattr(obj, field, None)
+        if not stated:  # not restated: the record's value holds
+            continue
+        want = getattr(record, field)
+        same = stated == want if isinstance(want, str) else set(stated) == set(want)
+        if not same:
+            shown = stated if isinstance(stated, str) else tuple(stated)
+            raise Error(
+                f"{kind.label} {record.name!r} of plugin {record.plugin or '?'!r} ({record.provider or 'unknown'}): "
+                f"its class {record.impl} states {field}={shown!r} but its record says {field}={want!r}; state it "
+                f"once, on the record (the class may leave it out)",
+                plugin=record.plugin, dist=record.provider, field=field)

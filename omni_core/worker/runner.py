@@ -101,18 +101,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
+        from omni_core.plugins.availability import check_component
+
         name = self.config.cache_backend
-        if name and name != "none":
-            from omni_core.plugins.manager import get_plugin_manager
+        av = check_component("cache", name)  # "none" too: a built-in backend that caches nothing
+        if not av.ok:
+            from omni_core.errors import ComponentUnavailableError
 
-            cls = get_plugin_manager().load_component("cache", name)
-            ok, why = cls.is_available()
-            if not ok:
-                from omni_core.errors import ComponentUnavailableError
-
-                raise ComponentUnavailableError(f"cache backend {name!r} cannot run here: {why}")
-            self.cache_backend = cls(self.config.cache_config)
-            self.cache_backend.enable(self.pipeline)
+            raise ComponentUnavailableError(f"cache backend {name!r} cannot run here: {av.reason}") from av.error
+        self.cache_backend = av.cls(self.config.cache_config)
+        self.cache_backend.enable(self.pipeline)
 
     def new_state(self, request: OmniDiffusionRequest) -> StepState:
         import torch

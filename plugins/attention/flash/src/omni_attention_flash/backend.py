@@ -290,7 +290,6 @@ class FlashAttentionBackend(AttentionBackend):
     #: only boolean key-padding masks; other masks raise at the call
     supports_mask = True
     supports_causal = True
-    requires = ("torch",)
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

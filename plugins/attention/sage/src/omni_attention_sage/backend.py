@@ -191,7 +191,6 @@ class SageAttentionBackend(AttentionBackend):
     supported_devices = ("cuda",)
     supports_mask = False
     supports_causal = True
-    requires = ("torch", "sageattention")
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

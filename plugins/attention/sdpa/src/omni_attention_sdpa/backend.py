@@ -103,7 +103,6 @@ class TorchSDPABackend(AttentionBackend):
     supported_dtypes = ALL_FLOAT_DTYPES
     supported_devices = ("cpu", "cuda", "npu", "xpu", "mps", "hpu")
     supports_mask = True
-    requires = ("torch",)
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

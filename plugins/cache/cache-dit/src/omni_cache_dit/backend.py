@@ -77,7 +77,6 @@ class DiTState:
 
 class CacheDiTBackend(CacheBackend):
     name = "cache_dit"
-    requires = ("cache_dit",)
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)

@@ -133,7 +133,6 @@ def resolve_options(spec: DenoiserSpec, user: TeaCacheConfig, model_path: str | 
 
 class TeaCacheBackend(CacheBackend):
     name = "tea_cache"
-    requires = ("torch", "numpy")
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
