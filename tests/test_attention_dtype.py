@@ -29,7 +29,7 @@ def hopper(omni_plugin_manager, monkeypatch):
     monkeypatch.delenv("OMNI_ATTENTION_BACKEND", raising=False)
     monkeypatch.delenv("OMNI_PLATFORM", raising=False)
     monkeypatch.setattr(cp, "probe", lambda: cp.CudaProbe("2.8.0+cu128", "12.8", None, 2))
-    monkeypatch.setattr(cp, "capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cp.CudaPlatform, "capability", lambda self, device=None: (9, 0))
     monkeypatch.setattr(fb.FlashAttentionBackend, "is_available", classmethod(lambda cls: (True, "")))
     if hasattr(fb.FlashAttentionBackend, "check_capability"):  # a kernel built for sm90 is installed
         monkeypatch.setattr(fb.FlashAttentionBackend, "check_capability", classmethod(lambda cls, cap: None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -17,10 +18,19 @@ SDPA = "omni_attention_sdpa.backend:TorchSDPABackend"
 
 @pytest.fixture
 def levels(register_omni_plugin, monkeypatch):
-    """Four extra names for the same kernel, one per configurable level, so each level's choice is visible."""
+    """Four extra names for the same kernel, one per configurable level, so each level's choice is visible.
+
+    Each name is its own subclass of the SDPA backend, since a class states the name it is registered as."""
+    from omni_attention_sdpa.backend import TorchSDPABackend
+
     monkeypatch.delenv("OMNI_ATTENTION_BACKEND", raising=False)
+    names = ("BY_ROLE", "BY_CATEGORY", "BY_DEFAULT", "BY_ENV")
+    module = types.ModuleType("omni_selector_levels")
+    for name in names:
+        setattr(module, name, type(name, (TorchSDPABackend,), {"name": name}))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     register_omni_plugin(types.SimpleNamespace(omni_register_attention_backends=hookimpl(lambda: [
-        AttentionBackendSpec(name=name, impl=SDPA) for name in ("BY_ROLE", "BY_CATEGORY", "BY_DEFAULT", "BY_ENV")
+        AttentionBackendSpec(name=name, impl=f"{module.__name__}:{name}") for name in names
     ] + [AttentionBackendSpec(name="NEEDS_LIB", impl=SDPA, requires=("omni_no_such_lib",))])),
         "selector-test", dist="omni-selector-test")
 

@@ -187,17 +187,15 @@ class OmniPluginManager(pluggy.PluginManager):
         skipped, or, in strict mode, :class:`PluginLoadError` is raised. Order: pluggy's call order (tryfirst,
         newest first, trylast), or with ``registration_order`` the order the plugins were registered in.
         """
-        hook = getattr(self.hook, hook_name)
-        impls = hook.get_hookimpls()
-        plugins = [impl.plugin for impl in impls]
+        impls = getattr(self.hook, hook_name).get_hookimpls()
         results = []
         for impl in (impls if registration_order else reversed(impls)):
             info = self.infos.get(impl.plugin_name)
             if impl.plugin_name in self._hook_failed or (info is not None and info.status != ACTIVE):
                 continue
-            caller = self.subset_hook_caller(hook_name, remove_plugins=[p for p in plugins if p is not impl.plugin])
             try:
-                out = caller(**kwargs)
+                # pluggy's own call path with one implementation: argument mapping, tracing, hook monitoring
+                out = self._hookexec(hook_name, [impl], kwargs, False)
             except Exception as exc:  # noqa: BLE001 - a broken hook disables only its plugin
                 self.fail_plugin(impl.plugin_name, f"{hook_name} raised {type(exc).__name__}: {exc}", exc)
                 continue

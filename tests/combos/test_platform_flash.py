@@ -34,17 +34,17 @@ def test_flash_usability_asks_the_flash_plugin(monkeypatch):
     previous = set_plugin_manager(fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash")))
     try:
         if not fb.FlashAttentionBackend.is_available()[0]:
-            ok, why = cp.flash_attention_usable(64, "bfloat16")
+            ok, why = cp.CudaPlatform().flash_attention_usable(64, "bfloat16")
             assert not ok and "no flash attention library" in why
         monkeypatch.setattr(fb.FlashAttentionBackend, "is_available", classmethod(lambda cls: (True, "")))
-        assert cp.flash_attention_usable(64, "bfloat16") == (True, "")
-        assert cp.flash_attention_usable(128, "float16") == (True, "")
-        ok, why = cp.flash_attention_usable(100, "bfloat16")
+        assert cp.CudaPlatform().flash_attention_usable(64, "bfloat16") == (True, "")
+        assert cp.CudaPlatform().flash_attention_usable(128, "float16") == (True, "")
+        ok, why = cp.CudaPlatform().flash_attention_usable(100, "bfloat16")
         assert not ok and "head size 100" in why
-        ok, why = cp.flash_attention_usable(64, "float32")
+        ok, why = cp.CudaPlatform().flash_attention_usable(64, "float32")
         assert not ok and "float32" in why
         set_plugin_manager(fresh_pm())  # no flash plugin installed
-        ok, why = cp.flash_attention_usable(64, "bfloat16")
+        ok, why = cp.CudaPlatform().flash_attention_usable(64, "bfloat16")
         assert not ok and "omni-attention-flash" in why
     finally:
         set_plugin_manager(previous)
@@ -73,7 +73,8 @@ def test_flash_usability_here():
 
     if FlashAttentionBackend.is_available()[0]:
         pytest.skip("a flash attention library is usable here")
-    ok, why = pytest.importorskip('omni_platform_rocm.platform').flash_attention_usable(64, "bfloat16")
+    ok, why = pytest.importorskip('omni_platform_rocm.platform').RocmPlatform().flash_attention_usable(
+        64, "bfloat16")
     assert not ok and why
 
 
@@ -111,12 +112,12 @@ def test_only_fa3_installed_is_the_default_on_hopper_only(monkeypatch, cap, expe
     monkeypatch.setattr(fb, "_module_present", lambda name: name == "flash_attn_interface")
     monkeypatch.setattr(fb, "_imported", {"flash_attn_interface": _fa3_module()})
     monkeypatch.setattr(fb, "initialised_capability", lambda: None)
-    monkeypatch.setattr(cp, "capability", lambda device=None: cap)
+    monkeypatch.setattr(cp.CudaPlatform, "capability", lambda self, device=None: cap)
     previous = set_plugin_manager(fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash")))
     try:
         assert fb.FlashAttentionBackend.is_available() == (True, "")  # installed and importable
         assert cp.CudaPlatform().default_attention_backend(128, torch.bfloat16) == expected
-        ok, why = cp.flash_attention_usable(128, "bfloat16", cap)
+        ok, why = cp.CudaPlatform().flash_attention_usable(128, "bfloat16", cap)
         assert ok is (expected == "FLASH_ATTN") and reason in why
         if reason:
             assert "flash_attn is not installed" in why  # and which library would serve this GPU

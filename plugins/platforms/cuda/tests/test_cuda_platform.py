@@ -82,9 +82,9 @@ assert not torch.cuda.is_initialized(), "detection initialised CUDA"
 ])
 def test_default_attention_by_capability(monkeypatch, cap, flash_ok, expected):
     asked = []
-    monkeypatch.setattr(cp, "capability", lambda device=None: cap)
-    monkeypatch.setattr(cp, "flash_attention_usable",
-                        lambda head_size, dtype, capability: asked.append((head_size, dtype, capability))
+    monkeypatch.setattr(cp.CudaPlatform, "capability", lambda self, device=None: cap)
+    monkeypatch.setattr(cp.CudaPlatform, "flash_attention_usable",
+                        lambda self, head_size, dtype, capability: asked.append((head_size, dtype, capability))
                         or (flash_ok, ""))
     assert cp.CudaPlatform().default_attention_backend(128, None) == expected
     assert asked in ([], [(128, "bfloat16", cap)])  # dtype None means the platform's default dtype

@@ -60,8 +60,9 @@ assert not torch.cuda.is_initialized(), "detection initialised the device runtim
 @pytest.mark.parametrize(("flash_ok", "expected"), [(True, "FLASH_ATTN"), (False, "TORCH_SDPA")])
 def test_default_attention(monkeypatch, flash_ok, expected):
     asked = []
-    monkeypatch.setattr(rp, "flash_attention_usable",
-                        lambda head_size, dtype: asked.append((head_size, dtype)) or (flash_ok, ""))
+    monkeypatch.setattr(rp.RocmPlatform, "flash_attention_usable",
+                        lambda self, head_size, dtype, capability=None: asked.append((head_size, dtype))
+                        or (flash_ok, ""))
     assert rp.RocmPlatform().default_attention_backend(64, "float16") == expected
     assert asked == [(64, "float16")]
 
