@@ -22,6 +22,7 @@ class ResolvedModel:
     model_path: str
 
     def pipeline_cls(self) -> type:
+        """The pipeline class, checked against its record."""
         return self.spec.load()
 
 
@@ -68,8 +69,8 @@ def default_model_folder(spec: PipelineSpec, model: str) -> str:
 def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> None:
     """Fail at start-up if the config asks for a parallel strategy the pipeline does not declare."""
     wanted = parallel_config.requested_strategies()
-    # declared on the registration record (listed without importing) or on the pipeline class
-    supported = set(resolved.spec.supported_parallel) | set(getattr(resolved.pipeline_cls(), "supported_parallel", ()))
+    # the registration record is the truth (a class restating it must agree: ComponentSpec.load checks)
+    supported = set(resolved.spec.supported_parallel)
     unsupported = [s for s in wanted if s not in supported and s != "data"]
     if unsupported:
         raise ConfigError(
