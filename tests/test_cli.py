@@ -108,6 +108,20 @@ def test_plugins_list_table(run_omni):
     assert "builtin-schedulers" in run_omni("plugins", "list", "--all").stdout
 
 
+def test_trace_plugins_prints_every_hook_call(run_omni, omni_env):
+    """``OMNI_TRACE_PLUGINS=1``: hooks go through pluggy, so its tracer shows each call (and its result) on stderr,
+    one plugin at a time; the command's own output is unchanged."""
+    plain = run_omni("plugins", "list")
+    proc = run_omni("plugins", "list", env=omni_env({"OMNI_TRACE_PLUGINS": "1"}))
+    assert proc.returncode == 0 and proc.stdout == plain.stdout
+    for hook in ("omni_register_commands", "omni_register_platforms", "omni_register_attention_backends",
+                 "omni_register_cache_backends", "omni_register_pipelines", "omni_register_schedulers",
+                 "omni_register_executors"):
+        assert f"{hook} [hook]" in proc.stderr and f"finish {hook} -->" in proc.stderr, hook
+    assert "name='TORCH_SDPA'" in proc.stderr  # the records each hook returned
+    assert "[hook]" not in plain.stderr
+
+
 def test_plugins_list_with_broken_and_conflicting(run_omni, omni_env, dummy_site):
     env = omni_env(site=dummy_site)
     proc = run_omni("plugins", "list", env=env)

@@ -71,3 +71,19 @@ def test_hook_reference_is_generated_from_the_docstrings():
     spec.loader.exec_module(gen)
     assert (DOCS / "plugins" / "hooks.md").read_text() == gen.render(), (
         "docs/plugins/hooks.md is out of date: run .venv/bin/python scripts/gen_hook_docs.py")
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_examples_name_first_party_code_that_exists(name):
+    """A ``"module:attr"`` in an example that names a first-party package must resolve (without importing)."""
+    import importlib.util
+
+    doc = inspect.getdoc(getattr(hookspecs, name)) or ""
+    for module, attr in re.findall(r'"(omni_[\w.]+):(\w+)"', doc):
+        spec = importlib.util.find_spec(module.split(".")[0])
+        if spec is None:  # that plugin is not installed here
+            continue
+        source = importlib.util.find_spec(module)
+        assert source is not None and source.origin, f"{name}: example names {module!r}, which does not exist"
+        assert re.search(rf"^(def|class) {attr}\b|^{attr} =", Path(source.origin).read_text(), re.M), (
+            f"{name}: example names {module}:{attr}, which {module} does not define")

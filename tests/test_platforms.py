@@ -104,3 +104,13 @@ def test_cpu_platform_basics():
     stats = cpu.memory_stats()
     assert stats["total"] > 0 and stats["allocated"] > 0
     assert str(cpu.get_torch_device()) == "cpu"
+
+
+def test_cuda_like_base_imports_no_torch():
+    """GPU platform plugins import the core's CUDA-like base at module level: it must stay light."""
+    import subprocess
+    import sys
+
+    code = ("import sys, omni_core.platforms.cuda_like as c; assert 'torch' not in sys.modules; "
+            "assert c.CudaLikePlatform.device_type == 'cuda'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -56,7 +56,7 @@ def omni_register_platforms() -> Iterable[PlatformSpec]:
         @hookimpl
         def omni_register_platforms():
             return [PlatformSpec(name="cuda", impl="omni_platform_cuda.platform:CudaPlatform",
-                                 detect="omni_platform_cuda.detect:detect_cuda")]
+                                 detect="omni_platform_cuda.platform:detect")]
     """
 
 

@@ -123,3 +123,32 @@ def test_only_fa3_installed_is_the_default_on_hopper_only(monkeypatch, cap, expe
             assert "flash_attn is not installed" in why  # and which library would serve this GPU
     finally:
         set_plugin_manager(previous)
+
+
+# ---------------------------------------------------------------- one CUDA-like base
+def test_cuda_and_rocm_are_thin_subclasses_of_the_core_base():
+    """The torch.cuda methods and the default-kernel choice live once, in the core; each plugin declares what
+    differs (name, detection, where FLASH_ATTN may be the default)."""
+    from omni_core.platforms.cuda_like import CudaLikePlatform
+
+    rp = pytest.importorskip("omni_platform_rocm.platform")
+    shared = ("set_device", "synchronize", "empty_cache", "memory_stats", "capability", "flash_attention_usable",
+              "default_attention_backend", "device_type", "dist_backend", "default_dtype")
+    for cls in (cp.CudaPlatform, rp.RocmPlatform):
+        assert issubclass(cls, CudaLikePlatform)
+        assert not set(shared) & set(vars(cls)), cls
+        assert set(vars(cls)) - {"__module__", "__doc__", "__qualname__"} <= {
+            "name", "flash_capabilities", "is_available", "device_count", "__firstlineno__", "__static_attributes__"}
+    assert cp.CudaPlatform.flash_capabilities == ((8, 0), (9, 0)) and rp.RocmPlatform.flash_capabilities is None
+
+
+def test_rocm_asks_no_capability(monkeypatch):
+    """ROCm does not bound FLASH_ATTN by compute capability, so it never initialises the device to ask."""
+    rp = pytest.importorskip("omni_platform_rocm.platform")
+
+    def boom(self, device=None):
+        raise AssertionError("capability asked")
+
+    monkeypatch.setattr(rp.RocmPlatform, "capability", boom)
+    monkeypatch.setattr(rp.RocmPlatform, "flash_attention_usable", lambda self, h, d, cap=None: (cap is None, ""))
+    assert rp.RocmPlatform().default_attention_backend(64, None) == "FLASH_ATTN"
