@@ -132,7 +132,8 @@ def walk(register_omni_plugin, monkeypatch):
 
         @classmethod
         def check_capability(cls, capability):
-            return None if capability >= (8, 0) else f"LIMITED needs sm80+, this GPU is sm{capability[0]}{capability[1]}"
+            major, minor = capability
+            return None if capability >= (8, 0) else f"LIMITED needs sm80+, this GPU is sm{major}{minor}"
 
     module.Unavailable, module.Limited = Unavailable, Limited
     module.NotABackend = object

@@ -8,8 +8,8 @@ from omni_core.plugins.hookspecs import PROJECT_NAME, hookimpl, hookspec
 
 _MANAGER_NAMES = ("ENTRY_POINT_GROUP", "OmniPluginManager", "PluginInfo", "create_plugin_manager",
                   "get_installed_plugins", "get_plugin_manager", "reset_plugin_manager", "set_plugin_manager")
-_TYPES_NAMES = ("KINDS", "AttentionBackendSpec", "CacheBackendSpec", "ComponentSpec", "ExecutorSpec", "PipelineSpec",
-                "PlatformSpec", "SchedulerSpec")
+_TYPES_NAMES = ("KINDS", "KindSpec", "AttentionBackendSpec", "CacheBackendSpec", "ComponentSpec", "ExecutorSpec",
+                "PipelineSpec", "PlatformSpec", "SchedulerSpec")
 
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec", *_MANAGER_NAMES, *_TYPES_NAMES]
 

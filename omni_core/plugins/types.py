@@ -13,7 +13,7 @@ import importlib.util
 import os
 import pkgutil
 import re
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 
@@ -78,14 +78,9 @@ class ComponentSpec:
     #: filled by the plugin manager: the name of the plugin (entry point) whose hook returned the record
     plugin: str = ""
 
-    @property
-    def kind(self) -> KindSpec:
-        """The descriptor of this record's kind."""
-        return kind_of(self)
-
     def load(self) -> Any:
-        """Import the implementation and check it against this record (:class:`~omni_core.errors.RecordMismatchError` if a class
-        restates a field of the record with another value)."""
+        """Import the implementation and check it against this record: a class restating a field of the record
+        with another value raises :class:`~omni_core.errors.RecordMismatchError`."""
         obj = resolve_impl(self.impl)
         check_against_record(self, obj)
         return obj
@@ -93,6 +88,8 @@ class ComponentSpec:
 
 @attrs.frozen(kw_only=True)
 class PlatformSpec(ComponentSpec):
+    """A hardware platform (``impl``: a ``Platform`` subclass)."""
+
     #: ``"module:attr"`` of a cheap, side-effect free function returning ``(available, reason)``;
     #: ``None`` for the built-in CPU fallback, which is never auto-detected.
     detect: str | None = attrs.field(default=None, validator=_check_impl)
