@@ -23,11 +23,12 @@ locally with no communication; so does any layer with ``skip_sequence_parallel=T
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omni_core.attention.parallel.region import SPRegion
+if TYPE_CHECKING:  # the region opens a strategy (region -> strategies); strategies only read its fields
+    from omni_core.attention.parallel.region import SPRegion
 
 CROSS = "cross"
 
