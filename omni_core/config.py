@@ -131,6 +131,25 @@ class _FromKwargs:
         return attrs.asdict(self, recurse=True)
 
 
+def coerce_record(cls: type, value: Any, *, error: str, field: str, shorthand: str | None = None,
+                  none_is_default: bool = True, from_mapping: Callable[[Mapping], Any] | None = None) -> Any:
+    """``value`` as a ``cls``: what every config record's ``coerce`` accepts, written once.
+
+    An instance passes through; None gives the defaults (unless ``none_is_default`` is False); a string sets
+    the ``shorthand`` field; a mapping goes through ``from_mapping`` (default ``cls.from_kwargs``, which names
+    unknown keys). Anything else is a ConfigError ``error.format(value=value)`` on ``field``.
+    """
+    if value is None and none_is_default:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if shorthand is not None and isinstance(value, str):
+        return cls(**{shorthand: value})
+    if isinstance(value, Mapping):
+        return from_mapping(value) if from_mapping is not None else cls.from_kwargs(**value)
+    raise ConfigError(error.format(value=value), field=field)
+
+
 # ------------------------------------------------------------------------------------------ attention
 def _backend_name(instance, attribute, value):
     if not isinstance(value, str) or not value.strip():
@@ -146,14 +165,8 @@ class AttentionSpec(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> AttentionSpec:
-        if isinstance(value, AttentionSpec):
-            return value
-        if isinstance(value, str):
-            return cls(backend=value)
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"attention spec must be a backend name, a dict or AttentionSpec, got {value!r}",
-                          field="attention_config")
+        return coerce_record(cls, value, shorthand="backend", none_is_default=False, field="attention_config",
+                             error="attention spec must be a backend name, a dict or AttentionSpec, got {value!r}")
 
 
 def _coerce_spec_or_none(value: Any) -> AttentionSpec | None:
@@ -181,16 +194,8 @@ class AttentionConfig(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> AttentionConfig:
-        if value is None:
-            return cls()
-        if isinstance(value, AttentionConfig):
-            return value
-        if isinstance(value, str):
-            return cls(default=value)
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"attention_config must be a dict, a backend name or AttentionConfig, got {value!r}",
-                          field="attention_config")
+        return coerce_record(cls, value, shorthand="default", field="attention_config",
+                             error="attention_config must be a dict, a backend name or AttentionConfig, got {value!r}")
 
     def resolve(self, role: str, role_category: str | None = None) -> tuple[AttentionSpec | None, str]:
         """The configured spec for a layer and where it came from (``None`` means: fall through)."""
@@ -232,13 +237,8 @@ class ParallelConfig(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> ParallelConfig:
-        if value is None:
-            return cls()
-        if isinstance(value, ParallelConfig):
-            return value
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"parallel_config must be a dict or ParallelConfig, got {value!r}", field="parallel_config")
+        return coerce_record(cls, value, field="parallel_config",
+                             error="parallel_config must be a dict or ParallelConfig, got {value!r}")
 
     @property
     def sequence_parallel_size(self) -> int:
@@ -332,14 +332,9 @@ class RequestLimits(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> RequestLimits:
-        if value is None:
-            return cls()
-        if isinstance(value, RequestLimits):
-            return value
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"limits must be a dict such as {{'max_steps': 200}} or RequestLimits, got {value!r}; "
-                          f"fields: {', '.join(LIMIT_FIELDS)}", field="limits")
+        return coerce_record(cls, value, field="limits",
+                             error="limits must be a dict such as {{'max_steps': 200}} or RequestLimits, got "
+                                   "{value!r}; fields: " + ", ".join(LIMIT_FIELDS))
 
     def resolved(self, defaults: Mapping[str, int]) -> RequestLimits:
         """These limits with every ``None`` replaced by ``defaults`` (which must cover every field)."""
