@@ -37,6 +37,14 @@ def _fail(instance: Any, attribute: attrs.Attribute, value: Any, allowed: str) -
     raise ConfigError(f"{_where(instance, attribute)}={value!r} is invalid: {allowed}", field=attribute.name)
 
 
+def _check_bounds(instance: Any, attribute: attrs.Attribute, value: Any, min: Any, max: Any) -> None:
+    """``min <= value <= max`` (either bound may be None); the error states both bounds."""
+    if min is not None and value < min:
+        _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
+    if max is not None and value > max:
+        _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
+
+
 def int_field(*, min: int | None = None, max: int | None = None, optional: bool = False) -> Callable:
     def check(instance, attribute, value):
         if value is None and optional:
@@ -44,10 +52,7 @@ def int_field(*, min: int | None = None, max: int | None = None, optional: bool 
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             _fail(instance, attribute, value, f"expected an integer{' or None' if optional else ''}, "
                                               f"got {type(value).__name__}")
-        if min is not None and value < min:
-            _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
-        if max is not None and value > max:
-            _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
+        _check_bounds(instance, attribute, value, min, max)
     return check
 
 
@@ -62,10 +67,7 @@ def float_field(*, min: float | None = None, max: float | None = None, optional:
         if not math.isfinite(value):
             _fail(instance, attribute, value, ("must not be NaN" if value != value else "must be finite") + (
                 f" (allowed: {min} to {max})" if min is not None and max is not None else ""))
-        if min is not None and value < min:
-            _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
-        if max is not None and value > max:
-            _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
+        _check_bounds(instance, attribute, value, min, max)
     return check
 
 
