@@ -37,38 +37,31 @@ def _fail(instance: Any, attribute: attrs.Attribute, value: Any, allowed: str) -
     raise ConfigError(f"{_where(instance, attribute)}={value!r} is invalid: {allowed}", field=attribute.name)
 
 
-def _check_bounds(instance: Any, attribute: attrs.Attribute, value: Any, min: Any, max: Any) -> None:
-    """``min <= value <= max`` (either bound may be None); the error states both bounds."""
-    if min is not None and value < min:
-        _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
-    if max is not None and value > max:
-        _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
-
-
-def int_field(*, min: int | None = None, max: int | None = None, optional: bool = False) -> Callable:
+def _number_field(kind: type, what: str, min: Any, max: Any, optional: bool, finite: bool = False) -> Callable:
+    """One validator for int and float fields: the type (bool refused), finiteness, then ``[min, max]``."""
     def check(instance, attribute, value):
         if value is None and optional:
             return
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            _fail(instance, attribute, value, f"expected an integer{' or None' if optional else ''}, "
+        if isinstance(value, bool) or not isinstance(value, kind):
+            _fail(instance, attribute, value, f"expected {what}{' or None' if optional else ''}, "
                                               f"got {type(value).__name__}")
-        _check_bounds(instance, attribute, value, min, max)
+        if finite and not math.isfinite(value):
+            _fail(instance, attribute, value, ("must not be NaN" if value != value else "must be finite") + (
+                f" (allowed: {min} to {max})" if min is not None and max is not None else ""))
+        if min is not None and value < min:
+            _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
+        if max is not None and value > max:
+            _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
     return check
+
+
+def int_field(*, min: int | None = None, max: int | None = None, optional: bool = False) -> Callable:
+    return _number_field(numbers.Integral, "an integer", min, max, optional)
 
 
 def float_field(*, min: float | None = None, max: float | None = None, optional: bool = False) -> Callable:
     """A finite real number in ``[min, max]``: NaN, +-inf and 1e308 are refused (no knob needs them)."""
-    def check(instance, attribute, value):
-        if value is None and optional:
-            return
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            _fail(instance, attribute, value, f"expected a number{' or None' if optional else ''}, "
-                                              f"got {type(value).__name__}")
-        if not math.isfinite(value):
-            _fail(instance, attribute, value, ("must not be NaN" if value != value else "must be finite") + (
-                f" (allowed: {min} to {max})" if min is not None and max is not None else ""))
-        _check_bounds(instance, attribute, value, min, max)
-    return check
+    return _number_field(numbers.Real, "a number", min, max, optional, finite=True)
 
 
 def bool_field(instance, attribute, value):
