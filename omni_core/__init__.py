@@ -25,15 +25,13 @@ __all__ = ["__version__", "hookimpl", "hookspec", *_LAZY]
 
 
 def __getattr__(name: str):
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'omni_core' has no attribute {name!r}")
-    import pkgutil
+    # the helper loads on first use: ``import omni_core`` itself loads the hook specs only
+    from omni_core.utils.lazy import lazy_exports
 
-    value = pkgutil.resolve_name(target)
-    globals()[name] = value
-    return value
+    return lazy_exports(__name__, _LAZY)(name)
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    from omni_core.utils.lazy import lazy_dir
+
+    return lazy_dir(__name__, _LAZY)()

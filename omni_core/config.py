@@ -37,29 +37,15 @@ def _fail(instance: Any, attribute: attrs.Attribute, value: Any, allowed: str) -
     raise ConfigError(f"{_where(instance, attribute)}={value!r} is invalid: {allowed}", field=attribute.name)
 
 
-def int_field(*, min: int | None = None, max: int | None = None, optional: bool = False) -> Callable:
+def _number_field(kind: type, what: str, min: Any, max: Any, optional: bool, finite: bool = False) -> Callable:
+    """One validator for int and float fields: the type (bool refused), finiteness, then ``[min, max]``."""
     def check(instance, attribute, value):
         if value is None and optional:
             return
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            _fail(instance, attribute, value, f"expected an integer{' or None' if optional else ''}, "
+        if isinstance(value, bool) or not isinstance(value, kind):
+            _fail(instance, attribute, value, f"expected {what}{' or None' if optional else ''}, "
                                               f"got {type(value).__name__}")
-        if min is not None and value < min:
-            _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
-        if max is not None and value > max:
-            _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
-    return check
-
-
-def float_field(*, min: float | None = None, max: float | None = None, optional: bool = False) -> Callable:
-    """A finite real number in ``[min, max]``: NaN, +-inf and 1e308 are refused (no knob needs them)."""
-    def check(instance, attribute, value):
-        if value is None and optional:
-            return
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            _fail(instance, attribute, value, f"expected a number{' or None' if optional else ''}, "
-                                              f"got {type(value).__name__}")
-        if not math.isfinite(value):
+        if finite and not math.isfinite(value):
             _fail(instance, attribute, value, ("must not be NaN" if value != value else "must be finite") + (
                 f" (allowed: {min} to {max})" if min is not None and max is not None else ""))
         if min is not None and value < min:
@@ -67,6 +53,15 @@ def float_field(*, min: float | None = None, max: float | None = None, optional:
         if max is not None and value > max:
             _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
     return check
+
+
+def int_field(*, min: int | None = None, max: int | None = None, optional: bool = False) -> Callable:
+    return _number_field(numbers.Integral, "an integer", min, max, optional)
+
+
+def float_field(*, min: float | None = None, max: float | None = None, optional: bool = False) -> Callable:
+    """A finite real number in ``[min, max]``: NaN, +-inf and 1e308 are refused (no knob needs them)."""
+    return _number_field(numbers.Real, "a number", min, max, optional, finite=True)
 
 
 def bool_field(instance, attribute, value):
@@ -131,6 +126,25 @@ class _FromKwargs:
         return attrs.asdict(self, recurse=True)
 
 
+def coerce_record(cls: type, value: Any, *, error: str, field: str, shorthand: str | None = None,
+                  none_is_default: bool = True, from_mapping: Callable[[Mapping], Any] | None = None) -> Any:
+    """``value`` as a ``cls``: what every config record's ``coerce`` accepts, written once.
+
+    An instance passes through; None gives the defaults (unless ``none_is_default`` is False); a string sets
+    the ``shorthand`` field; a mapping goes through ``from_mapping`` (default ``cls.from_kwargs``, which names
+    unknown keys). Anything else is a ConfigError ``error.format(value=value)`` on ``field``.
+    """
+    if value is None and none_is_default:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if shorthand is not None and isinstance(value, str):
+        return cls(**{shorthand: value})
+    if isinstance(value, Mapping):
+        return from_mapping(value) if from_mapping is not None else cls.from_kwargs(**value)
+    raise ConfigError(error.format(value=value), field=field)
+
+
 # ------------------------------------------------------------------------------------------ attention
 def _backend_name(instance, attribute, value):
     if not isinstance(value, str) or not value.strip():
@@ -146,14 +160,8 @@ class AttentionSpec(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> AttentionSpec:
-        if isinstance(value, AttentionSpec):
-            return value
-        if isinstance(value, str):
-            return cls(backend=value)
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"attention spec must be a backend name, a dict or AttentionSpec, got {value!r}",
-                          field="attention_config")
+        return coerce_record(cls, value, shorthand="backend", none_is_default=False, field="attention_config",
+                             error="attention spec must be a backend name, a dict or AttentionSpec, got {value!r}")
 
 
 def _coerce_spec_or_none(value: Any) -> AttentionSpec | None:
@@ -181,16 +189,8 @@ class AttentionConfig(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> AttentionConfig:
-        if value is None:
-            return cls()
-        if isinstance(value, AttentionConfig):
-            return value
-        if isinstance(value, str):
-            return cls(default=value)
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"attention_config must be a dict, a backend name or AttentionConfig, got {value!r}",
-                          field="attention_config")
+        return coerce_record(cls, value, shorthand="default", field="attention_config",
+                             error="attention_config must be a dict, a backend name or AttentionConfig, got {value!r}")
 
     def resolve(self, role: str, role_category: str | None = None) -> tuple[AttentionSpec | None, str]:
         """The configured spec for a layer and where it came from (``None`` means: fall through)."""
@@ -232,13 +232,8 @@ class ParallelConfig(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> ParallelConfig:
-        if value is None:
-            return cls()
-        if isinstance(value, ParallelConfig):
-            return value
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"parallel_config must be a dict or ParallelConfig, got {value!r}", field="parallel_config")
+        return coerce_record(cls, value, field="parallel_config",
+                             error="parallel_config must be a dict or ParallelConfig, got {value!r}")
 
     @property
     def sequence_parallel_size(self) -> int:
@@ -332,14 +327,9 @@ class RequestLimits(_FromKwargs):
 
     @classmethod
     def coerce(cls, value: Any) -> RequestLimits:
-        if value is None:
-            return cls()
-        if isinstance(value, RequestLimits):
-            return value
-        if isinstance(value, Mapping):
-            return cls.from_kwargs(**value)
-        raise ConfigError(f"limits must be a dict such as {{'max_steps': 200}} or RequestLimits, got {value!r}; "
-                          f"fields: {', '.join(LIMIT_FIELDS)}", field="limits")
+        return coerce_record(cls, value, field="limits",
+                             error="limits must be a dict such as {{'max_steps': 200}} or RequestLimits, got "
+                                   "{value!r}; fields: " + ", ".join(LIMIT_FIELDS))
 
     def resolved(self, defaults: Mapping[str, int]) -> RequestLimits:
         """These limits with every ``None`` replaced by ``defaults`` (which must cover every field)."""

@@ -43,10 +43,10 @@ class AttentionImpl:
         """
         import torch
 
+        from omni_core.attention.tensors import expand_kv_heads
+
         q, k, v = (t.transpose(1, 2).float() for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k, v = expand_kv_heads(k, v, q.shape[1])
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
         if self.causal:
             sq, sk = scores.shape[-2:]

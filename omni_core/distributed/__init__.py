@@ -12,6 +12,8 @@ Importing this package does not import torch; the names below load on first acce
 
 from __future__ import annotations
 
+from omni_core.utils.lazy import lazy_dir, lazy_exports
+
 _LAZY = {
     "RankLayout": "omni_core.distributed.parallel_state:RankLayout",
     "validate_parallel_config": "omni_core.distributed.parallel_state:validate_parallel_config",
@@ -39,18 +41,5 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'omni_core.distributed' has no attribute {name!r}")
-    import pkgutil
-
-    value = pkgutil.resolve_name(target)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__ = lazy_exports(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)

@@ -14,8 +14,6 @@ and after the result arrives); everything else runs where the model lives (a wor
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, ClassVar, Protocol
 
 import attrs
@@ -23,6 +21,7 @@ import attrs
 from omni_core.config import RequestLimits, SamplingParams
 from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
+from omni_core.pipelines.diffusers_folder import read_model_index  # noqa: F401 (model plugins import it here)
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
 
@@ -227,10 +226,3 @@ def tensor_to_pil(t: Any):
     arr = (t.detach().float().clamp(0, 1) * 255).round().to(dtype=__import__("torch").uint8)
     return Image.fromarray(arr.permute(1, 2, 0).cpu().numpy())
 
-
-def read_model_index(model_path: str) -> dict | None:
-    """The folder's ``model_index.json`` as a dict, None without one; ConfigError naming the file if it is
-    not a JSON object."""
-    from omni_core.pipelines.diffusers_folder import read_json
-
-    return read_json(os.path.join(model_path, "model_index.json"))

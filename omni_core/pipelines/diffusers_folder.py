@@ -35,9 +35,15 @@ def read_json(path: str | None) -> dict | None:
     return value
 
 
+def read_model_index(model_path: str) -> dict | None:
+    """The folder's ``model_index.json`` as a dict, None without one; ConfigError naming the file if it is
+    not a JSON object."""
+    return read_json(os.path.join(model_path, "model_index.json"))
+
+
 def check_model_index(model_path: str, class_name: str, allowed: tuple[str, ...] = ALLOWED_LIBRARIES) -> dict:
     """The folder's model_index.json, refusing other pipelines and components from other libraries."""
-    index = read_json(os.path.join(model_path, "model_index.json"))
+    index = read_model_index(model_path)
     if index is None:
         raise ConfigError(f"{model_path!r} has no model_index.json (a diffusers-format folder is expected)",
                           field="model")

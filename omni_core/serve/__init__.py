@@ -18,12 +18,6 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'omni_core.serve' has no attribute {name!r}")
-    import pkgutil
+from omni_core.utils.lazy import lazy_exports  # noqa: E402
 
-    value = pkgutil.resolve_name(target)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -52,15 +52,13 @@ def reference_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
     import torch
     import torch.nn.functional as F
 
+    from omni_core.attention.tensors import dense_mask, expand_kv_heads
+
     q, k, v = (t.detach().to("cpu", torch.float64).transpose(1, 2) for t in (query, key, value))
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = expand_kv_heads(k, v, q.shape[1])
     mask = None
     if attn_mask is not None:
-        mask = attn_mask.detach().to("cpu")
-        if mask.dim() == 2:
-            mask = mask[:, None, None, :]
+        mask = dense_mask(attn_mask.detach().to("cpu"), q.shape[0], k.shape[2])
         if mask.dtype != torch.bool:
             mask = mask.to(torch.float64)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
@@ -71,9 +69,10 @@ def reference_lse(query: Any, key: Any, *, causal: bool = False, scale: float) -
     """Log-sum-exp of the attention scores, ``[batch, heads, seq_q]``, float64 on CPU."""
     import torch
 
+    from omni_core.attention.tensors import expand_heads
+
     q, k = (t.detach().to("cpu", torch.float64).transpose(1, 2) for t in (query, key))
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    k = expand_heads(k, q.shape[1])
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         keep = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()

@@ -82,31 +82,35 @@ class CacheBackendContract:
 
         assert torch.equal(a, b), f"{what}: not bit-identical (max diff {(a - b).abs().max().item():.3g})"
 
+    def _all_equal(self, expected: list[Any], got: list[Any], what: str) -> None:
+        for i, (a, b) in enumerate(zip(expected, got)):
+            self._equal(a, b, f"prompt {i}: {what}")
+
+    def _enabled(self, pipeline: Any, backend_cls: type, config: dict[str, Any] | None = None) -> Any:
+        """A backend built from ``config`` (default: ``cache_config``), enabled on ``pipeline``."""
+        backend = backend_cls(dict(self.cache_config if config is None else config))
+        backend.enable(pipeline)
+        return backend
+
     def test_off_config_is_bit_identical(self, pipeline: Any, backend_cls: type) -> None:
         if self.off_config is None:
             pytest.skip(f"{self.cache_backend} offers no config that reuses nothing")
         plain, _ = self._run(pipeline, None)
-        backend = backend_cls(dict(self.off_config))
-        backend.enable(pipeline)
-        cached, _ = self._run(pipeline, backend)
-        for i, (a, b) in enumerate(zip(plain, cached)):
-            self._equal(a, b, f"prompt {i}: {self.cache_backend} with {self.off_config} vs no cache")
+        cached, _ = self._run(pipeline, self._enabled(pipeline, backend_cls, self.off_config))
+        self._all_equal(plain, cached, f"{self.cache_backend} with {self.off_config} vs no cache")
 
     def test_disable_restores_the_model(self, pipeline: Any, backend_cls: type) -> None:
         plain, _ = self._run(pipeline, None)
-        backend = backend_cls(dict(self.cache_config))
-        backend.enable(pipeline)
+        backend = self._enabled(pipeline, backend_cls)
         self._run(pipeline, backend)
         backend.disable(pipeline)
         assert not backend.is_enabled()
         after, _ = self._run(pipeline, None)
-        for i, (a, b) in enumerate(zip(plain, after)):
-            self._equal(a, b, f"prompt {i}: after {self.cache_backend}.disable() vs never enabled")
+        self._all_equal(plain, after, f"after {self.cache_backend}.disable() vs never enabled")
 
     def test_requests_are_independent_in_batches_and_step_waves(self, pipeline: Any, backend_cls: type) -> None:
         plain, _ = self._run(pipeline, None)
-        backend = backend_cls(dict(self.cache_config))
-        backend.enable(pipeline)
+        backend = self._enabled(pipeline, backend_cls)
         alone = [self._run(pipeline, backend, only=i)[0][0] for i in range(3)]
         batched, _ = self._run(pipeline, backend)
         staggered, states = self._run(pipeline, backend, admit_at=[0, 1, 3])

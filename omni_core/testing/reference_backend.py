@@ -7,15 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from omni_core.attention.backend import ALL_FLOAT_DTYPES, AttentionBackend, AttentionImpl
+from omni_core.attention.tensors import dense_mask, expand_kv_heads
 
 
 class ReferenceSDPAImpl(AttentionImpl):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        mask = attn_mask[:, None, None, :] if attn_mask is not None and attn_mask.dim() == 2 else attn_mask
+        k, v = expand_kv_heads(k, v, q.shape[1])
+        mask = dense_mask(attn_mask, q.shape[0], k.shape[2])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
                                              scale=self.softmax_scale)
         return out.transpose(1, 2)

@@ -36,6 +36,7 @@ from torch import nn
 
 from omni_core.attention.parallel.region import SIDES, SPRegion, current_region
 from omni_core.attention.parallel.strategies import build_sequence_parallel_attention
+from omni_core.config import coerce_record
 from omni_core.errors import ConfigError, suggest
 from omni_core.forward_context import use_forward_context
 
@@ -86,11 +87,11 @@ class SequenceParallelPlan:
     def coerce(cls, value: Any) -> SequenceParallelPlan:
         """A plan from a ``SequenceParallelPlan`` or a dict (keys: field names or ``shard``, ``shard_after``,
         ``gather``, ``joint_text``)."""
-        if isinstance(value, SequenceParallelPlan):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"a sequence-parallel plan must be a dict or SequenceParallelPlan, got {value!r}",
-                              field="_sp_plan")
+        return coerce_record(cls, value, none_is_default=False, from_mapping=cls._from_mapping, field="_sp_plan",
+                             error="a sequence-parallel plan must be a dict or SequenceParallelPlan, got {value!r}")
+
+    @classmethod
+    def _from_mapping(cls, value: Mapping) -> SequenceParallelPlan:
         names = [f.name for f in attrs.fields(cls)]
         kwargs = {}
         for key, val in value.items():

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import attrs
 import torch
 
+from omni_core.attention.parallel.strategies import build_sequence_parallel_attention
 from omni_core.distributed.group_coordinator import GroupCoordinator
 from omni_core.forward_context import forward_context, use_forward_context
 
@@ -145,8 +146,6 @@ def sequence_parallel_region(*, joint_text_len: int = 0, joint_text_side: str = 
     """Open a region over the current sp group (``get_sp_group()``): ``Attention`` layers called inside run
     sequence-parallel once ``region.shard(...)`` has fixed the token count. With an sp group of one rank the
     region is trivial (shard/gather return their input) and no strategy is installed."""
-    from omni_core.attention.parallel.strategies import build_sequence_parallel_attention
-
     region = region or SPRegion.from_parallel_state(joint_text_len=joint_text_len, joint_text_side=joint_text_side)
     if region.degree == 1:
         yield region

@@ -23,11 +23,14 @@ locally with no communication; so does any layer with ``skip_sequence_parallel=T
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omni_core.attention.parallel.region import SPRegion
+from omni_core.attention.tensors import expand_kv_heads, key_padding_mask
+
+if TYPE_CHECKING:  # the region opens a strategy (region -> strategies); strategies only read its fields
+    from omni_core.attention.parallel.region import SPRegion
 
 CROSS = "cross"
 
@@ -38,9 +41,7 @@ def masked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Plain-torch attention over ``[B, L, H, D]`` with a boolean key mask ``[B, Lk]``; returns the output
     (float32; zero for rows with no visible key) and the log-sum-exp ``[B, H, Lq]`` (-inf for such rows)."""
     qf, kf, vf = (t.transpose(1, 2).float() for t in (q, k, v))
-    if kf.shape[1] != qf.shape[1]:
-        rep = qf.shape[1] // kf.shape[1]
-        kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
+    kf, vf = expand_kv_heads(kf, vf, qf.shape[1])
     keep = key_mask[:, None, None, :]
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~keep, float("-inf"))
@@ -123,13 +124,15 @@ def _join(text: torch.Tensor | None, tokens: torch.Tensor, side: str) -> torch.T
 def _key_padding_mask(mask: Any, batch: int, seq_k: int) -> torch.Tensor | None:
     if mask is None:
         return None
-    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
-        mask = mask[:, 0, 0]
-    if mask.dim() != 2 or mask.dtype != torch.bool or mask.shape[-1] != seq_k:
+    try:
+        keep = key_padding_mask(mask, batch, seq_k)
+    except ValueError:  # a key-padding mask, but not over these keys (e.g. the unsharded sequence)
+        keep = None
+    if keep is None:
         raise NotImplementedError(
             f"sequence-parallel attention supports boolean key-padding masks [batch, seq_k] = [{batch}, {seq_k}] "
             f"only, got {mask.dtype} {tuple(mask.shape)}; run this layer with skip_sequence_parallel=True")
-    return mask.expand(batch, seq_k)
+    return keep
 
 
 class SequenceParallelAttention:

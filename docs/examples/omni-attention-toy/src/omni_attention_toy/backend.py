@@ -3,21 +3,18 @@
 import torch
 
 from omni_core.attention import AttentionBackend, AttentionImpl
+from omni_core.attention.tensors import dense_mask, expand_kv_heads
 
 
 class ToyAttentionImpl(AttentionImpl):
     def forward(self, query, key, value, attn_mask=None):
         # Omni's layout is [batch, seq, heads, head_dim]; compute in [batch, heads, seq, head_dim], float32
         q, k, v = (t.transpose(1, 2).float() for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each key/value head
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k, v = expand_kv_heads(k, v, q.shape[1])  # grouped-query attention: share each key/value head
         scores = q @ k.transpose(-1, -2) * self.softmax_scale
         if attn_mask is not None:
-            if attn_mask.dim() == 2:  # [batch, seq_k] key padding, True = attend
-                if attn_mask.shape != (q.shape[0], k.shape[2]):
-                    raise ValueError(f"key-padding mask must be [batch, seq_k], got {tuple(attn_mask.shape)}")
-                attn_mask = attn_mask[:, None, None, :]
+            # [batch, seq_k] key padding (True = attend) -> [batch, 1, 1, seq_k]; wrong shapes raise
+            attn_mask = dense_mask(attn_mask, q.shape[0], k.shape[2])
             if attn_mask.dtype == torch.bool:
                 scores = scores.masked_fill(~attn_mask, float("-inf"))
             else:  # additive

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from omni_core.attention import tensors
 from omni_core.attention.backend import AttentionBackend, AttentionImpl
 from omni_core.errors import ComponentUnavailableError, ConfigError
 
@@ -193,19 +194,12 @@ def kernels_for(device: torch.device, version: int | None = None) -> FlashKernel
 
 def key_padding_mask(attn_mask: torch.Tensor, batch: int, seq_k: int) -> torch.Tensor:
     """Omni mask -> boolean keep-mask ``[batch, seq_k]``; any mask flash cannot express is refused."""
-    mask = attn_mask
-    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
-        mask = mask[:, 0, 0, :]  # [batch, 1, 1, seq_k] is a key-padding mask too
-    if mask.dim() != 2 or mask.dtype != torch.bool:
+    mask = tensors.key_padding_mask(attn_mask, batch, seq_k)
+    if mask is None:
         raise ComponentUnavailableError(
             f"{NAME} supports only a boolean key-padding mask [batch, seq_k] (or [batch, 1, 1, seq_k]); got a "
-            f"{str(mask.dtype).removeprefix('torch.')} mask of shape {tuple(attn_mask.shape)}. Select TORCH_SDPA "
-            f"for this layer (attention_config per_role) to apply general masks")
-    if mask.shape[0] == 1 and batch > 1:
-        mask = mask.expand(batch, -1)
-    if tuple(mask.shape) != (batch, seq_k):
-        raise ValueError(f"a key-padding mask must be [batch, seq_k] = [{batch}, {seq_k}], "
-                         f"got {tuple(attn_mask.shape)}")
+            f"{str(attn_mask.dtype).removeprefix('torch.')} mask of shape {tuple(attn_mask.shape)}. Select "
+            f"TORCH_SDPA for this layer (attention_config per_role) to apply general masks")
     return mask
 
 

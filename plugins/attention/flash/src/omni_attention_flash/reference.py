@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from omni_core.attention.tensors import expand_kv_heads
+
 __version__ = "reference"
 
 
@@ -32,10 +34,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: q ``[sq, h, d]``, k/v ``[sk, hk, d]`` -> out ``[sq, h, d]`` (q.dtype), lse ``[h, sq]``."""
     sq, heads, _ = q.shape
-    sk, kv_heads, _ = k.shape
+    sk = k.shape[0]
     qf = q.float().transpose(0, 1)  # [h, sq, d]
-    kf = k.float().transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-    vf = v.float().transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+    kf, vf = expand_kv_heads(k.float().transpose(0, 1), v.float().transpose(0, 1), heads, dim=0)
     scores = qf @ kf.transpose(-1, -2) * scale
     if causal:  # bottom-right aligned: query i sees keys 0 .. i + sk - sq
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from omni_core.attention.tensors import expand_kv_heads
+
 
 def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND", is_causal: bool = False,
              sm_scale: float | None = None, return_lse: bool = False, **kwargs: Any):
@@ -36,8 +38,7 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: s
     if is_causal:
         assert qo_len == kv_len, "causal attention is only applicable when qo_len == kv_len"
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    kf = k.float().repeat_interleave(heads // kv_heads, dim=1)
-    vf = v.float().repeat_interleave(heads // kv_heads, dim=1)
+    kf, vf = expand_kv_heads(k.float(), v.float(), heads)
     scores = q.float() @ kf.transpose(-1, -2) * scale
     if is_causal:
         keep = torch.ones(qo_len, kv_len, dtype=torch.bool, device=q.device).tril()

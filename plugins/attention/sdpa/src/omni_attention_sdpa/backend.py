@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_core.attention.backend import ALL_FLOAT_DTYPES, AttentionBackend, AttentionImpl
+from omni_core.attention.tensors import dense_mask, expand_kv_heads
 
 #: torch's fused kernels and torch's rules for when they run (tests substitute stand-ins for the CUDA ones)
 aten = torch.ops.aten
@@ -49,31 +50,14 @@ def cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 LSE_KERNELS = {"cpu": cpu_attention_with_lse, "cuda": cuda_attention_with_lse}
 
 
-def to_sdpa_mask(attn_mask: torch.Tensor | None, batch: int, seq_k: int) -> torch.Tensor | None:
-    """Omni mask -> SDPA mask: a ``[batch, seq_k]`` key-padding mask becomes ``[batch, 1, 1, seq_k]``."""
-    if attn_mask is None:
-        return None
-    if attn_mask.dim() == 2:
-        if tuple(attn_mask.shape) != (batch, seq_k):
-            raise ValueError(f"a 2-D attention mask must be a [batch, seq_k] = [{batch}, {seq_k}] key-padding mask, "
-                             f"got {tuple(attn_mask.shape)}")
-        return attn_mask[:, None, None, :]
-    if attn_mask.dim() != 4:
-        raise ValueError(f"attention mask must be [batch, seq_k] or 4-D broadcastable to [batch, heads, seq_q, seq_k]"
-                         f", got {tuple(attn_mask.shape)}")
-    return attn_mask
-
-
 class TorchSDPAImpl(AttentionImpl):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k, v = expand_kv_heads(k, v, q.shape[1])
         if self.causal and attn_mask is not None:
             raise ValueError("TORCH_SDPA: pass either causal=True or an attention mask, not both")
-        mask = to_sdpa_mask(attn_mask, q.shape[0], k.shape[2])
+        mask = dense_mask(attn_mask, q.shape[0], k.shape[2])
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
@@ -87,9 +71,7 @@ class TorchSDPAImpl(AttentionImpl):
         quadratic memory); the base class's math only where no kernel takes the call."""
         kernel = LSE_KERNELS.get(query.device.type)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k, v = expand_kv_heads(k, v, q.shape[1])
         result = kernel(q, k, v, self.causal, self.softmax_scale) if kernel is not None else None
         if result is None:
             return super().forward_with_lse(query, key, value)
