@@ -195,17 +195,6 @@ def test_checker_finds_private_imports_across_packages(tmp_path):
 
 
 # ---------------------------------------------------------------------- omni_core
-#: cycles other parts of issue #13 remove; strict xfail below flips to a failure once they are gone
-OWNED_ELSEWHERE = [["omni_core.plugins", "omni_core.plugins.manager"]]
-
-
-def test_no_import_cycle_in_omni_core_besides_the_plugin_package():
-    found = [c for c in cycles(import_graph(ROOT)) if c not in OWNED_ELSEWHERE]
-    assert not found, f"modules importing each other (directly or through a chain): {found}"
-
-
-@pytest.mark.xfail(strict=True, reason="omni_core/plugins/__init__.py <-> omni_core/plugins/manager.py "
-                                       "(the manager's part of #13 removes it; drop this mark at merge)")
 def test_no_import_cycle_in_omni_core():
     found = cycles(import_graph(ROOT))
     assert not found, f"modules importing each other (directly or through a chain): {found}"
