@@ -124,13 +124,14 @@ class AttentionBackendContract:
     def backend(self, omni_plugin_manager: Any) -> Any:
         """The backend class, loaded through a fresh strict plugin manager; skipped if not usable here."""
         from omni_core.attention.selector import load_backend
+        from omni_core.plugins.availability import check_component
 
         if not self.backend_name:
             pytest.fail(f"{type(self).__name__} must set backend_name")
-        cls = load_backend(self.backend_name, omni_plugin_manager)
-        ok, why = cls.is_available()
-        if not ok:
-            pytest.skip(f"{self.backend_name} is not usable here: {why}")
+        cls = load_backend(self.backend_name, omni_plugin_manager)  # a broken plugin fails, an absent library skips
+        av = check_component("attention", self.backend_name, pm=omni_plugin_manager)  # no context: up to is_available
+        if not av.ok:
+            pytest.skip(f"{self.backend_name} is not usable here: {av.reason}")
         return cls
 
     def tolerance(self, dtype: str) -> tuple[float, float]:
