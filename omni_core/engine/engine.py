@@ -21,7 +21,8 @@ from omni_core.errors import ConfigError, EngineDeadError, OmniError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.loader import check_parallel_support, resolve_model
 from omni_core.request import OmniDiffusionRequest, check_prompt
-from omni_core.sched.interface import DiffusionRequestStatus, DiffusionSchedulerOutput, RunnerOutput
+from omni_core.sched.interface import DiffusionRequestStatus
+from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 from omni_core.worker.runner import innermost_frame
 
 logger = logging.getLogger("omni_core.engine")

@@ -17,7 +17,7 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.loader import ResolvedModel, load_pipeline
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
-from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 logger = logging.getLogger("omni_core.worker")
 
