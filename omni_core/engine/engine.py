@@ -50,6 +50,8 @@ class RequestRecord:
 
 
 class DiffusionEngine:
+    """The in-process engine; front ends use it as an :class:`~omni_core.engine.client.EngineClient`."""
+
     def __init__(self, config: OmniDiffusionConfig, *, scheduler: Any = None, executor: Any = None) -> None:
         from omni_core.plugins.manager import get_plugin_manager
 
