@@ -60,12 +60,11 @@ def generate(omni, prompts: list[str], seeds: list[int], steps: int) -> list:
     from omni_core.config import SamplingParams
     from omni_core.request import OmniDiffusionRequest
 
-    streams = [omni.engine.submit(OmniDiffusionRequest(prompt=p, sampling_params=SamplingParams(
-        seed=s, num_inference_steps=steps, output_type="pt"))) for p, s in zip(prompts, seeds)]
+    handles = omni.engine.submit([OmniDiffusionRequest(prompt=p, sampling_params=SamplingParams(
+        seed=s, num_inference_steps=steps, output_type="pt")) for p, s in zip(prompts, seeds)])
     outs = []
-    for stream in streams:
-        while not (out := stream.get()).finished:
-            pass
+    for handle in handles:
+        out = handle.result()
         if out.status != "completed":
             raise RuntimeError(f"request {out.request_id} {out.status}: {out.error}")
         outs.append(out)

@@ -132,7 +132,8 @@ def run_model(model: str, parallel_config: dict, params: dict, n_requests: int, 
     def submit(engine, seed):
         request = OmniDiffusionRequest(prompt=PROMPTS[seed % len(PROMPTS)], negative_prompt="blurry, low quality",
                                        sampling_params=SamplingParams(seed=seed, output_type="pt", **params))
-        return engine.submit(request)
+        (handle,) = engine.submit([request])
+        return handle
 
     def drain(stream, waves):
         seen = 0

@@ -47,6 +47,14 @@ class EngineDeadError(OmniError, RuntimeError):
     """The engine's workers died; every in-flight and later request fails with this."""
 
 
+class QueueFullError(OmniError):
+    """The engine's waiting queue is at ``max_waiting_requests``; retry later (the server answers 429)."""
+
+
+class PlatformResolutionError(OmniError):
+    """Two platforms claim this machine, or the requested one cannot run here."""
+
+
 class RequestFailedError(OmniError):
     """A request ended with an error; ``outputs`` holds every output of the call (failed ones included)."""
 

@@ -75,7 +75,7 @@ def test_empty_prompt_is_refused_by_the_engine(shapes, prompt):
     # the server builds requests itself and relies on the engine's check: same error, nothing queued
     added = shapes.engine.counters["requests_added"]
     with pytest.raises(ConfigError, match="prompt must not be empty or whitespace only"):
-        shapes.engine.submit(OmniDiffusionRequest(prompt=" ", sampling_params=SamplingParams()))
+        shapes.engine.submit([OmniDiffusionRequest(prompt=" ", sampling_params=SamplingParams())])
     assert shapes.engine.counters["requests_added"] == added
 
 
@@ -98,8 +98,8 @@ def test_engine_limits_override_the_model_defaults():
         assert err.field == "num_inference_steps" and "exceeds max_steps=2" in str(err)
         # the server's path (engine.submit) checks the same limits
         with pytest.raises(ConfigError, match="exceeds max_pixels=16384"):
-            omni.engine.submit(OmniDiffusionRequest(prompt="x", sampling_params=SamplingParams(height=132,
-                                                                                               width=128)))
+            omni.engine.submit([OmniDiffusionRequest(prompt="x", sampling_params=SamplingParams(height=132,
+                                                                                                width=128))])
         assert omni.engine.counters["requests_added"] == 0
 
 

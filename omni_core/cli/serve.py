@@ -105,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           f"pip install 'omni-core[serve]'", field="serve") from None
     _check(args)
     api_key = _api_key(args)
-    from omni_core.engine import make_engine
+    from omni_core.engine.client import start_engine
     from omni_core.entrypoints.common import build_config
     from omni_core.pipelines.loader import resolve_model
     from omni_core.serve.app import build_app
@@ -126,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # previews need step execution; a pipeline without it is served without them
         opts["streaming_output"] = bool(resolve_model(args.model).pipeline_cls().supports_step_execution)
     print(f"omni serve: loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = make_engine(build_config(args.model, opts))
+    engine = start_engine(build_config(args.model, opts))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, video_dir=args.video_dir,
                     max_video_jobs=args.max_video_jobs, video_ttl_s=args.video_ttl, retry_after_s=args.retry_after,
                     close_engine=True, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
@@ -135,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
         print(f"omni serve: {app.state.omni.model_name} on http://{shown}:{port} "
-              f"({engine.execution_mode.value}, previews {'on' if engine.config.streaming_output else 'off'}"
+              f"({engine.stats()['execution_mode']}, previews {'on' if engine.model_info.streaming else 'off'}"
               f"{', API key required' if api_key else ''})", flush=True)
 
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: exit 0 after that

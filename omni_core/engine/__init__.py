@@ -1,5 +1,11 @@
-"""The diffusion engine: execution modes, busy loop, output streams, abort, warmup."""
+"""The diffusion engine: execution modes, busy loop, request handles, abort, warmup.
 
-from omni_core.engine.engine import DiffusionEngine, DiffusionExecutionMode, QueueFullError, make_engine
+Front ends use only :mod:`omni_core.engine.client` (``EngineClient``, ``ModelInfo``, ``start_engine``).
+"""
 
-__all__ = ["DiffusionEngine", "DiffusionExecutionMode", "QueueFullError", "make_engine"]
+from omni_core.engine.engine import DiffusionEngine, DiffusionExecutionMode, RequestRecord, make_engine
+from omni_core.engine.handle import RequestHandle
+from omni_core.errors import QueueFullError  # its home is omni_core.errors; importable here as before
+
+__all__ = ["DiffusionEngine", "DiffusionExecutionMode", "QueueFullError", "RequestHandle", "RequestRecord",
+           "make_engine"]

@@ -1,41 +1,58 @@
-"""Per-request output stream, fed from the engine thread, read by sync or asyncio consumers."""
+"""Per-request output stream: fed from the engine thread, read by a blocking or an asyncio consumer.
+
+The stream is not bound to a loop when it is made, so the same admission call serves both kinds of reader:
+``get()`` waits on a condition, ``aget()`` parks a future of the calling loop that ``put`` wakes.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
+import threading
 from typing import Any
 
 
-class OutputStream:
-    """A queue bound to the asyncio loop it was created in (if any), else a thread-safe queue."""
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
-    def __init__(self, bind_loop: bool = True) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        if bind_loop:
-            try:
-                self._loop = asyncio.get_running_loop()
-            except RuntimeError:
-                pass
-        self._aq: asyncio.Queue | None = asyncio.Queue() if self._loop is not None else None
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+class OutputStream:
+    """A thread-safe FIFO of one request's outputs, for one reader at a time (blocking or asyncio)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
 
     def put(self, item: Any) -> None:
-        """Thread-safe; a closed consumer loop just drops the item."""
-        if self._loop is not None:
+        """Thread-safe; a waiting reader whose loop has closed is simply not woken."""
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, future = waiter
             try:
-                self._loop.call_soon_threadsafe(self._aq.put_nowait, item)
-            except RuntimeError:
+                loop.call_soon_threadsafe(_wake, future)
+            except RuntimeError:  # the reader's loop is closed
                 pass
-        else:
-            self._q.put(item)
-
-    async def aget(self) -> Any:
-        if self._aq is None:
-            return await asyncio.get_running_loop().run_in_executor(None, self._q.get)
-        return await self._aq.get()
 
     def get(self, timeout: float | None = None) -> Any:
-        if self._aq is not None:
-            raise RuntimeError("this stream belongs to an asyncio loop; use 'await stream.aget()'")
-        return self._q.get(timeout=timeout)
+        """The next item; raises ``queue.Empty`` after ``timeout`` seconds without one."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                raise queue.Empty
+            return self._items.popleft()
+
+    async def aget(self) -> Any:
+        """The next item, awaited on the running loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._items:
+                    return self._items.popleft()
+                future = loop.create_future()
+                self._waiter = (loop, future)
+            await future

@@ -9,9 +9,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any, AsyncIterator
 
+from omni_core.engine.client import EngineClient, start_engine
 from omni_core.entrypoints.common import build_config, build_requests, build_sampling_params
 from omni_core.errors import RequestFailedError
 from omni_core.outputs import DiffusionOutput
@@ -19,10 +19,9 @@ from omni_core.outputs import DiffusionOutput
 
 class AsyncOmni:
     def __init__(self, model: str, **config: Any) -> None:
-        from omni_core.engine import make_engine
-
         self.config = build_config(model, config)
-        self.engine = make_engine(self.config)
+        #: the engine, used only through its client interface
+        self.engine: EngineClient = start_engine(self.config)
 
     async def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
                        **sampling_kwargs: Any) -> AsyncIterator[DiffusionOutput]:
@@ -33,14 +32,18 @@ class AsyncOmni:
         """
         params = build_sampling_params(sampling_params, sampling_kwargs)
         (request,) = build_requests(prompt, params, request_id)
-        rid = request.request_id
-        # aclosing: a consumer that stops early closes the engine's stream now (which aborts the request),
-        # not whenever the garbage collector finalises it
-        async with contextlib.aclosing(self.engine.add_request_and_stream(request)) as outputs:
-            async for out in outputs:
-                if out.finished and out.status == "error":
-                    raise RequestFailedError(f"request {rid} failed: {out.error}", [out])
+        (handle,) = self.engine.submit([request])
+        finished = False
+        try:
+            while not finished:
+                out = await handle.aget()
+                finished = out.finished
+                if finished and out.status == "error":
+                    raise RequestFailedError(f"request {handle.request_id} failed: {out.error}", [out])
                 yield out
+        finally:
+            if not finished:  # the consumer left early or was cancelled: abort now, not at garbage collection
+                handle.abort()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

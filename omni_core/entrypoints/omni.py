@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from omni_core.engine.client import EngineClient, start_engine
 from omni_core.entrypoints.common import build_config, build_requests, build_sampling_params
 from omni_core.errors import RequestFailedError
 from omni_core.outputs import DiffusionOutput
@@ -17,10 +18,9 @@ from omni_core.outputs import DiffusionOutput
 
 class Omni:
     def __init__(self, model: str, **config: Any) -> None:
-        from omni_core.engine import make_engine
-
         self.config = build_config(model, config)
-        self.engine = make_engine(self.config)
+        #: the engine, used only through its client interface
+        self.engine: EngineClient = start_engine(self.config)
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool = True,
                  **sampling_kwargs: Any) -> list[DiffusionOutput]:
@@ -28,18 +28,9 @@ class Omni:
         params = build_sampling_params(sampling_params, sampling_kwargs)
         requests = [self.engine.prepare_request(r) for r in build_requests(prompts, params)]
         bar = _progress_bar(requests, use_tqdm)
-        try:
-            streams = self.engine.submit_many(requests)  # all at once, so compatible prompts share a wave
-            if bar is not None:
-                for req in requests:
-                    self.engine.add_progress_listener(req.request_id, bar.step)
-            outputs = []
-            for stream in streams:
-                while True:
-                    out = stream.get()
-                    if out.finished:
-                        break
-                outputs.append(out)
+        try:  # all at once, so compatible prompts share a wave
+            handles = self.engine.submit(requests, on_progress=bar.step if bar is not None else None)
+            outputs = [h.result() for h in handles]
         except BaseException:
             self.engine.abort([r.request_id for r in requests])
             raise

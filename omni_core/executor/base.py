@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from omni_core.pipelines.loader import ResolvedModel
-from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 ProgressFn = Callable[[str, int, int], None]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from omni_core.errors import EngineDeadError
 from omni_core.executor.base import DiffusionExecutor
-from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 logger = logging.getLogger("omni_core.executor")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from omni_core.executor.base import DiffusionExecutor
-from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 
 class UniProcExecutor(DiffusionExecutor):

@@ -8,14 +8,10 @@ from typing import Any
 
 import attrs
 
-from omni_core.errors import ComponentUnavailableError, ConfigError, OmniError
+from omni_core.errors import ComponentUnavailableError, ConfigError, PlatformResolutionError
 from omni_core.platforms.interface import Platform
 
 FALLBACK = "cpu"
-
-
-class PlatformResolutionError(OmniError):
-    """Two platforms claim this machine, or the requested one cannot run here."""
 
 
 @attrs.define

@@ -8,12 +8,8 @@ from typing import Iterable
 from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest
-from omni_core.sched.interface import (
-    DiffusionRequestStatus,
-    DiffusionSchedulerOutput,
-    RunnerOutput,
-    SchedulerRequestState,
-)
+from omni_core.sched.interface import DiffusionRequestStatus, SchedulerRequestState
+from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 S = DiffusionRequestStatus
 

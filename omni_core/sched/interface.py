@@ -1,13 +1,11 @@
-"""Request states and the data that crosses the scheduler / engine / executor boundary."""
+"""Request states as a scheduler tracks them (the wave types are in ``omni_core.waves``)."""
 
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import attrs
 
-from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest
 
 
@@ -39,32 +37,3 @@ class SchedulerRequestState:
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-
-@attrs.define
-class DiffusionSchedulerOutput:
-    """One wave: what the executor runs next. The only scheduling result the engine consumes."""
-
-    #: requests admitted in this wave (step mode: need ``prepare_encode``)
-    new_requests: list[OmniDiffusionRequest] = attrs.field(factory=list)
-    #: every request id in the wave, in order (includes new ones)
-    scheduled_ids: list[str] = attrs.field(factory=list)
-    #: ids that ended since the last wave (aborted or failed); workers drop their state
-    finished_ids: list[str] = attrs.field(factory=list)
-    #: the wave's compatibility key
-    batch_key: tuple | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled_ids
-
-
-@attrs.define
-class RunnerOutput:
-    """What the executor returns for a wave (from rank 0)."""
-
-    #: final or intermediate outputs by request id
-    outputs: dict[str, DiffusionOutput] = attrs.field(factory=dict)
-    #: request ids the runner (all ranks) still holds state for, after this wave
-    held_ids: set[str] = attrs.field(factory=set)
-    metrics: dict[str, Any] = attrs.field(factory=dict)

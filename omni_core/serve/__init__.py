@@ -9,7 +9,7 @@ from __future__ import annotations
 
 _LAZY = {
     "build_app": "omni_core.serve.app:build_app",
-    "OmniServer": "omni_core.serve.app:OmniServer",
+    "OmniServer": "omni_core.serve.omni_server:OmniServer",
     "run_server": "omni_core.serve.server:run_server",
     "ServerThread": "omni_core.serve.server:ServerThread",
     "APIError": "omni_core.serve.protocol:APIError",

@@ -59,6 +59,12 @@ class VideoJob:
         if status == COMPLETED:
             self.progress = 100
 
+    def on_step(self, step: int, total: int) -> None:
+        """The engine reported a denoising step (engine thread): the job is running, ``progress`` in percent."""
+        if not self.finished:
+            self.status = IN_PROGRESS
+            self.progress = min(99, int(100 * step / max(total, 1)))
+
     def to_dict(self) -> dict[str, Any]:
         """OpenAI's video object, plus omni's ``num_frames``, ``fps`` and ``seed``."""
         return {"id": self.id, "object": "video", "model": self.model, "status": self.status,

@@ -26,12 +26,9 @@ from omni_core.testing.driver import make_state, run_step_batch
 __all__ = ["PipelineContract", "make_state", "run_step_batch"]
 
 
-def final_output(stream: Any, timeout: float = 300) -> Any:
-    """The last (finished) output of an engine stream."""
-    while True:
-        out = stream.get(timeout=timeout)
-        if out.finished:
-            return out
+def final_output(handle: Any, timeout: float = 300) -> Any:
+    """The last (finished) output of an engine request handle."""
+    return handle.result(timeout)
 
 
 class PipelineContract:
@@ -161,8 +158,7 @@ class PipelineContract:
                     omni.engine.abort(rid)
                     done.set()
 
-            stream = omni.engine.submit(req)
-            omni.engine.add_progress_listener(req.request_id, on_step)
+            (stream,) = omni.engine.submit([req], on_progress=on_step)
             out = final_output(stream)
             assert done.is_set(), f"the request finished ({out.status}) before 2 steps were reported"
             assert out.status == "aborted"
@@ -195,7 +191,7 @@ class PipelineContract:
         with self._omni(contract_model_path, streaming_output=True) as omni:
             params = SamplingParams(**{**self.sampling, "num_inference_steps": steps, "seed": 3})
             req = OmniDiffusionRequest(prompt=self._prompts(omni.engine.pipeline_cls)[0], sampling_params=params)
-            stream = omni.engine.submit(req)
+            (stream,) = omni.engine.submit([req])
             outs = [stream.get(timeout=300)]
             while not outs[-1].finished:
                 outs.append(stream.get(timeout=300))

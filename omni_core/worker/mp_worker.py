@@ -57,7 +57,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         import torch.distributed as dist
 
         from omni_core.platforms import platform_for
-        from omni_core.sched.interface import RunnerOutput
+        from omni_core.waves import RunnerOutput
         from omni_core.worker.runner import ModelRunner, torch_dtype
 
         platform = platform_for(config)  # the config's platform, not only what detection finds here

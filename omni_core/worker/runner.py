@@ -17,7 +17,7 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.loader import ResolvedModel, load_pipeline
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
-from omni_core.sched.interface import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 logger = logging.getLogger("omni_core.worker")
 
@@ -183,22 +183,20 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 states = [self.new_state(r) for r in reqs]
-                try:
-                    outs = self._forward(states)
-                except Exception:  # noqa: BLE001 - isolate the failing request(s)
-                    if len(reqs) == 1:
-                        raise
-                    logger.warning("batched forward failed; retrying the %d requests one by one", len(reqs),
-                                   exc_info=True)
-                    outs = []
-                    for r in reqs:
-                        st = self.new_state(r)
-                        try:
-                            outs.extend(self._forward([st]))
-                        except Exception as exc:  # noqa: BLE001
-                            outs.append(error_output(r.request_id, exc, st))
-                for st, out in zip(states, outs):
-                    outputs[st.request_id] = out
+                fresh: dict[str, StepState] = {}  # the state of each request's own retry
+
+                def alone(state: StepState) -> DiffusionOutput:
+                    fresh[state.request_id] = st = self.new_state(state.request)  # the same noise as batched
+                    return self._forward([st])[0]
+
+                def failed(state: StepState, exc: Exception) -> DiffusionOutput:
+                    if len(states) == 1:
+                        raise exc  # a lone request fails as the whole wave does (below)
+                    return error_output(state.request_id, exc, fresh.get(state.request_id))
+
+                outs = batched_then_one_by_one(states, self._forward, alone, failed, what="forward")
+                for r, out in zip(reqs, outs):
+                    outputs[r.request_id] = out
         except Exception as exc:  # noqa: BLE001
             logger.debug("request failed", exc_info=True)
             for r in reqs:
@@ -264,18 +262,32 @@ class ModelRunner:
     def _denoise(self, active: list[StepState], outputs: dict[str, DiffusionOutput]) -> list[tuple[StepState, Any]]:
         if not active:
             return []
+
+        def failed(state: StepState, exc: Exception) -> None:
+            outputs[state.request_id] = error_output(state.request_id, exc, state)
+            self._forget(state.request_id)
+
+        preds = batched_then_one_by_one(active, self.pipeline.denoise_step,
+                                        lambda state: self.pipeline.denoise_step([state])[0], failed,
+                                        what="denoise_step")
+        return [(state, pred) for state, pred in zip(active, preds) if state.request_id not in outputs]
+
+
+def batched_then_one_by_one(items: list, batched: Callable[[list], list], alone: Callable[[Any], Any],
+                            failed: Callable[[Any, Exception], Any], *, what: str) -> list:
+    """``batched(items)``; if that raises, ``alone(item)`` for each item, so an exception fails only the
+    item that causes it (``failed(item, exc)`` gives its result). A single item is not run twice: it fails
+    at once. One result per item, in order."""
+    try:
+        return list(batched(items))
+    except Exception as exc:  # noqa: BLE001 - find the culprit(s), keep the others
+        if len(items) == 1:
+            return [failed(items[0], exc)]
+        logger.warning("batched %s failed; retrying the %d requests one by one", what, len(items), exc_info=True)
+    results = []
+    for item in items:
         try:
-            return list(zip(active, self.pipeline.denoise_step(active)))
-        except Exception as exc:  # noqa: BLE001 - find the culprit(s), keep the others
-            if len(active) == 1:
-                outputs[active[0].request_id] = error_output(active[0].request_id, exc, active[0])
-                self._forget(active[0].request_id)
-                return []
-            ok = []
-            for state in active:
-                try:
-                    ok.append((state, self.pipeline.denoise_step([state])[0]))
-                except Exception as exc:  # noqa: BLE001
-                    outputs[state.request_id] = error_output(state.request_id, exc, state)
-                    self._forget(state.request_id)
-            return ok
+            results.append(alone(item))
+        except Exception as exc:  # noqa: BLE001
+            results.append(failed(item, exc))
+    return results

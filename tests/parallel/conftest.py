@@ -39,8 +39,8 @@ def run_engine(model: str, requests: list[dict], parallel_config: dict | None = 
             spec = dict(spec)
             prompt, negative = spec.pop("prompt"), spec.pop("negative_prompt", None)
             params = SamplingParams(output_type="pt", **spec)
-            streams.append(engine.submit(OmniDiffusionRequest(prompt=prompt, negative_prompt=negative,
-                                                              sampling_params=params)))
+            streams.extend(engine.submit([OmniDiffusionRequest(prompt=prompt, negative_prompt=negative,
+                                                               sampling_params=params)]))
         finals = []
         for stream in streams:
             while not (out := stream.get(timeout=300)).finished:

@@ -81,7 +81,7 @@ def test_a_failing_request_fails_alone(engine, request):
     prompts = ["a", "b", "c"]
     params = [SamplingParams(seed=i, extra_args={"fail_at_step": 2} if i == 1 else {}) for i in range(3)]
     # submit together so they share a wave
-    streams = [omni.engine.submit(omni_req) for omni_req in _requests(prompts, params)]
+    streams = [omni.engine.submit([omni_req])[0] for omni_req in _requests(prompts, params)]
     outs = [_final(s) for s in streams]
     assert [o.status for o in outs] == ["completed", "error", "completed"]
     assert "injected failure" in outs[1].error
@@ -118,8 +118,7 @@ def test_abort_of_a_running_request_stops_it_within_one_step(tiny_model, step_ex
         engine = omni.engine
         (req,) = _requests(["slow"], [SamplingParams(num_inference_steps=40, extra_args={"sleep_per_step": 0.05})])
         seen = []
-        stream = engine.submit(req)
-        engine.add_progress_listener(req.request_id, lambda rid, step, total: seen.append(step))
+        (stream,) = engine.submit([req], on_progress=lambda rid, step, total: seen.append(step))
         wait_for(lambda: len(seen) >= 3, "3 denoising steps")
         at_abort = seen[-1]
         engine.abort(req.request_id)
@@ -217,7 +216,7 @@ def test_head_of_line_small_requests_pass_a_large_one_which_then_runs_next(tiny_
         engine = omni.engine
         small = _requests([f"s{i}" for i in range(7)], [SamplingParams(seed=i) for i in range(7)])
         (large,) = _requests(["large"], [SamplingParams(height=32, width=32, seed=0)])
-        streams = engine.submit_many([small[0], large, *small[1:]])  # queued at once: one scheduling round sees all
+        streams = engine.submit([small[0], large, *small[1:]])  # queued at once: one scheduling round sees all
         outs = dict(zip(["s0", "large", *[f"s{i}" for i in range(1, 7)]], (_final(s) for s in streams)))
         assert all(o.status == "completed" for o in outs.values())
         assert [outs[f"s{i}"].metrics["batch_size"] for i in range(7)] == [4] * 4 + [3] * 3
@@ -231,7 +230,7 @@ def test_head_of_line_small_requests_pass_a_large_one_which_then_runs_next(tiny_
 def test_close_aborts_pending_requests_and_refuses_new_ones(tiny_model):
     omni = Omni(tiny_model, warmup=False)
     (req,) = _requests(["slow"], [SamplingParams(num_inference_steps=50, extra_args={"sleep_per_step": 0.05})])
-    stream = omni.engine.submit(req)
+    (stream,) = omni.engine.submit([req])
     time.sleep(0.2)
     t0 = time.monotonic()
     omni.close()

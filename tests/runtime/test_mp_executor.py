@@ -74,8 +74,7 @@ def test_abort_reaches_the_worker_mid_request(tiny_model):
         req = OmniDiffusionRequest(prompt="slow", sampling_params=SamplingParams(
             num_inference_steps=60, extra_args={"sleep_per_step": 0.05}))
         seen = []
-        stream = engine.submit(req)
-        engine.add_progress_listener(req.request_id, lambda rid, step, total: seen.append(step))
+        (stream,) = engine.submit([req], on_progress=lambda rid, step, total: seen.append(step))
         deadline = time.monotonic() + 60
         while len(seen) < 3:
             assert time.monotonic() < deadline, f"no 3 steps within 60 s (saw {seen})"
@@ -92,7 +91,7 @@ def test_killed_worker_fails_every_request_quickly_and_leaves_no_process(tiny_mo
     engine = omni.engine
     pids = engine.executor.worker_pids()
     slow = SamplingParams(num_inference_steps=200, extra_args={"sleep_per_step": 0.05})
-    streams = [engine.submit(OmniDiffusionRequest(prompt=f"p{i}", sampling_params=slow)) for i in range(3)]
+    streams = [engine.submit([OmniDiffusionRequest(prompt=f"p{i}", sampling_params=slow)])[0] for i in range(3)]
     time.sleep(1.0)
     t0 = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)

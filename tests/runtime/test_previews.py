@@ -39,7 +39,7 @@ def test_engine_stream_of_omni_gives_the_same_count(tiny_model):
     with Omni(tiny_model, streaming_output=True, max_num_seqs=2, warmup=False) as omni:
         requests = [OmniDiffusionRequest(prompt=f"p{n}", sampling_params=SamplingParams(seed=n, num_inference_steps=n))
                     for n in STEPS]
-        streams = omni.engine.submit_many(requests)
+        streams = omni.engine.submit(requests)
         for n, stream in zip(STEPS, streams):
             outs = []
             while not outs or not outs[-1].finished:
@@ -54,8 +54,7 @@ def test_progress_listener_sees_every_step_in_step_mode(tiny_model, streaming):
     with Omni(tiny_model, step_execution=True, streaming_output=streaming, warmup=False) as omni:
         (req,) = [OmniDiffusionRequest(prompt="p", sampling_params=SamplingParams(seed=1, num_inference_steps=3))]
         seen = []
-        stream = omni.engine.submit(req)
-        omni.engine.add_progress_listener(req.request_id, lambda rid, step, total: seen.append((step, total)))
+        (stream,) = omni.engine.submit([req], on_progress=lambda rid, step, total: seen.append((step, total)))
         outs = []
         while not outs or not outs[-1].finished:
             outs.append(stream.get(timeout=60))

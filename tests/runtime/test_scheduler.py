@@ -6,7 +6,8 @@ from omni_core.config import SamplingParams
 from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest
 from omni_core.sched import DiffusionRequestStatus as S
-from omni_core.sched import RequestScheduler, RunnerOutput, StepScheduler
+from omni_core.sched import RequestScheduler, StepScheduler
+from omni_core.waves import RunnerOutput
 
 
 def req(rid, size=16, steps=4, **kw):

@@ -35,11 +35,10 @@ def test_a_request_joins_the_running_wave_at_the_next_step(tiny_model):
             seed=0, num_inference_steps=30, extra_args={"sleep_per_step": 0.05}))
         short = OmniDiffusionRequest(prompt="short", sampling_params=SamplingParams(seed=1, num_inference_steps=4))
         seen = []
-        long_stream = engine.submit(long)
-        engine.add_progress_listener(long.request_id, lambda rid, step, total: seen.append(step))
+        (long_stream,) = engine.submit([long], on_progress=lambda rid, step, total: seen.append(step))
         wait_for(lambda: len(seen) >= 3, "3 steps of the long request")
         at_submit = seen[-1]
-        short_stream = engine.submit(short)
+        (short_stream,) = engine.submit([short])
         assert final(short_stream).status == "completed"
         short_done_at = seen[-1]
         assert final(long_stream).status == "completed"

@@ -61,7 +61,7 @@ def generate_with_omni(model: str, prompts: list[str], seeds: list[int], *, step
         for prompt, seed in zip(prompts, seeds):
             params = SamplingParams(seed=seed, num_inference_steps=steps, guidance_scale=guidance_scale,
                                     output_type="pt")
-            streams.append(omni.engine.submit(OmniDiffusionRequest(prompt=prompt, sampling_params=params)))
+            streams.extend(omni.engine.submit([OmniDiffusionRequest(prompt=prompt, sampling_params=params)]))
         images = []
         for stream in streams:
             while not (out := stream.get()).finished:

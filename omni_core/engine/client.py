@@ -1,0 +1,100 @@
+"""The engine client interface: the only engine API the HTTP server, ``Omni`` and ``AsyncOmni`` use.
+
+``EngineClient`` is what a front end may rely on: submit requests (all validated before any is queued)
+and read them through :class:`~omni_core.engine.handle.RequestHandle`, abort, read ``stats()`` (counters
+included), learn whether the engine died and why, close it, and describe the served model
+(:class:`ModelInfo`, ``limits``) without touching the pipeline class, the resolved spec or the config.
+``DiffusionEngine`` implements it in process; ``start_engine`` builds one. Another engine (remote, a test
+double) implements the same few members.
+
+    engine = start_engine(OmniDiffusionConfig(model="shapes"))
+    (handle,) = engine.submit([OmniDiffusionRequest(prompt="a red circle")])
+    out = handle.result()
+    engine.close()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:
+    from omni_core.config import OmniDiffusionConfig, RequestLimits
+    from omni_core.engine.handle import RequestHandle
+    from omni_core.request import OmniDiffusionRequest
+
+#: ``on_progress(request_id, step, num_steps)``, called from the engine's thread after every denoising step
+ProgressFn = Callable[[str, int, int], None]
+
+
+@attrs.frozen
+class ModelInfo:
+    """What a front end needs to know about the served model (fixed for the engine's lifetime)."""
+
+    #: the ``model`` the engine was started with (a short name or a folder)
+    model: str
+    #: the pipeline's registered name (e.g. ``QwenImagePipeline``)
+    pipeline: str
+    #: the distribution that registered the pipeline
+    provider: str
+    #: the model folder the engine loaded
+    model_path: str
+    is_video: bool
+    #: ``num_frames - 1`` must be a multiple of this (video models)
+    frame_multiple: int
+    #: height and width must be multiples of this
+    size_multiple: int
+    #: the engine streams an intermediate output (a preview) after every denoising step
+    streaming: bool
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The narrow engine API of front ends (see the module docstring)."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The resolved per-request limits every request is checked against."""
+        ...
+
+    def prepare_request(self, request: OmniDiffusionRequest) -> OmniDiffusionRequest:
+        """Validate and complete a request (model defaults, a seed) without queuing it; raises ConfigError."""
+        ...
+
+    def submit(self, requests: list[OmniDiffusionRequest], *, on_progress: ProgressFn | None = None
+               ) -> list[RequestHandle]:
+        """Validate every request, then queue all of them or none (ConfigError, QueueFullError,
+        EngineDeadError, OmniError when closed); one handle per request, in order."""
+        ...
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """A waiting request ends at once, a running one within one denoising step; unknown ids are ignored."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """``waiting``, ``running``, ``tracked_requests``, ``execution_mode``, ``dead`` and the counters
+        (``requests_added``/``_completed``/``_aborted``/``_failed``, ``denoise_steps``)."""
+        ...
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine died (``the engine is dead: ...``), None while it lives."""
+        ...
+
+    def close(self) -> None:
+        """Abort what is left and shut down; safe to call twice."""
+        ...
+
+
+def start_engine(config: OmniDiffusionConfig, **kwargs: Any) -> EngineClient:
+    """Build the in-process engine for ``config`` and run its start-up warm-up (``config.warmup``)."""
+    from omni_core.engine.engine import DiffusionEngine
+
+    return DiffusionEngine.make_engine(config, **kwargs)

@@ -1,0 +1,90 @@
+"""Every error the server answers, mapped in one place: engine refusals and failed outputs become
+:class:`~omni_core.serve.protocol.APIError` (OpenAI's error shape), and the app's exception handlers
+render those, FastAPI's validation and routing errors, and anything unexpected the same way."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omni_core.errors import ConfigError, EngineDeadError, OmniError, QueueFullError
+from omni_core.serve.protocol import APIError, config_error, invalid
+
+logger = logging.getLogger("omni_core.serve")
+
+_DEAD_PREFIX = "the engine is dead: "
+
+
+def dead_message(reason: str | None) -> str:
+    """``the engine is dead: <reason>``, said once (executors already prefix their reasons with it)."""
+    reason = reason or "a worker died"
+    while reason.startswith(_DEAD_PREFIX):
+        reason = reason[len(_DEAD_PREFIX):]
+    return _DEAD_PREFIX + reason
+
+
+def engine_dead(reason: str | None) -> APIError:
+    return APIError(503, dead_message(reason), code="engine_dead", type="engine_dead")
+
+
+def admission_error(exc: OmniError, retry_after_s: int) -> APIError:
+    """Why the engine refused a request: 400 (a field, named), 429 (queue full), 503 (dead or closed)."""
+    if isinstance(exc, ConfigError):
+        return config_error(exc)
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="queue_full", type="rate_limit_error",
+                        headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(str(exc))
+    return APIError(503, str(exc), code="engine_unavailable", type="server_error")
+
+
+def generation_failed(out: Any, engine_is_dead: bool) -> APIError:
+    """A final output that did not complete: the engine died (503), it was aborted (503), or it failed (500)."""
+    if out.status == "error" and engine_is_dead:
+        return engine_dead(out.error)
+    if out.status == "aborted":
+        return APIError(503, f"the request was aborted: {out.error or 'the server is shutting down'}",
+                        code="request_aborted", type="server_error")
+    return APIError(500, f"generation failed: {out.error}", code="generation_failed", type="server_error")
+
+
+def internal_error(exc: BaseException, what: str) -> APIError:
+    return APIError(500, f"{what}: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+
+
+def install_error_handlers(app: Any) -> None:
+    """Answer every error in OpenAI's shape: APIError as is, validation errors as 400 (never 422), routing
+    errors with their status, anything else as a logged 500."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        param = str(errors[0]["loc"][-1]) if errors and errors[0].get("loc") else None
+        return JSONResponse(invalid(str(errors[0].get("msg") if errors else exc), param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(internal_error(exc, "internal error").body(), status_code=500)
+
+
+async def send_error(err: APIError, scope, receive, send) -> None:
+    """Answer ``err`` from ASGI middleware (before routing, where the handlers above do not apply)."""
+    from fastapi.responses import JSONResponse
+
+    await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)

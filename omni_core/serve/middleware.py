@@ -1,0 +1,86 @@
+"""Pure ASGI middleware, outermost first: metrics (counts every answer), the API key (before routing),
+the body cap."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.datastructures import Headers
+
+from omni_core.serve.errors import send_error
+from omni_core.serve.openapi import OPEN_PATHS
+from omni_core.serve.protocol import APIError, too_large
+
+
+class AuthMiddleware:
+    """The API key is checked before routing: without it every route but the open ones is 401, so routes
+    cannot be enumerated (a 404 would tell which exist)."""
+
+    def __init__(self, app: Any, server: Any) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.server.api_key is not None and scope["path"] not in OPEN_PATHS:
+            try:
+                self.server.check_auth(Headers(scope=scope).getlist("authorization"))
+            except APIError as err:
+                await send_error(err, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Bodies over ``limit`` bytes get 413: at once when ``Content-Length`` says so, otherwise as soon as the
+    bytes read pass the limit (a chunked body is never buffered beyond it)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await send_error(too_large(self.limit), scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise too_large(self.limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class MetricsMiddleware:
+    """Counts requests by method, route template and status, and times them."""
+
+    def __init__(self, app: Any, metrics: Any) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "other"
+            self.metrics.observe_http(scope["method"], path, status[0], time.perf_counter() - start)

@@ -1,0 +1,66 @@
+"""The OpenAPI document: shared error docs for the routes, and the schema FastAPI makes, made true
+(no 422: validation errors are answered 400; bearer auth declared when a key is set)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+#: routes that need no API key (probes and scrapers)
+OPEN_PATHS = ("/health", "/metrics")
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+STATUS_DOC = {400: "invalid request: `param` names the field", 401: "missing or incorrect API key",
+              404: "unknown model, video or route", 409: "the video is not ready",
+              413: "the request body is larger than --max-body-bytes",
+              429: "the queue (or the video table) is full; see Retry-After",
+              500: "the generation failed", 503: "the engine is dead, closed, or the server is shutting down"}
+
+
+def error_doc(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+
+
+def error_docs(*statuses: int) -> dict[int, Any]:
+    return {status: error_doc(STATUS_DOC[status]) for status in statuses}
+
+
+def form_schema(json_schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON body schema as multipart form fields (every form value is text)."""
+    return {"type": "object", "required": json_schema["required"],
+            "properties": {name: {"type": "string"} for name in json_schema["properties"]}}
+
+
+def install_openapi(app: Any, api_key: str | None) -> None:
+    """Replace ``app.openapi`` with the corrected schema (built once, on first use)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            with warnings.catch_warnings():  # GET and HEAD /health share a function: ids are made unique below
+                warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+                schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                     routes=app.routes)
+            for path, item in schema["paths"].items():
+                for method, operation in item.items():
+                    if method == "head":
+                        operation["operationId"] = operation.get("operationId", path) + "_head"
+                    responses = operation.setdefault("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses.setdefault("400", error_doc("a parameter is invalid"))
+                    if api_key is not None and path not in OPEN_PATHS:
+                        operation["security"] = [{"bearer": []}]
+                        responses.setdefault("401", error_doc("missing or incorrect API key"))
+            components = schema.setdefault("components", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.get("schemas", {}).pop(name, None)
+            components.setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+            if api_key is not None:
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

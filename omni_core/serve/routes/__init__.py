@@ -1,0 +1,5 @@
+"""The HTTP routes by area: ``system`` (health, metrics, models), ``images``, ``videos``.
+
+Each module holds one or two ``APIRouter``s; handlers find the shared state with ``current(request)``.
+``build_app`` includes them in this order (the order of the OpenAPI paths).
+"""

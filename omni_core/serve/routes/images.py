@@ -1,0 +1,129 @@
+"""``POST /v1/images/generations``: JSON with the images, or (``stream=true``) server-sent events with a
+partial image per denoising step and a completed event per image.
+
+A client that goes away aborts its request: non-streamed, a task watches for ``http.disconnect`` while the
+result is awaited; streamed, the response stops on disconnect. So the engine never keeps work nobody reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from omni_core.serve.errors import generation_failed, internal_error
+from omni_core.serve.media import pil_outputs, png_b64, preview_image, size_of
+from omni_core.serve.omni_server import OmniServer, current
+from omni_core.serve.openapi import error_doc, error_docs
+from omni_core.serve.protocol import ImageRequest, image_body_schema, invalid, parse_image_request, parse_json
+from omni_core.serve.sse import EventStream, sse
+
+logger = logging.getLogger("omni_core.serve")
+
+v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API key")})
+
+
+@v1.post("/images/generations", responses={
+    200: {"description": "the images (JSON), or with stream=true Server-Sent Events",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}},
+    **error_docs(400, 404, 413, 429, 500, 503)},
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": image_body_schema()}}}})
+async def generate_images(request: Request):
+    server = current(request)
+    req = parse_image_request(parse_json(await request.body()))
+    server.check_model(req.model)
+    if server.is_video:
+        raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",
+                      code="unsupported_model")
+    if req.stream and not server.streaming:
+        raise invalid("stream=true needs a server that runs its engine with streaming output (omni serve does "
+                      "unless started with --no-stream-previews; the pipeline must support step execution)",
+                      "stream", code="unsupported_value")
+    handle = server.submit(req.prompt, req.negative_prompt, req.params)
+    rid = handle.request_id
+    server.track(rid)
+    if req.stream:
+        state = {"finished": False}
+        # the request as the engine completed it (model defaults such as the size filled in)
+        req = ImageRequest(prompt=req.prompt, negative_prompt=req.negative_prompt,
+                           params=handle.request.sampling_params, model=req.model, stream=True)
+
+        def on_close() -> None:
+            server.untrack(rid)
+            if not state["finished"]:  # the client left (or the stream failed) before the end
+                if not state.get("server_error"):
+                    server.metrics.count_disconnect()
+                handle.abort()
+
+        return EventStream(image_events(server, req, handle, state), on_close)
+    try:
+        out = await server.final_output(request, handle)
+    finally:
+        server.untrack(rid)
+    if out is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    if out.status != "completed":
+        raise generation_failed(out, server.engine.is_dead)
+    server.metrics.observe_generation("image", out.metrics)
+    return JSONResponse(await asyncio.to_thread(image_payload, out))
+
+
+def image_payload(out: Any) -> dict[str, Any]:
+    images = pil_outputs(out)
+    return {"created": int(time.time()), "data": [{"b64_json": png_b64(im), "revised_prompt": None}
+                                                  for im in images],
+            "output_format": "png", "size": size_of(images[0]) if images else None,
+            "seed": out.metrics.get("seed")}
+
+
+async def image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict):
+    """Server-sent events: one partial image per intermediate output (the engine yields one after each
+    denoising step), then one completed event per image.
+
+    A failure while streaming ends the stream with an ``error`` event (what the ``openai`` client raises)."""
+    try:
+        async for event in _image_events(server, req, handle, state):
+            yield event
+    except Exception as exc:  # noqa: BLE001 - e.g. an image that cannot be encoded
+        logger.exception("streaming request %s failed", handle.request_id)
+        state["server_error"] = True
+        yield sse("error", internal_error(exc, "streaming failed").body())
+
+
+async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict):
+    index = 0
+    common = {"quality": "auto", "background": "opaque", "output_format": "png"}
+    size = f"{req.params.width}x{req.params.height}"
+    while True:
+        out = await handle.aget()
+        if not out.finished:
+            if out.preview is None:
+                continue
+            image = preview_image(out.preview, server.preview_max_side)
+            yield sse("image_generation.partial_image", {
+                "type": "image_generation.partial_image", "b64_json": png_b64(image),
+                "partial_image_index": index, "step": out.step_index, "num_steps": out.num_steps,
+                "created_at": int(time.time()), "size": size, **common})
+            index += 1
+            continue
+        state["finished"] = True
+        if out.status != "completed":
+            yield sse("error", generation_failed(out, server.engine.is_dead).body())
+            return
+        server.metrics.observe_generation("image", out.metrics)
+        images = await asyncio.to_thread(pil_outputs, out)
+        encoded = await asyncio.to_thread(lambda: [png_b64(im) for im in images])
+        for k, b64 in enumerate(encoded):
+            yield sse("image_generation.completed", {
+                "type": "image_generation.completed", "b64_json": b64, "index": k,
+                "seed": out.metrics.get("seed"), "created_at": int(time.time()),
+                "size": size_of(images[k]), **common,
+                "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                          "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}})
+        return

@@ -1,0 +1,145 @@
+"""``/v1/videos``: create a job (JSON or multipart form), list, get, download the MP4, delete (cancels it).
+
+A job follows its engine request on a task of the server's loop and writes the MP4 when it completes;
+the engine's progress callback moves it to ``in_progress`` with a percentage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse
+
+from omni_core.serve.media import pil_outputs
+from omni_core.serve.omni_server import OmniServer, current
+from omni_core.serve.openapi import error_doc, error_docs, form_schema
+from omni_core.serve.protocol import (APIError, invalid, parse_form, parse_json, parse_video_request,
+                                      video_body_schema)
+from omni_core.serve.videos import CANCELLED, COMPLETED, FAILED, VideoJob
+
+logger = logging.getLogger("omni_core.serve")
+
+v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API key")})
+
+
+@v1.post("/videos", responses={200: {"description": "the video job"}, **error_docs(400, 404, 413, 429, 503)},
+         openapi_extra={"requestBody": {"required": True, "content": {
+             "application/json": {"schema": video_body_schema()},
+             "multipart/form-data": {"schema": form_schema(video_body_schema())}}}})
+async def create_video(request: Request):
+    server = current(request)
+    content_type = request.headers.get("content-type", "")
+    frame_multiple = server.model_info.frame_multiple
+    if content_type.startswith("multipart/form-data"):
+        body = parse_form(await request.body(), content_type)
+        req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True)
+    else:
+        req = parse_video_request(parse_json(await request.body()), frame_multiple=frame_multiple)
+    server.check_model(req.model)
+    if not server.is_video:
+        raise invalid(f"model {server.model_name!r} makes images, not videos; use POST /v1/images/generations",
+                      "model", code="unsupported_model")
+    server.videos.sweep()
+    job: VideoJob | None = None
+
+    def on_progress(request_id: str, step: int, total: int) -> None:  # engine thread
+        if job is not None:
+            job.on_step(step, total)
+
+    handle = server.submit(req.prompt, req.negative_prompt, req.params, on_progress=on_progress)
+    params = handle.request.sampling_params
+    job = VideoJob(id=server.videos.new_id(), model=server.model_name, prompt=req.prompt,
+                   size=f"{params.width}x{params.height}",
+                   seconds=req.seconds or f"{params.num_frames / req.fps:g}", num_frames=params.num_frames,
+                   fps=req.fps, request_id=handle.request_id, seed=params.seed)
+    try:
+        server.videos.add(job)
+    except APIError:
+        handle.abort()
+        raise
+    job.task = asyncio.create_task(run_video_job(server, job, handle))
+    return job.to_dict()
+
+
+@v1.get("/videos")
+async def list_videos(request: Request):
+    jobs = current(request).videos.list()
+    return {"object": "list", "data": [j.to_dict() for j in jobs],
+            "first_id": jobs[0].id if jobs else None, "last_id": jobs[-1].id if jobs else None,
+            "has_more": False}
+
+
+@v1.get("/videos/{video_id}", responses=error_docs(404))
+async def get_video(video_id: str, request: Request):
+    return current(request).videos.get(video_id).to_dict()
+
+
+@v1.get("/videos/{video_id}/content", response_class=FileResponse, responses={
+    200: {"description": "the MP4", "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}},
+    **error_docs(400, 404, 409)})
+async def get_video_content(video_id: str, request: Request, variant: str = "video"):
+    job = current(request).videos.get(video_id)
+    if variant != "video":
+        raise invalid(f"variant={variant!r} is not supported; only 'video'", "variant",
+                      code="unsupported_value")
+    if job.status != COMPLETED or job.path is None:
+        raise APIError(409, f"video {video_id} is {job.status}; its content is available once completed",
+                       param="video_id", code="video_not_ready")
+    return FileResponse(job.path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+@v1.delete("/videos/{video_id}", responses=error_docs(404))
+async def delete_video(video_id: str, request: Request):
+    job = current(request).videos.remove(video_id)  # cancels a running job: its engine request is aborted
+    if job.task is not None:
+        await asyncio.gather(job.task, return_exceptions=True)
+    return {"id": job.id, "object": "video.deleted", "deleted": True, "status": job.status}
+
+
+async def run_video_job(server: OmniServer, job: VideoJob, handle: Any) -> None:
+    """Follow the job's request to its end and write the MP4 (the task is cancelled on delete)."""
+    from omni_core.utils.media import write_video
+
+    finished = False
+    try:
+        out = await handle.aresult()
+        finished = True
+        if out.status != "completed":
+            status = CANCELLED if out.status == "aborted" else FAILED
+            job.finish(status, server.videos.ttl_s, None if status == CANCELLED else
+                       {"code": "generation_failed", "message": str(out.error)})
+            return
+        server.metrics.observe_generation("video", out.metrics)
+        job.seed = out.metrics.get("seed")
+        (frames,) = await asyncio.to_thread(pil_outputs, out)
+        if not isinstance(frames, list):  # an image model's output: one frame
+            frames = [frames]
+        path = server.videos.path_for(job.id)
+        write = asyncio.get_running_loop().run_in_executor(None, write_video, frames, path, job.fps)
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:  # deleted while writing: remove the file once it is written
+            write.add_done_callback(lambda _: _remove(path))
+            raise
+        job.path = path
+        if job.id not in server.videos:  # deleted meanwhile
+            _remove(path)
+        job.finish(COMPLETED, server.videos.ttl_s)
+    except asyncio.CancelledError:
+        if not finished:
+            handle.abort()
+        job.status = CANCELLED
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. the MP4 writer is missing; the job fails, not the server
+        logger.exception("video job %s failed", job.id)
+        job.finish(FAILED, server.videos.ttl_s, {"code": "encoding_failed", "message": f"{type(exc).__name__}: {exc}"})
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
