@@ -15,38 +15,14 @@ double) implements the same few members.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import attrs
+from omni_core.engine.model_info import ModelInfo, ProgressFn
 
 if TYPE_CHECKING:
     from omni_core.config import OmniDiffusionConfig, RequestLimits
     from omni_core.engine.handle import RequestHandle
     from omni_core.request import OmniDiffusionRequest
-
-#: ``on_progress(request_id, step, num_steps)``, called from the engine's thread after every denoising step
-ProgressFn = Callable[[str, int, int], None]
-
-
-@attrs.frozen
-class ModelInfo:
-    """What a front end needs to know about the served model (fixed for the engine's lifetime)."""
-
-    #: the ``model`` the engine was started with (a short name or a folder)
-    model: str
-    #: the pipeline's registered name (e.g. ``QwenImagePipeline``)
-    pipeline: str
-    #: the distribution that registered the pipeline
-    provider: str
-    #: the model folder the engine loaded
-    model_path: str
-    is_video: bool
-    #: ``num_frames - 1`` must be a multiple of this (video models)
-    frame_multiple: int
-    #: height and width must be multiples of this
-    size_multiple: int
-    #: the engine streams an intermediate output (a preview) after every denoising step
-    streaming: bool
 
 
 @runtime_checkable

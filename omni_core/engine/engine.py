@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from omni_core.config import OmniDiffusionConfig, SamplingParams
-from omni_core.engine.client import ModelInfo, ProgressFn
+from omni_core.engine.model_info import ModelInfo, ProgressFn
 from omni_core.engine.handle import RequestHandle
 from omni_core.engine.modes import DiffusionExecutionMode, mode_for
 from omni_core.engine.stream import OutputStream
@@ -65,8 +65,8 @@ class DiffusionEngine:
         from omni_core.platforms import check_world_size, platform_for
 
         check_world_size(config, platform_for(config))  # the configured platform runs here and can place the ranks
-        if config.cache_backend != "none":  # a bad cache_config key fails here, before any worker starts
-            pm.load_component("cache", config.cache_backend).check_config(config.cache_config)
+        # a bad cache_config key fails here, before any worker starts ("none" too: a built-in that takes any)
+        pm.load_component("cache", config.cache_backend).check_config(config.cache_config)
         #: the execution-mode strategy, chosen once (every mode difference lives in it)
         self.mode = mode_for(config, self.pipeline_cls, self.resolved.spec.name)
         capacity = self.mode.capacity(self.pipeline_cls, config.max_num_seqs)
