@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate, model_fields=add_model_field_options(model))
 
 
-_ARG_TYPES = {"float": float, "int": int, "str": str, "choice": str}
+_ARG_TYPES = {"float": float, "int": int, "str": str}
 
 
 def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, str]]:
@@ -46,21 +46,23 @@ def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, s
     ``--true-cfg-scale``), read from their records. Returns ``[(field name, argparse dest)]``."""
     from omni_core.config import registered_sampling_fields
 
-    taken = set(group._option_string_actions)  # the command's own options (added first) win a clash
     added = []
     for name, decls in registered_sampling_fields().items():
         field = decls[0][1]
-        if field.flag in taken:
-            continue
         owners = ", ".join(pipeline for pipeline, _ in decls)
         default = "" if field.default is None else f", default {field.default}"
-        extra: dict = {"action": argparse.BooleanOptionalAction} if field.type == "bool" else {
-            "type": _ARG_TYPES[field.type], "metavar": field.type.upper()}
-        if field.type == "choice":
-            extra["choices"] = field.choices
+        if field.type == "bool":
+            extra: dict = {"action": argparse.BooleanOptionalAction}
+        elif field.type == "choice":
+            extra = {"choices": field.choices}
+        else:
+            extra = {"type": _ARG_TYPES[field.type], "metavar": field.type.upper()}
         dest = f"model_field_{name}"
-        group.add_argument(field.flag, dest=dest, default=None, help=f"{field.help} ({owners}{default})".lstrip(),
-                           **extra)
+        try:
+            group.add_argument(field.flag, dest=dest, default=None, help=f"{field.help} ({owners}{default})".lstrip(),
+                               **extra)
+        except argparse.ArgumentError:  # the command's own options (added first) win a clash
+            continue
         added.append((name, dest))
     return added
 
