@@ -163,7 +163,7 @@ class OmniPipeline:
         if cls.undeclared_field_hint:
             return f"{text}; {cls.undeclared_field_hint}"
         own = ", ".join(f.name for f in cls.sampling_fields)
-        return f"{text}; {cls.__name__}'s own sampling fields: {own}" if own else f"{text}"
+        return f"{text}; {cls.__name__}'s own sampling fields: {own}" if own else text
 
     @classmethod
     def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
