@@ -22,7 +22,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
-    p.add_argument("--true-cfg-scale", type=float, default=None, help="true CFG scale (Qwen-Image)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--num-frames", type=int, default=None, help="frames (video models)")
@@ -33,8 +32,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="write images at the model's size (by default small images are upscaled for display)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (one step at the smallest valid shape)")
+    model = p.add_argument_group("model sampling fields", "declared by the installed models; a model refuses "
+                                                           "another model's field")
     add_engine_options(p)
-    p.set_defaults(func=run_generate)
+    p.set_defaults(func=run_generate, model_fields=add_model_field_options(model))
+
+
+_ARG_TYPES = {"float": float, "int": int, "str": str}
+
+
+def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, str]]:
+    """One option per sampling field the registered pipelines declare (``true_cfg_scale`` ->
+    ``--true-cfg-scale``), read from their records. Returns ``[(field name, argparse dest)]``."""
+    from omni_core.config import registered_sampling_fields
+
+    added = []
+    for name, decls in registered_sampling_fields().items():
+        field = decls[0][1]
+        owners = ", ".join(pipeline for pipeline, _ in decls)
+        default = "" if field.default is None else f", default {field.default}"
+        if field.type == "bool":
+            extra: dict = {"action": argparse.BooleanOptionalAction}
+        elif field.type == "choice":
+            extra = {"choices": field.choices}
+        else:
+            extra = {"type": _ARG_TYPES[field.type], "metavar": field.type.upper()}
+        dest = f"model_field_{name}"
+        try:
+            group.add_argument(field.flag, dest=dest, default=None, help=f"{field.help} ({owners}{default})".lstrip(),
+                               **extra)
+        except argparse.ArgumentError:  # the command's own options (added first) win a clash
+            continue
+        added.append((name, dest))
+    return added
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -42,8 +72,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from omni_core.utils.media import VIDEO_SUFFIXES, upscale_for_display, write_video
 
     sampling = {"num_inference_steps": args.steps, "seed": args.seed, "guidance_scale": args.guidance,
-                "true_cfg_scale": args.true_cfg_scale, "height": args.height, "width": args.width,
-                "num_frames": args.num_frames, "num_outputs_per_prompt": args.n}
+                "height": args.height, "width": args.width, "num_frames": args.num_frames,
+                "num_outputs_per_prompt": args.n, **{name: getattr(args, dest) for name, dest in args.model_fields}}
     sampling = {k: v for k, v in sampling.items() if v is not None}
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
     t0 = time.perf_counter()

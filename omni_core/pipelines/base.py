@@ -18,12 +18,13 @@ from typing import Any, ClassVar, Protocol
 
 import attrs
 
-from omni_core.config import RequestLimits, SamplingParams
+from omni_core.config import RequestLimits, SamplingParams, check_sampling_field, registered_sampling_fields
 from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import read_model_index  # noqa: F401 (model plugins import it here)
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
+from omni_core.sampling_fields import SamplingField
 
 
 class StepControl(Protocol):
@@ -69,7 +70,11 @@ class OmniPipeline:
     frame_multiple: ClassVar[int] = 1
     default_num_inference_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = None
-    default_true_cfg_scale: ClassVar[float | None] = None
+    #: the model's own sampling knobs; the same constant as its ``PipelineSpec.sampling_fields`` (a light
+    #: module holds it, so the record needs no pipeline import). ``check_model_fields`` validates them.
+    sampling_fields: ClassVar[tuple[SamplingField, ...]] = ()
+    #: appended to the refusal of a sampling field another model declares (e.g. "use guidance_scale")
+    undeclared_field_hint: ClassVar[str] = ""
     #: per-model request limits (``RequestLimits`` field names) overriding the safe defaults of
     #: ``request_limits``; e.g. ``{"max_pixels": 1280 * 720, "max_frames": 121}``
     default_limits: ClassVar[dict[str, int]] = {}
@@ -105,11 +110,10 @@ class OmniPipeline:
             changes["num_inference_steps"] = cls.default_num_inference_steps
         if params.guidance_scale is None and cls.default_guidance_scale is not None:
             changes["guidance_scale"] = cls.default_guidance_scale
-        if params.true_cfg_scale is None and cls.default_true_cfg_scale is not None:
-            changes["true_cfg_scale"] = cls.default_true_cfg_scale
         if cls.is_video and params.num_frames is None:
             changes["num_frames"] = cls.default_num_frames
         params = params.replace(**changes) if changes else params
+        params = cls.check_model_fields(params)
         m = cls.size_multiple
         for name in ("height", "width"):
             value = getattr(params, name)
@@ -127,6 +131,38 @@ class OmniPipeline:
                                   f"{(params.num_frames - 1) // cls.frame_multiple * cls.frame_multiple + 1})",
                                   field="num_frames")
         return params
+
+    @classmethod
+    def check_model_fields(cls, params: SamplingParams) -> SamplingParams:
+        """The model-declared part of ``check_sampling_params`` (call it from an override): refuse a field this
+        model does not declare, validate the rest against ``sampling_fields``, fill their defaults and record
+        the declarations on the params (the schedulers key batches on those with ``splits_batch``)."""
+        mine = {f.name: f for f in cls.sampling_fields}
+        core = {a.name for a in attrs.fields(SamplingParams)}
+        for name in mine:
+            if name in core:
+                raise ConfigError(f"{cls.__name__}.sampling_fields declares {name!r}, a core SamplingParams field; "
+                                  f"a model declares only knobs of its own", field=name)
+        for name, value in params.model_fields.items():
+            if name not in mine:
+                raise ConfigError(cls.undeclared_field_message(name), field=name)
+            check_sampling_field(params, mine[name], value)
+        defaults = {n: f.default for n, f in mine.items() if n not in params.model_fields and f.default is not None}
+        specs = tuple(mine.values())
+        if not defaults and params.model_field_specs == specs:
+            return params
+        return attrs.evolve(params, model_fields={**params.model_fields, **defaults}, model_field_specs=specs)
+
+    @classmethod
+    def undeclared_field_message(cls, name: str) -> str:
+        """Why ``name`` (a sampling field some other model declares) is refused here, and what to use."""
+        owners = [f"{pipeline}: {field.help}" if field.help else pipeline
+                  for pipeline, field in registered_sampling_fields().get(name, []) if pipeline != cls.__name__]
+        text = f"{name} is not used by {cls.__name__}" + (f" (declared by {'; '.join(owners)})" if owners else "")
+        if cls.undeclared_field_hint:
+            return f"{text}; {cls.undeclared_field_hint}"
+        own = ", ".join(f.name for f in cls.sampling_fields)
+        return f"{text}; {cls.__name__}'s own sampling fields: {own}" if own else text
 
     @classmethod
     def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:

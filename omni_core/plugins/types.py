@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from omni_core.sampling_fields import SamplingField, check_declarations
+
 _IMPL_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -115,6 +117,10 @@ class PipelineSpec(ComponentSpec):
     default_model_path: str | None = attrs.field(default=None, validator=_check_model_path)
     #: parallel strategies the pipeline supports: any of ulysses, ring, cfg, data
     supported_parallel: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the model's own sampling knobs (beyond ``SamplingParams``' core fields); the same constant as the
+    #: pipeline class's ``sampling_fields``, read here so the core needs no pipeline import to validate them
+    sampling_fields: tuple[SamplingField, ...] = attrs.field(default=(), converter=tuple,
+                                                             validator=check_declarations)
 
 
 @attrs.frozen(kw_only=True)

@@ -22,7 +22,8 @@ class BaseScheduler:
     request never holds back compatible ones behind it, and (being oldest next time) never starves.
     """
 
-    #: SamplingParams fields that must match for requests to share a wave
+    #: core SamplingParams fields that must match for requests to share a wave; a model's own fields join the
+    #: key when their declaration says ``splits_batch`` (see :meth:`batch_key`)
     KEY_FIELDS: tuple[str, ...] = ()
 
     def __init__(self, max_num_seqs: int = 1, *, starvation_limit: int = 16) -> None:
@@ -37,9 +38,12 @@ class BaseScheduler:
 
     # ------------------------------------------------------------------ keys
     def batch_key(self, request: OmniDiffusionRequest) -> tuple:
+        """``KEY_FIELDS``, the model fields declared ``splits_batch`` (read from the declarations the pipeline's
+        check put on the params: no pipeline import here), and whether there is a negative prompt."""
         sp = request.sampling_params
         has_negative = request.negative_prompt is not None
-        return tuple(getattr(sp, f) for f in self.KEY_FIELDS) + (has_negative,)
+        model = tuple((f.name, sp.model_fields.get(f.name)) for f in sp.model_field_specs if f.splits_batch)
+        return tuple(getattr(sp, f) for f in self.KEY_FIELDS) + model + (has_negative,)
 
     # ------------------------------------------------------------------ lifecycle
     def add_request(self, request: OmniDiffusionRequest) -> str:

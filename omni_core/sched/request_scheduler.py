@@ -5,5 +5,5 @@ from omni_core.sched.base import BaseScheduler
 
 class RequestScheduler(BaseScheduler):
     #: everything that shapes the batched computation, step count included (the wave runs all its steps)
-    KEY_FIELDS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2",
-                  "true_cfg_scale", "num_outputs_per_prompt", "max_sequence_length")
+    KEY_FIELDS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "num_outputs_per_prompt",
+                  "max_sequence_length")

@@ -5,5 +5,4 @@ from omni_core.sched.base import BaseScheduler
 
 class StepScheduler(BaseScheduler):
     #: step counts and step indices are left out, so requests at different steps share a wave
-    KEY_FIELDS = ("height", "width", "num_frames", "guidance_scale", "guidance_scale_2", "true_cfg_scale",
-                  "num_outputs_per_prompt", "max_sequence_length")
+    KEY_FIELDS = ("height", "width", "num_frames", "guidance_scale", "num_outputs_per_prompt", "max_sequence_length")

@@ -238,21 +238,51 @@ def _sampling(fields: dict[str, Any], names: Mapping[str, str], **fixed: Any) ->
         raise config_error(exc, {v: k for k, v in names.items()}) from None
 
 
+# ------------------------------------------------------------------------------------------ model fields
+_KIND_OF_TYPE = {"float": "number", "int": "int", "bool": "bool", "str": "str", "choice": "str"}
+
+
+class _WithModelFields(Mapping):
+    """A body's fields plus every sampling field the registered pipelines declare (read from their records on
+    each use), so a model's knob is a request field by declaration alone; the served pipeline's check refuses
+    one it does not declare (a 400 naming the field). The body's own fields win a name clash."""
+
+    def __init__(self, own: dict[str, str], kind: bool = True) -> None:
+        self.own, self.kind = own, kind
+
+    def _all(self) -> dict[str, str]:
+        from omni_core.config import registered_sampling_fields
+
+        declared = {name: (_KIND_OF_TYPE[decls[0][1].type] if self.kind else name)
+                    for name, decls in registered_sampling_fields().items()}
+        return {**self.own, **{k: v for k, v in declared.items() if k not in IMAGE_FIELDS.own | VIDEO_FIELDS.own}}
+
+    def __getitem__(self, key: str) -> str:
+        return self._all()[key]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
 # ------------------------------------------------------------------------------------------ images
-IMAGE_FIELDS = {
+IMAGE_FIELDS = _WithModelFields({
     "prompt": "str", "model": "str", "n": "int", "size": "str", "response_format": "str", "stream": "bool",
-    "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "true_cfg_scale": "number",
-    "seed": "int", "extra_args": "object",
-}
+    "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
+    "extra_args": "object",
+})
 #: OpenAI fields accepted only at the value this server produces anyway
 IMAGE_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "style": ("vivid", "natural"),
                            "background": ("auto", "opaque"), "output_format": ("png",),
                            "moderation": ("auto", "low")}
 IMAGE_UNSUPPORTED = {"partial_images": "a stream sends one preview per denoising step",
                      "output_compression": "images are PNG", "svg": "images are PNG"}
-_IMAGE_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
-                   "guidance_scale": "guidance_scale", "true_cfg_scale": "true_cfg_scale", "seed": "seed",
-                   "extra_args": "extra_args"}
+#: request field -> SamplingParams keyword (model-declared fields keep their name)
+_IMAGE_SAMPLING = _WithModelFields({"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
+                                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"},
+                                   kind=False)
 
 
 @attrs.frozen
@@ -279,16 +309,16 @@ def parse_image_request(body: Any) -> ImageRequest:
 
 
 # ------------------------------------------------------------------------------------------ videos
-VIDEO_FIELDS = {
+VIDEO_FIELDS = _WithModelFields({
     "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
-    "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number",
-    "guidance_scale_2": "number", "seed": "int", "extra_args": "object",
-}
+    "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
+    "extra_args": "object",
+})
 VIDEO_UNSUPPORTED = {"input_reference": "only text-to-video is served",
                      "remixed_from_video_id": "remixing is not supported"}
-_VIDEO_SAMPLING = {"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
-                   "guidance_scale": "guidance_scale", "guidance_scale_2": "guidance_scale_2", "seed": "seed",
-                   "extra_args": "extra_args"}
+_VIDEO_SAMPLING = _WithModelFields({"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
+                                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"},
+                                   kind=False)
 MAX_FPS = 120
 DEFAULT_FPS = 16
 

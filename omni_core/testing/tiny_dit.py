@@ -37,6 +37,7 @@ from omni_core.pipelines import OmniPipeline, StepState
 from omni_core.pipelines.base import read_model_index
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import dtype_kwarg, refuse_pickled_weights
+from omni_core.testing.tiny_dit_plugin import CONTEXT_SCALE, SAMPLING_FIELDS
 
 #: the pipeline component name (``model_index.json``'s ``_class_name``) and the short model name
 PIPELINE_NAME = "OmniTinyDiTPipeline"
@@ -176,7 +177,7 @@ class TinyDiTTransformer(ModelMixin, ConfigMixin):
         self.proj_out = nn.Linear(dim, p * p * in_channels)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
+                encoder_mask: torch.Tensor | None = None, context_scale: float = 1.0) -> torch.Tensor:
         b, c, hh, ww = hidden_states.shape
         p = self.config.patch_size
         gh, gw = hh // p, ww // p
@@ -189,6 +190,8 @@ class TinyDiTTransformer(ModelMixin, ConfigMixin):
         t = (timestep.reshape(-1).expand(b).to(tokens.dtype) / 1000.0)[:, None]
         temb = per_row(self.time_embed, t) + per_row(self.text_pool, pooled)
         context = self.context_proj(encoder_hidden_states)
+        if context_scale != 1.0:
+            context = context * context_scale
         for block in self.blocks:
             tokens = block(tokens, temb, context, encoder_mask)
         out = self.proj_out(self.norm_out(tokens))
@@ -210,6 +213,8 @@ class TinyDiTPipeline(OmniPipeline):
     default_width = 16
     default_num_inference_steps = 6
     default_guidance_scale = 3.0
+    #: ``context_scale``: the model's own knob, also on its record (``tiny_dit_plugin``)
+    sampling_fields = SAMPLING_FIELDS
     default_limits: ClassVar[dict] = {"max_pixels": 64 * 64}
     component_names: ClassVar[tuple[str, ...]] = ("transformer", "text_encoder", "scheduler")
 
@@ -275,18 +280,20 @@ class TinyDiTPipeline(OmniPipeline):
         state.num_steps, state.step_index = len(state.timesteps), 0
         state.prompt_embeds, state.prompt_mask = self.encode(state.request.prompt)
         state.extra["guidance_scale"] = float(scale)
+        state.extra["context_scale"] = float(sp.model_fields.get("context_scale", CONTEXT_SCALE.default))
         if scale > 1.0:
             state.negative_prompt_embeds, state.negative_prompt_mask = self.encode(state.request.negative_prompt or "")
         return state
 
     @torch.no_grad()
     def denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
-        """One transformer call per image size for every state: all cond rows, then the guided states' uncond
-        rows (CFG batched into the same call)."""
+        """One transformer call per image size and ``context_scale`` (the scheduler keeps different scales in
+        different waves) for every state: all cond rows, then the guided states' uncond rows (CFG batched into
+        the same call)."""
         preds: list[Any] = [None] * len(states)
         by_size: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
-            by_size.setdefault(tuple(s.latents.shape[1:]), []).append(i)
+            by_size.setdefault((*s.latents.shape[1:], s.extra.get("context_scale", 1.0)), []).append(i)
         for idx in by_size.values():
             group = [states[i] for i in idx]
             guided = [s for s in group if s.extra["guidance_scale"] > 1.0]
@@ -309,8 +316,10 @@ class TinyDiTPipeline(OmniPipeline):
             masks.append(mask.expand(n, -1))
             rows.append(n)
         mask = torch.cat(masks)
+        scale = segments[0][0].extra.get("context_scale", 1.0)
+        kwargs = {"context_scale": scale} if scale != 1.0 else {}
         with use_denoise_call([(s, n, b) for (s, b), n in zip(segments, rows)], expert="transformer", text_mask=mask):
-            out = self.transformer(torch.cat(xs), torch.cat(ts).to(self.dtype), torch.cat(embs), mask)
+            out = self.transformer(torch.cat(xs), torch.cat(ts).to(self.dtype), torch.cat(embs), mask, **kwargs)
         return list(out.float().split(rows))
 
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:

@@ -15,6 +15,13 @@ import importlib.util
 
 from omni_core import hookimpl
 from omni_core.plugins.types import AttentionBackendSpec, PipelineSpec
+from omni_core.sampling_fields import SamplingField
+
+#: the tiny DiT's own sampling knob, declared as a third-party model declares one (no core edit): on the record
+#: below and on ``TinyDiTPipeline.sampling_fields``. The transformer takes one scale per call, hence splits_batch.
+CONTEXT_SCALE = SamplingField(name="context_scale", type="float", default=1.0, min=0.0, max=4.0, splits_batch=True,
+                              help="tiny DiT: scale of the text context its blocks attend to")
+SAMPLING_FIELDS = (CONTEXT_SCALE,)
 
 #: the distribution name of the session-installed entry point
 DIST_NAME = "omni-testing-tiny-dit"
@@ -27,7 +34,8 @@ def omni_register_pipelines():
         name="OmniTinyDiTPipeline", impl="omni_core.testing.tiny_dit:TinyDiTPipeline", model_names=("tiny-dit",),
         default_model_path="omni_core.testing.tiny_dit_plugin:default_model_path", requires=("torch", "diffusers"),
         supported_parallel=("ulysses", "ring", "cfg"),
-        description="test-only tiny DiT (random weights, 16x16 RGB) from omni_core.testing")]
+        description="test-only tiny DiT (random weights, 16x16 RGB) from omni_core.testing",
+        sampling_fields=SAMPLING_FIELDS)]
 
 
 def _sdpa_plugin_installed() -> bool:

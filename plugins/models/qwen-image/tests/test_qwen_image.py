@@ -157,6 +157,28 @@ def test_sizes_the_model_cannot_take_name_the_multiple(qwen_dir):
     assert (default.height, default.width) == (1024, 1024)
 
 
+def test_true_cfg_scale_is_declared_on_the_record_and_splits_waves(qwen_dir):
+    from omni_core.plugins import get_plugin_manager
+    from omni_core.sched import RequestScheduler, StepScheduler
+    from omni_model_qwen_image.fields import SAMPLING_FIELDS
+    from omni_model_qwen_image.pipeline import QwenImagePipeline
+
+    assert get_plugin_manager().get_component("pipeline", "QwenImagePipeline").sampling_fields == SAMPLING_FIELDS
+    assert QwenImagePipeline.sampling_fields is SAMPLING_FIELDS
+
+    def req(rid, **kw):
+        params = QwenImagePipeline.check_sampling_params(SamplingParams(height=32, width=32, **kw), qwen_dir)
+        return OmniDiffusionRequest(prompt=rid, request_id=rid, negative_prompt=NEG, sampling_params=params)
+
+    for sched in (RequestScheduler(), StepScheduler()):
+        assert sched.batch_key(req("a")) == sched.batch_key(req("b", true_cfg_scale=4.0))  # 4.0: the default
+        assert sched.batch_key(req("a")) != sched.batch_key(req("c", true_cfg_scale=2.0))
+    with pytest.raises(ConfigError, match="guidance_scale_2 is not used by QwenImagePipeline .*; use true_cfg_scale "
+                                          "with a negative prompt for CFG") as err:
+        QwenImagePipeline.check_sampling_params(SamplingParams(guidance_scale_2=2.0), qwen_dir)
+    assert err.value.field == "guidance_scale_2"
+
+
 def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(qwen_dir):
     from omni_model_qwen_image.attention import OmniQwenDoubleStreamAttnProcessor
 

@@ -174,6 +174,29 @@ def test_sizes_the_model_cannot_take_name_the_multiple(wan21_dir, wan22_dir):
     assert (ok.height, ok.width, ok.num_frames, ok.guidance_scale, ok.num_inference_steps) == (16, 48, 81, 5.0, 50)
 
 
+def test_guidance_scale_2_is_declared_on_the_record_and_splits_waves(wan22_dir):
+    from omni_core.plugins import get_plugin_manager
+    from omni_core.sched import RequestScheduler, StepScheduler
+    from omni_model_wan.fields import SAMPLING_FIELDS
+    from omni_model_wan.pipeline import WanPipeline
+
+    assert get_plugin_manager().get_component("pipeline", "WanPipeline").sampling_fields == SAMPLING_FIELDS
+    assert WanPipeline.sampling_fields is SAMPLING_FIELDS
+
+    def req(rid, **kw):
+        params = WanPipeline.check_sampling_params(SamplingParams(height=16, width=16, num_frames=5, **kw), wan22_dir)
+        return OmniDiffusionRequest(prompt=rid, request_id=rid, sampling_params=params)
+
+    assert req("a").sampling_params.guidance_scale_2 is None  # unset: guidance_scale applies at run time
+    for sched in (RequestScheduler(), StepScheduler()):
+        assert sched.batch_key(req("a", guidance_scale_2=3.0)) == sched.batch_key(req("b", guidance_scale_2=3.0))
+        assert sched.batch_key(req("a", guidance_scale_2=3.0)) != sched.batch_key(req("c", guidance_scale_2=2.0))
+    with pytest.raises(ConfigError, match=r"true_cfg_scale is not used by WanPipeline .*; use guidance_scale \(and "
+                                          r"guidance_scale_2 for Wan 2.2's second expert\)") as err:
+        WanPipeline.check_sampling_params(SamplingParams(true_cfg_scale=2.0), wan22_dir)
+    assert err.value.field == "true_cfg_scale"
+
+
 def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(wan22_dir):
     from omni_model_wan.attention import OmniWanAttnProcessor
 

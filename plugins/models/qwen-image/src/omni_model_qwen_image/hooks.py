@@ -2,6 +2,7 @@
 
 from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
+from omni_model_qwen_image.fields import SAMPLING_FIELDS
 
 
 @hookimpl
@@ -12,4 +13,5 @@ def omni_register_pipelines():
         requires=("torch", "diffusers", "transformers"),
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Qwen-Image text-to-image (true CFG with norm rescale); request batching and step-wise",
+        sampling_fields=SAMPLING_FIELDS,
     )]

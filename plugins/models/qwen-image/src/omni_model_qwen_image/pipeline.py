@@ -19,6 +19,7 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
+from omni_model_qwen_image.fields import SAMPLING_FIELDS, TRUE_CFG_SCALE
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 #: diffusers' ``QwenImagePipeline.default_sample_size`` (latent pixels)
@@ -62,7 +63,9 @@ class QwenImagePipeline(DiffusersStepPipeline):
     default_height = 1024
     default_width = 1024
     default_num_inference_steps = 50
-    default_true_cfg_scale = 4.0
+    #: ``true_cfg_scale`` (default 4.0), also on the record
+    sampling_fields = SAMPLING_FIELDS
+    undeclared_field_hint = "use true_cfg_scale with a negative prompt for CFG"
     #: Qwen-Image's published sizes reach 1664x928 / 1328x1328 (1.8 MP); 2048x2048 (4x the default area) leaves
     #: headroom without letting one request take minutes per step
     default_limits: ClassVar[dict] = {"max_pixels": 2048 * 2048}
@@ -77,7 +80,7 @@ class QwenImagePipeline(DiffusersStepPipeline):
         default_size = DEFAULT_SAMPLE_SIZE * vsf  # diffusers: default_sample_size * vae_scale_factor (1024)
         params = fill_defaults(params, height=default_size, width=default_size,
                                num_inference_steps=cls.default_num_inference_steps,
-                               true_cfg_scale=cls.default_true_cfg_scale, max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH)
+                               max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH)
         for name in ("height", "width"):
             value = getattr(params, name)
             if value % multiple:
@@ -92,9 +95,7 @@ class QwenImagePipeline(DiffusersStepPipeline):
         if params.max_sequence_length > MAX_SEQUENCE_LENGTH_LIMIT:
             raise ConfigError(f"max_sequence_length={params.max_sequence_length} is not allowed for {cls.__name__}: "
                               f"at most {MAX_SEQUENCE_LENGTH_LIMIT}", field="max_sequence_length")
-        if params.guidance_scale_2 is not None:
-            raise ConfigError(f"guidance_scale_2 is not used by {cls.__name__} (it is Wan 2.2's second-expert "
-                              f"scale); use true_cfg_scale with a negative prompt for CFG", field="guidance_scale_2")
+        params = cls.check_model_fields(params)  # true_cfg_scale's default; other models' fields are refused
         tcfg = folder_config(model_path, "transformer")
         if tcfg and tcfg.get("guidance_embeds") and params.guidance_scale is None:
             raise ConfigError(f"this {cls.__name__} is guidance-distilled (guidance_embeds): guidance_scale is "
@@ -150,7 +151,7 @@ class QwenImagePipeline(DiffusersStepPipeline):
 
         pipe, sp, req = self.pipe, state.sampling_params, state.request
         n = sp.num_outputs_per_prompt
-        true_cfg = sp.true_cfg_scale if sp.true_cfg_scale is not None else self.default_true_cfg_scale
+        true_cfg = sp.true_cfg_scale if sp.true_cfg_scale is not None else TRUE_CFG_SCALE.default
         msl = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         with torch.no_grad():
             state.prompt_embeds, state.prompt_mask = pipe.encode_prompt(

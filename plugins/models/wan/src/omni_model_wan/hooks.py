@@ -2,6 +2,7 @@
 
 from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
+from omni_model_wan.fields import SAMPLING_FIELDS
 
 
 @hookimpl
@@ -12,4 +13,5 @@ def omni_register_pipelines():
         requires=("torch", "diffusers", "transformers"),
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Wan 2.1 / 2.2 (two experts) text-to-video; request batching and step-wise",
+        sampling_fields=SAMPLING_FIELDS,
     )]

@@ -20,6 +20,7 @@ from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_json
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
+from omni_model_wan.fields import SAMPLING_FIELDS
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
@@ -74,6 +75,9 @@ class WanPipeline(DiffusersStepPipeline):
     #: Wan's largest trained sizes: 720p (1280x720, Wan 2.1/2.2 14B) and 121 frames (Wan 2.2 TI2V-5B, 1280x704)
     default_limits: ClassVar[dict] = {"max_pixels": 1280 * 720, "max_frames": 121}
     default_guidance_scale = 5.0
+    #: ``guidance_scale_2`` (Wan 2.2's second expert), also on the record
+    sampling_fields = SAMPLING_FIELDS
+    undeclared_field_hint = "use guidance_scale (and guidance_scale_2 for Wan 2.2's second expert)"
 
     # ------------------------------------------------------------------ engine process
     @classmethod
@@ -97,9 +101,7 @@ class WanPipeline(DiffusersStepPipeline):
             raise ConfigError(f"num_frames={params.num_frames} is not allowed for {cls.__name__}: num_frames - 1 must "
                               f"be a multiple of {temporal} (the VAE's temporal factor), e.g. {lo} or "
                               f"{lo + temporal}", field="num_frames")
-        if params.true_cfg_scale is not None:
-            raise ConfigError(f"true_cfg_scale is not used by {cls.__name__}; use guidance_scale (and "
-                              f"guidance_scale_2 for Wan 2.2's second expert)", field="true_cfg_scale")
+        params = cls.check_model_fields(params)  # guidance_scale_2; other models' fields are refused
         index = (read_json(f"{model_path}/model_index.json") if model_path else None) or {}
         if params.guidance_scale_2 is not None and model_path and index.get("boundary_ratio") is None:
             raise ConfigError(f"guidance_scale_2 needs a two-expert Wan 2.2 model (boundary_ratio in "
