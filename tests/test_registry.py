@@ -79,6 +79,33 @@ def test_class_disagreeing_with_its_record_is_the_plugins_error(omni_plugin_mana
     assert not av.ok and av.step == "record" and av.reason == msg
 
 
+def test_pipeline_class_declaring_other_sampling_fields_than_its_record_is_refused(register_omni_plugin,
+                                                                                  omni_plugin_manager, monkeypatch):
+    """A pipeline's sampling fields are validated from its record (no import); a class that declares different
+    ones would accept or default what the record does not say, so loading it is the plugin's error."""
+    from omni_core.pipelines.base import OmniPipeline
+    from omni_core.sampling_fields import SamplingField
+
+    scale = SamplingField(name="knob_scale", type="float", default=1.0, min=0.0, max=10.0)
+    module = types.ModuleType("omni_test_fields_mismatch")
+    module.Knobs = type("Knobs", (OmniPipeline,), {"sampling_fields": (scale,)})
+    module.Same = type("Same", (OmniPipeline,), {"sampling_fields": (scale,)})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    class Plugin:
+        @hookimpl
+        def omni_register_pipelines(self):
+            return [PipelineSpec(name="Knobs", impl="omni_test_fields_mismatch:Knobs",
+                                 sampling_fields=(SamplingField(name="knob_scale", type="float", default=2.0),)),
+                    PipelineSpec(name="Same", impl="omni_test_fields_mismatch:Same", sampling_fields=(scale,))]
+
+    register_omni_plugin(Plugin(), "fields-mismatch", dist="omni-fields-mismatch")
+    with pytest.raises(RecordMismatchError) as info:
+        omni_plugin_manager.load_component("pipeline", "Knobs")
+    assert info.value.field == "sampling_fields" and "'Knobs' of plugin 'fields-mismatch'" in str(info.value)
+    assert omni_plugin_manager.load_component("pipeline", "Same") is module.Same
+
+
 def test_class_agreeing_with_its_record_loads(omni_plugin_manager, mismatched):
     assert omni_plugin_manager.load_component("attention", "AGREES").name == "AGREES"
 

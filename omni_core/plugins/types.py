@@ -164,7 +164,7 @@ KINDS: dict[str, KindSpec] = {k.name: k for k in (
              "omni_core.cache.base:CacheBackend", class_fields=("name", "requires"),
              builtins=(("builtin-cache-none", "omni_core.builtin.cache_none"),)),
     KindSpec("pipeline", PipelineSpec, "omni_register_pipelines", "pipeline", "omni_core.pipelines.base:OmniPipeline",
-             class_fields=("requires", "supported_parallel")),
+             class_fields=("requires", "supported_parallel", "sampling_fields")),
     KindSpec("scheduler", SchedulerSpec, "omni_register_schedulers", "scheduler",
              "omni_core.sched.base:BaseScheduler", class_fields=(),
              builtins=(("builtin-schedulers", "omni_core.builtin.schedulers"),)),
