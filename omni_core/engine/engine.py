@@ -342,7 +342,7 @@ class DiffusionEngine:
         return ModelInfo(model=self.config.model, pipeline=spec.name, provider=spec.provider,
                          model_path=self.resolved.model_path, is_video=bool(getattr(cls, "is_video", False)),
                          frame_multiple=getattr(cls, "frame_multiple", 1), size_multiple=cls.size_multiple,
-                         streaming=bool(self.config.streaming_output))
+                         streaming=bool(self.config.streaming_output), sampling_fields=tuple(spec.sampling_fields))
 
     @property
     def is_dead(self) -> bool:

@@ -33,6 +33,9 @@ class ModelInfo:
     size_multiple: int
     #: the engine streams an intermediate output (a preview) after every denoising step
     streaming: bool
+    #: the pipeline's own sampling knobs (``SamplingField`` records from its ``PipelineSpec``): the request fields
+    #: the served model takes beyond the core's
+    sampling_fields: tuple = ()
 
 
 __all__ = ["ModelInfo", "ProgressFn"]

@@ -65,7 +65,7 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     install_error_handlers(app)
     for router in (system.router, system.v1, images.v1, videos.v1):  # the order of the OpenAPI paths
         app.include_router(router)
-    install_openapi(app, server.api_key)
+    install_openapi(app, server.api_key, server.model_info.sampling_fields)
     # outermost first: metrics (counts every answer), the API key (before routing), the body cap
     app.add_middleware(BodyLimitMiddleware, limit=server.max_body_bytes)
     app.add_middleware(AuthMiddleware, server=server)

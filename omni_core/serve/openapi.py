@@ -34,8 +34,19 @@ def form_schema(json_schema: dict[str, Any]) -> dict[str, Any]:
             "properties": {name: {"type": "string"} for name in json_schema["properties"]}}
 
 
-def install_openapi(app: Any, api_key: str | None) -> None:
-    """Replace ``app.openapi`` with the corrected schema (built once, on first use)."""
+def model_request_bodies(model_fields: tuple) -> dict[str, dict[str, Any]]:
+    """``{path: {content type: schema}}`` of the POST bodies, with the served model's declared sampling fields
+    (the routes state the core's fields only, at import, before any model is known)."""
+    from omni_core.serve.protocol import image_body_schema, video_body_schema
+
+    video = video_body_schema(model_fields)
+    return {"/v1/images/generations": {"application/json": image_body_schema(model_fields)},
+            "/v1/videos": {"application/json": video, "multipart/form-data": form_schema(video)}}
+
+
+def install_openapi(app: Any, api_key: str | None, model_fields: tuple = ()) -> None:
+    """Replace ``app.openapi`` with the corrected schema (built once, on first use); ``model_fields``: the served
+    model's sampling fields, documented as body fields."""
     from fastapi.openapi.utils import get_openapi
 
     def openapi() -> dict[str, Any]:
@@ -44,6 +55,11 @@ def install_openapi(app: Any, api_key: str | None) -> None:
                 warnings.filterwarnings("ignore", message="Duplicate Operation ID")
                 schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                      routes=app.routes)
+            for path, bodies in model_request_bodies(model_fields).items():
+                content = schema["paths"].get(path, {}).get("post", {}).get("requestBody", {}).get("content", {})
+                for content_type, body in bodies.items():
+                    if content_type in content:
+                        content[content_type]["schema"] = body
             for path, item in schema["paths"].items():
                 for method, operation in item.items():
                     if method == "head":

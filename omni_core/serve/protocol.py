@@ -12,7 +12,7 @@ import json
 import math
 import numbers
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 
@@ -194,8 +194,8 @@ def _read_fields(body: Any, fields: Mapping[str, str], *, accepted_defaults: Map
                               code="unsupported_value")
             continue
         if name not in fields:
-            raise invalid(f"unrecognized request argument '{name}'; supported: {', '.join(sorted(fields))}", name,
-                          code="unknown_parameter")
+            raise invalid(f"unrecognized request argument '{name}'{_declared_elsewhere(name)}; supported: "
+                          f"{', '.join(sorted(fields))}", name, code="unknown_parameter")
         if value is None:
             continue  # null means "the default", as in OpenAI's API
         if from_form:
@@ -242,37 +242,39 @@ def _sampling(fields: dict[str, Any], names: Mapping[str, str], **fixed: Any) ->
 _KIND_OF_TYPE = {"float": "number", "int": "int", "bool": "bool", "str": "str", "choice": "str"}
 
 
-class _WithModelFields(Mapping):
-    """A body's fields plus every sampling field the registered pipelines declare (read from their records on
-    each use), so a model's knob is a request field by declaration alone; the served pipeline's check refuses
-    one it does not declare (a 400 naming the field). The body's own fields win a name clash."""
-
-    def __init__(self, own: dict[str, str], kind: bool = True) -> None:
-        self.own, self.kind = own, kind
-
-    def _all(self) -> dict[str, str]:
+def model_field_kinds(model_fields: Sequence[Any] | None) -> dict[str, str]:
+    """Body kinds of a model's declared sampling fields (``SamplingField`` records), so a model's knob is a request
+    field by declaration alone. The server passes the served pipeline's (``ModelInfo.sampling_fields``); ``None``
+    (parsing with no server) takes every registered pipeline's, leaving the pipeline's own check to refuse one it
+    does not declare."""
+    if model_fields is None:
         from omni_core.config import registered_sampling_fields
 
-        declared = {name: (_KIND_OF_TYPE[decls[0][1].type] if self.kind else name)
-                    for name, decls in registered_sampling_fields().items()}
-        return {**self.own, **{k: v for k, v in declared.items() if k not in IMAGE_FIELDS.own | VIDEO_FIELDS.own}}
+        model_fields = [decls[0][1] for decls in registered_sampling_fields().values()]
+    return {f.name: _KIND_OF_TYPE[f.type] for f in model_fields}
 
-    def __getitem__(self, key: str) -> str:
-        return self._all()[key]
 
-    def __iter__(self):
-        return iter(self._all())
+def _declared_elsewhere(name: str) -> str:
+    """`` (a sampling field of X, Y)`` when other installed pipelines declare ``name``, else ``""``."""
+    from omni_core.config import registered_sampling_fields
 
-    def __len__(self) -> int:
-        return len(self._all())
+    owners = [pipeline for pipeline, _ in registered_sampling_fields().get(name, [])]
+    return f" (it is a sampling field of {', '.join(owners)}, not of the served model)" if owners else ""
+
+
+def _with_model_fields(fields: Mapping[str, str], sampling: Mapping[str, str], model_fields: Sequence[Any] | None
+                       ) -> tuple[dict[str, str], dict[str, str]]:
+    kinds = {k: v for k, v in model_field_kinds(model_fields).items() if k not in fields}
+    return {**fields, **kinds}, {**sampling, **{name: name for name in kinds}}
 
 
 # ------------------------------------------------------------------------------------------ images
-IMAGE_FIELDS = _WithModelFields({
+#: the core's body fields (name -> kind); a model's declared sampling fields join them (``model_field_kinds``)
+IMAGE_FIELDS = {
     "prompt": "str", "model": "str", "n": "int", "size": "str", "response_format": "str", "stream": "bool",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
     "extra_args": "object",
-})
+}
 #: OpenAI fields accepted only at the value this server produces anyway
 IMAGE_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "style": ("vivid", "natural"),
                            "background": ("auto", "opaque"), "output_format": ("png",),
@@ -280,9 +282,8 @@ IMAGE_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "style": ("vivid", "
 IMAGE_UNSUPPORTED = {"partial_images": "a stream sends one preview per denoising step",
                      "output_compression": "images are PNG", "svg": "images are PNG"}
 #: request field -> SamplingParams keyword (model-declared fields keep their name)
-_IMAGE_SAMPLING = _WithModelFields({"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
-                                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"},
-                                   kind=False)
+_IMAGE_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
+                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"}
 
 
 @attrs.frozen
@@ -294,31 +295,32 @@ class ImageRequest:
     stream: bool
 
 
-def parse_image_request(body: Any) -> ImageRequest:
-    """``POST /v1/images/generations`` body -> validated :class:`ImageRequest` (or a 400 naming the field)."""
-    fields = _read_fields(body, IMAGE_FIELDS, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
+def parse_image_request(body: Any, *, model_fields: Sequence[Any] | None = None) -> ImageRequest:
+    """``POST /v1/images/generations`` body -> validated :class:`ImageRequest` (or a 400 naming the field).
+    ``model_fields``: the served model's declared sampling fields (None: any registered pipeline's)."""
+    kinds, sampling = _with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)
+    fields = _read_fields(body, kinds, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
                           ignored=("user", "safety_identifier"), unsupported=IMAGE_UNSUPPORTED)
     prompt = _prompt(fields)
     fmt = fields.get("response_format", "b64_json")
     if fmt != "b64_json":
         raise invalid(f"'response_format'={fmt!r} is not supported: this server returns images inline, use "
                       f"'b64_json'", "response_format", code="unsupported_value")
-    params = _sampling(fields, _IMAGE_SAMPLING)
+    params = _sampling(fields, sampling)
     return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
                         model=fields.get("model"), stream=fields.get("stream", False))
 
 
 # ------------------------------------------------------------------------------------------ videos
-VIDEO_FIELDS = _WithModelFields({
+VIDEO_FIELDS = {
     "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
     "extra_args": "object",
-})
+}
 VIDEO_UNSUPPORTED = {"input_reference": "only text-to-video is served",
                      "remixed_from_video_id": "remixing is not supported"}
-_VIDEO_SAMPLING = _WithModelFields({"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
-                                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"},
-                                   kind=False)
+_VIDEO_SAMPLING = {"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
+                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"}
 MAX_FPS = 120
 DEFAULT_FPS = 16
 
@@ -341,9 +343,12 @@ def frames_for_seconds(seconds: float, fps: int, frame_multiple: int) -> int:
     return k * frame_multiple + 1
 
 
-def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool = False) -> VideoRequest:
-    """``POST /v1/videos`` body (JSON or form fields) -> validated :class:`VideoRequest`."""
-    fields = _read_fields(body, VIDEO_FIELDS, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
+def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool = False,
+                        model_fields: Sequence[Any] | None = None) -> VideoRequest:
+    """``POST /v1/videos`` body (JSON or form fields) -> validated :class:`VideoRequest`; ``model_fields`` as in
+    :func:`parse_image_request`."""
+    kinds, sampling = _with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)
+    fields = _read_fields(body, kinds, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
                           accepted_defaults={"quality": ("auto", "standard")}, from_form=from_form)
     prompt = _prompt(fields)
     fps = fields.get("fps", DEFAULT_FPS)
@@ -363,7 +368,7 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
                           "seconds")
         fixed["num_frames"] = frames_for_seconds(value, fps, frame_multiple)
         seconds = str(seconds)
-    params = _sampling(fields, _VIDEO_SAMPLING, **fixed)
+    params = _sampling(fields, sampling, **fixed)
     return VideoRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
                         model=fields.get("model"), fps=fps, seconds=seconds)
 
@@ -427,9 +432,11 @@ def body_schema(fields: Mapping[str, str], *, accepted_defaults: Mapping[str, tu
     return {"type": "object", "properties": props, "required": ["prompt"], "additionalProperties": False}
 
 
-def image_body_schema() -> dict[str, Any]:
-    return body_schema(IMAGE_FIELDS, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS, ignored=("user", "safety_identifier"))
+def image_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
+    return body_schema(_with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)[0],
+                       accepted_defaults=IMAGE_ACCEPTED_DEFAULTS, ignored=("user", "safety_identifier"))
 
 
-def video_body_schema() -> dict[str, Any]:
-    return body_schema(VIDEO_FIELDS, accepted_defaults={"quality": ("auto", "standard")}, ignored=("user",))
+def video_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
+    return body_schema(_with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)[0],
+                       accepted_defaults={"quality": ("auto", "standard")}, ignored=("user",))

@@ -33,10 +33,10 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
                       "text/event-stream": {"schema": {"type": "string"}}}},
     **error_docs(400, 404, 413, 429, 500, 503)},
     openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": image_body_schema()}}}})
+        "application/json": {"schema": image_body_schema(())}}}})  # + the served model's fields: openapi.py
 async def generate_images(request: Request):
     server = current(request)
-    req = parse_image_request(parse_json(await request.body()))
+    req = parse_image_request(parse_json(await request.body()), model_fields=server.model_info.sampling_fields)
     server.check_model(req.model)
     if server.is_video:
         raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",

@@ -29,17 +29,18 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
 
 @v1.post("/videos", responses={200: {"description": "the video job"}, **error_docs(400, 404, 413, 429, 503)},
          openapi_extra={"requestBody": {"required": True, "content": {
-             "application/json": {"schema": video_body_schema()},
-             "multipart/form-data": {"schema": form_schema(video_body_schema())}}}})
+             "application/json": {"schema": video_body_schema(())},  # + the served model's fields: openapi.py
+             "multipart/form-data": {"schema": form_schema(video_body_schema(()))}}}})
 async def create_video(request: Request):
     server = current(request)
     content_type = request.headers.get("content-type", "")
-    frame_multiple = server.model_info.frame_multiple
+    frame_multiple, model_fields = server.model_info.frame_multiple, server.model_info.sampling_fields
     if content_type.startswith("multipart/form-data"):
         body = parse_form(await request.body(), content_type)
-        req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True)
+        req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
     else:
-        req = parse_video_request(parse_json(await request.body()), frame_multiple=frame_multiple)
+        req = parse_video_request(parse_json(await request.body()), frame_multiple=frame_multiple,
+                                  model_fields=model_fields)
     server.check_model(req.model)
     if not server.is_video:
         raise invalid(f"model {server.model_name!r} makes images, not videos; use POST /v1/images/generations",
