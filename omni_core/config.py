@@ -551,7 +551,7 @@ class SamplingParams(_FromKwargs):
     model_fields: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=_check_model_fields)
     #: the declarations of the pipeline whose ``check_sampling_params`` produced these params (empty before):
     #: the schedulers key batches on those with ``splits_batch``
-    model_field_specs: tuple = attrs.field(default=(), converter=tuple)
+    model_field_specs: tuple = attrs.field(default=(), converter=tuple, eq=False)  # bookkeeping, not a value
 
     #: fields set by the core or the pipeline's check, not by callers
     _INTERNAL = ("model_fields", "model_field_specs")

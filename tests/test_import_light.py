@@ -47,3 +47,9 @@ def test_import_omni_core_loads_only_pluggy():
     ours = {m for m in mods if m.startswith("omni_core")}
     assert ours == {"omni_core", "omni_core.plugins", "omni_core.plugins.hookspecs"}
     assert "pluggy" in mods
+
+
+def test_the_engine_client_interface_does_not_load_the_engine():
+    """The server's one engine import is the client module; it must not drag in the engine, loader and runner."""
+    mods = imported_after("import omni_core.engine.client")
+    assert "omni_core.engine.engine" not in mods and "omni_core.worker.runner" not in mods and "torch" not in mods

@@ -222,3 +222,37 @@ def test_none_is_validated_like_any_cache_backend(monkeypatch):
             OmniDiffusionConfig(model="m", cache_backend="nnone")
     finally:
         set_plugin_manager(previous)
+
+
+def test_a_class_leaving_record_fields_out_reads_the_records_values(register_omni_plugin, omni_plugin_manager,
+                                                                    monkeypatch):
+    """State once, on the record: a class that leaves a field out (or inherits a base's, such as
+    DiffusersStepPipeline's parallel strategies) loads and reads the record's value, so the workers' checks and
+    the messages that read the class agree with what discovery saw."""
+    from omni_attention_sdpa.backend import TorchSDPABackend
+
+    from omni_core.pipelines.diffusers_step import DiffusersStepPipeline
+
+    module = types.ModuleType("omni_test_adopt")
+    module.Narrow = type("Narrow", (DiffusersStepPipeline,), {})  # inherits ("ulysses", "ring", "cfg")
+    module.Unnamed = type("Unnamed", (TorchSDPABackend,), {"name": ""})
+    module.Inherits = type("Inherits", (TorchSDPABackend,), {})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    class Plugin:
+        @hookimpl
+        def omni_register_pipelines(self):
+            return [PipelineSpec(name="Narrow", impl="omni_test_adopt:Narrow", supported_parallel=("cfg",))]
+
+        @hookimpl
+        def omni_register_attention_backends(self):
+            return [AttentionBackendSpec(name="UNNAMED", impl="omni_test_adopt:Unnamed", requires=("torch",)),
+                    AttentionBackendSpec(name="INHERITS", impl="omni_test_adopt:Inherits")]
+
+    register_omni_plugin(Plugin(), "adopt", dist="omni-adopt")
+    assert omni_plugin_manager.load_component("pipeline", "Narrow").supported_parallel == ("cfg",)
+    assert DiffusersStepPipeline.supported_parallel == ("ulysses", "ring", "cfg")  # the base is left alone
+    unnamed = omni_plugin_manager.load_component("attention", "UNNAMED")
+    assert (unnamed.name, unnamed.requires) == ("UNNAMED", ("torch",))
+    assert omni_plugin_manager.load_component("attention", "INHERITS").name == "INHERITS"
+    assert TorchSDPABackend.name == "TORCH_SDPA"

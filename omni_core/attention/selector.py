@@ -29,19 +29,6 @@ class AttentionSelection:
         return self.spec.backend
 
 
-def _unavailable(name: str, av, where: str, chosen: str) -> Exception:
-    """The error for a backend the walk refused, worded by the step that failed."""
-    if av.step == "requires":
-        return ComponentUnavailableError(f"{where} cannot run here: it {av.reason}")
-    if av.step == "import" and isinstance(av.error, ImportError):
-        return ComponentUnavailableError(f"{where} cannot be imported: {type(av.error).__name__}: {av.error}")
-    if av.error is not None:  # not an import problem (a bug in the plugin, or a record mismatch): as raised
-        return av.error
-    if av.step == "base":
-        return TypeError(f"attention backend {name!r} must be an AttentionBackend subclass, got {av.cls!r}")
-    return ComponentUnavailableError(f"attention backend {name!r} ({chosen}) cannot run here: {av.reason}")
-
-
 def load_backend(name: str, pm=None, *, chosen_by: str = "", ctx=None, until: str | None = "base"
                  ) -> type[AttentionBackend]:
     """Import the backend class registered as ``name``, walked by

@@ -179,12 +179,20 @@ class DiffusionEngine:
                                      f"(max_waiting_requests={limit}); retry later")
             handles = []
             now = time.monotonic()
-            for request in requests:
-                record = RequestRecord(request=request, stream=OutputStream(), arrival=now, on_progress=on_progress)
-                self.scheduler.add_request(request)
-                self._records[request.request_id] = record
-                self.counters["requests_added"] += 1
-                handles.append(RequestHandle(request, record.stream, self.abort))
+            try:
+                for request in requests:
+                    record = RequestRecord(request=request, stream=OutputStream(), arrival=now,
+                                           on_progress=on_progress)
+                    self.scheduler.add_request(request)
+                    self._records[request.request_id] = record
+                    handles.append(RequestHandle(request, record.stream, self.abort))
+            except BaseException:  # all or none: nothing half-queued that no caller holds a handle for
+                for handle in handles:  # still waiting: the scheduler ends them now (the runner never saw them)
+                    self.scheduler.abort_request(handle.request_id)
+                    del self._records[handle.request_id]
+                self._wake.notify()  # the loop's next round flushes them from the scheduler's finished list
+                raise
+            self.counters["requests_added"] += len(handles)
             self._wake.notify()
         return handles
 

@@ -53,6 +53,10 @@ class OutputStream:
             with self._cond:
                 if self._items:
                     return self._items.popleft()
+                if self._waiter is not None and not self._waiter[1].done():
+                    # one waiter slot: a second concurrent reader would leave the first waiting forever
+                    raise RuntimeError("this output stream already has an async reader waiting; read a request's "
+                                       "outputs from one task")
                 future = loop.create_future()
                 self._waiter = (loop, future)
             await future

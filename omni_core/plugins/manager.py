@@ -194,7 +194,9 @@ class OmniPluginManager(pluggy.PluginManager):
             if impl.plugin_name in self._hook_failed or (info is not None and info.status != ACTIVE):
                 continue
             try:
-                # pluggy's own call path with one implementation: argument mapping, tracing, hook monitoring
+                # pluggy's own call path with one implementation: argument mapping, tracing, hook monitoring.
+                # (``subset_hook_caller`` would do the same publicly but needs hashable plugin objects, and a
+                # plugin may be any object, e.g. a namespace.)
                 out = self._hookexec(hook_name, [impl], kwargs, False)
             except Exception as exc:  # noqa: BLE001 - a broken hook disables only its plugin
                 self.fail_plugin(impl.plugin_name, f"{hook_name} raised {type(exc).__name__}: {exc}", exc)
@@ -208,7 +210,7 @@ class OmniPluginManager(pluggy.PluginManager):
         info = self.infos.get(name)
         dist = info.dist if info else name
         logger.warning("omni plugin %r (%s): %s", name, dist, error)
-        if self.strict:
+        if self.strict:  # the error stops the caller; nothing is recorded, so a later non-strict pass reports it
             raise PluginLoadError(name, dist, exc) from exc
         self._hook_failed.add(name)
         if info is not None:

@@ -184,20 +184,25 @@ def kind_of(record: ComponentSpec) -> KindSpec:
 
 
 def check_against_record(record: ComponentSpec, obj: Any) -> None:
-    """Raise if ``obj`` restates one of its kind's ``class_fields`` with a value other than the record's.
-
-    A class that leaves a field empty (the base class's default) takes the record's; only a value the class
-    states itself is compared. The error names the component, plugin, distribution, field and both values.
-    """
+    """Make the record the truth for the loaded class ``obj``: a field of its kind's ``class_fields`` that the
+    class states itself (in its own body) must equal the record's, or :class:`RecordMismatchError` names the
+    component, plugin, distribution, field and both values; a field it does not state itself (left out, or
+    inherited from a base such as ``DiffusersStepPipeline``) takes the record's value, so code that reads the
+    class (workers, messages) sees what the record says."""
     from omni_core.errors import RecordMismatchError as Error
 
+    if not isinstance(obj, type):
+        return
     kind = kind_of(record)
+    adopt = issubclass(obj, kind.base())  # anything else is refused by the availability walk's base step
     for field in kind.class_fields:
-        stated = getattr(obj, field, None)
-        if not stated:  # not restated: the record's value holds
-            continue
         want = getattr(record, field)
-        same = stated == want if isinstance(want, str) else set(stated) == set(want)
+        if not vars(obj).get(field):  # not restated here (or left empty): the record's value holds, on the class too
+            if adopt and (want or getattr(obj, field, None)):
+                setattr(obj, field, want)
+            continue
+        stated = vars(obj)[field]
+        same = stated == want if isinstance(want, str) else set(stated or ()) == set(want)
         if not same:
             shown = stated if isinstance(stated, str) else tuple(stated)
             raise Error(

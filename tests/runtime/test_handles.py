@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 import pytest
 
@@ -51,6 +52,32 @@ def test_submit_is_all_or_none(omni):
     assert err.value.field == "request_id"
     after = omni.stats()
     assert after["requests_added"] == before["requests_added"] and after["tracked_requests"] == []
+
+
+def test_submit_is_all_or_none_when_the_scheduler_refuses_one_midway(omni, monkeypatch):
+    """A scheduler that raises on the second request leaves nothing of the first queued or tracked."""
+    scheduler = omni.engine.scheduler
+    real, seen = scheduler.add_request, []
+
+    def add_request(request):
+        seen.append(request.request_id)
+        if len(seen) == 2:
+            raise RuntimeError("scheduler refuses")
+        return real(request)
+
+    before = omni.stats()
+    monkeypatch.setattr(scheduler, "add_request", add_request)
+    with pytest.raises(RuntimeError, match="scheduler refuses"):
+        omni.engine.submit([req("first", num_inference_steps=1), req("second", num_inference_steps=1)])
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10  # the busy loop flushes the scheduler's finished list on its next round
+    while omni.stats()["tracked_requests"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = omni.stats()
+    assert after["requests_added"] == before["requests_added"] and after["tracked_requests"] == []
+    assert after["waiting"] == 0 and scheduler.tracked_ids() == set()
+    (handle,) = omni.engine.submit([req("later", num_inference_steps=1)])  # the engine goes on as before
+    assert handle.result(timeout=60).status == "completed"
 
 
 def test_submit_takes_a_list(omni):
@@ -111,6 +138,20 @@ def test_handle_abort_ends_the_request_aborted(omni):
 def test_a_get_timeout_raises_queue_empty():
     with pytest.raises(queue.Empty):
         OutputStream().get(timeout=0.01)
+
+
+def test_a_second_concurrent_async_reader_is_refused_not_left_waiting():
+    stream = OutputStream()
+
+    async def main():
+        first = asyncio.ensure_future(stream.aget())
+        await asyncio.sleep(0.01)  # the first reader is waiting
+        with pytest.raises(RuntimeError, match="already has an async reader"):
+            await stream.aget()
+        stream.put("x")
+        return await asyncio.wait_for(first, 10)
+
+    assert asyncio.run(main()) == "x"
 
 
 def test_a_stream_wakes_an_asyncio_reader_from_another_thread():
