@@ -256,3 +256,18 @@ def test_a_class_leaving_record_fields_out_reads_the_records_values(register_omn
     assert (unnamed.name, unnamed.requires) == ("UNNAMED", ("torch",))
     assert omni_plugin_manager.load_component("attention", "INHERITS").name == "INHERITS"
     assert TorchSDPABackend.name == "TORCH_SDPA"
+
+
+def test_the_walk_answers_for_every_kind():
+    """Platforms are probed as instances; pipelines, schedulers and executors have no probe and pass that step."""
+    from omni_core.plugins.availability import check_component
+
+    pm = create_plugin_manager(strict=True)
+    assert check_component("platform", "cpu", pm=pm).ok
+    assert check_component("scheduler", "step", pm=pm).ok and check_component("executor", "uni", pm=pm).ok
+    assert check_component("pipeline", "ShapesPipeline", pm=pm).ok
+    import torch
+
+    cuda = check_component("platform", "cuda", pm=pm)
+    if torch.version.cuda is None:  # a CPU build of torch (CI): the platform's own probe says why
+        assert not cuda.ok and cuda.step == "is_available" and "without CUDA" in cuda.reason

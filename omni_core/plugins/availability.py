@@ -76,7 +76,8 @@ def check_record(record: ComponentSpec, ctx: Context | None = None, *, until: st
         return Availability(False, reason, cls, step=step, error=error)
 
     try:
-        ok, why = cls.is_available()
+        probe = getattr(cls() if kind.probe_instance else cls, "is_available", None)
+        ok, why = probe() if probe is not None else (True, "")  # pipelines, schedulers, executors: no probe
     except Exception as exc:  # noqa: BLE001
         return fail("is_available", f"is_available() raised {type(exc).__name__}: {exc}", exc)
     if not ok:

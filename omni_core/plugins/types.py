@@ -149,6 +149,9 @@ class KindSpec:
     class_fields: tuple[str, ...] = ("name",)
     #: built-in plugins of the core that register components of this kind (plugin name -> module)
     builtins: tuple[tuple[str, str], ...] = ()
+    #: ``is_available`` is asked of an instance (platforms: argument-free constructors whose probe reads the
+    #: device), not of the class; kinds whose base has no ``is_available`` skip that step
+    probe_instance: bool = False
 
     def base(self) -> type:
         """Import the base class."""
@@ -157,7 +160,7 @@ class KindSpec:
 
 KINDS: dict[str, KindSpec] = {k.name: k for k in (
     KindSpec("platform", PlatformSpec, "omni_register_platforms", "platform", "omni_core.platforms.interface:Platform",
-             builtins=(("builtin-platform-cpu", "omni_core.builtin.platform_cpu"),)),
+             builtins=(("builtin-platform-cpu", "omni_core.builtin.platform_cpu"),), probe_instance=True),
     KindSpec("attention", AttentionBackendSpec, "omni_register_attention_backends", "attention backend",
              "omni_core.attention.backend:AttentionBackend", class_fields=("name", "requires")),
     KindSpec("cache", CacheBackendSpec, "omni_register_cache_backends", "cache backend",
