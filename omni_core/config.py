@@ -20,7 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 OUTPUT_TYPES = ("pil", "pt", "np", "latent")
 MAX_OUTPUTS_PER_PROMPT = 16
 MAX_INFERENCE_STEPS = 1000
-#: guidance scales (guidance_scale, and models' own such as true_cfg_scale) must lie in [0, GUIDANCE_MAX]: models
+#: guidance scales (guidance_scale, and the ones models declare) must lie in [0, GUIDANCE_MAX]: models
 #: are used at 1-20, and a larger scale only amplifies the conditional difference into saturated noise
 GUIDANCE_MAX = 100.0
 #: hard bounds of one output's height and width, and of num_frames (limits are checked within these)
@@ -494,7 +494,7 @@ def _field_validator(field: SamplingField) -> Callable:
 
 def check_sampling_field(instance: Any, field: SamplingField, value: Any) -> None:
     """Validate ``value`` (not None) against a model's declaration with the core fields' own validators, so the
-    message reads like theirs: ``SamplingParams.true_cfg_scale=nan is invalid: must not be NaN``."""
+    message reads like theirs: ``SamplingParams.shift_scale=nan is invalid: must not be NaN``."""
     _field_validator(field)(instance, field, value)
 
 
@@ -526,8 +526,8 @@ class SamplingParams(_FromKwargs):
     """Prompt-independent generation knobs. ``None`` means "the model's default".
 
     Besides the core fields below, a keyword may name a sampling field a registered model declares (see
-    :mod:`omni_core.sampling_fields`, e.g. Qwen-Image's ``true_cfg_scale``): it is validated against that
-    declaration, stored in ``model_fields`` and read back as an attribute (``params.true_cfg_scale``; a
+    :mod:`omni_core.sampling_fields`, e.g. a model's ``shift_scale``): it is validated against that
+    declaration, stored in ``model_fields`` and read back as an attribute (``params.shift_scale``; a
     declared field that is unset reads None until the pipeline's check fills its default). They live beside
     ``extra_args``, not in it: they are typed and checked when the params are built, named like core fields
     in errors, CLI flags and HTTP bodies, and may key batches; ``extra_args`` stays the free-form options the

@@ -1,4 +1,4 @@
-"""Sampling fields a model declares (Qwen-Image's ``true_cfg_scale``, Wan 2.2's ``guidance_scale_2``).
+"""Sampling fields a model declares (e.g. a second guidance scale, a strength).
 
 The core's :class:`~omni_core.config.SamplingParams` holds the knobs every model shares; a knob only one model
 understands is declared by that model as a :class:`SamplingField` on its ``PipelineSpec`` record (and the
@@ -65,7 +65,7 @@ class SamplingField:
 
     @property
     def flag(self) -> str:
-        """The ``omni generate`` option: ``true_cfg_scale`` -> ``--true-cfg-scale``."""
+        """The ``omni generate`` option: ``shift_scale`` -> ``--shift-scale``."""
         return "--" + self.name.replace("_", "-")
 
 

@@ -42,8 +42,8 @@ _ARG_TYPES = {"float": float, "int": int, "str": str}
 
 
 def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, str]]:
-    """One option per sampling field the registered pipelines declare (``true_cfg_scale`` ->
-    ``--true-cfg-scale``), read from their records. Returns ``[(field name, argparse dest)]``."""
+    """One option per sampling field the registered pipelines declare (``shift_scale`` ->
+    ``--shift-scale``), read from their records. Returns ``[(field name, argparse dest)]``."""
     from omni_core.config import registered_sampling_fields
 
     added = []

@@ -20,7 +20,7 @@ class ModelInfo:
 
     #: the ``model`` the engine was started with (a short name or a folder)
     model: str
-    #: the pipeline's registered name (e.g. ``QwenImagePipeline``)
+    #: the pipeline's registered name (e.g. ``MyModelPipeline``)
     pipeline: str
     #: the distribution that registered the pipeline
     provider: str

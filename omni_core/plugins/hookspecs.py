@@ -78,7 +78,7 @@ def omni_register_attention_backends() -> Iterable[AttentionBackendSpec]:
         @hookimpl
         def omni_register_attention_backends():
             return [AttentionBackendSpec(name="FLASH_ATTN", impl="omni_attention_flash.backend:FlashAttentionBackend",
-                                         requires=("flash_attn",))]
+                                         requires=("torch",))]
     """
 
 

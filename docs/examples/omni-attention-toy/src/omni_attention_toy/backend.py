@@ -30,7 +30,6 @@ class ToyAttentionBackend(AttentionBackend):
     name = "TOY_ATTN"
     supported_dtypes = ("float32", "bfloat16", "float16")
     supported_devices = ("cpu", "cuda")
-    requires = ("torch",)
 
     @classmethod
     def get_impl_cls(cls):

@@ -20,7 +20,6 @@ from omni_core.pipelines.denoiser import denoisers_of
 
 class EveryOtherStep(CacheBackend):
     name = "every_other"
-    requires = ("torch",)
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
