@@ -18,7 +18,7 @@ from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
-from omni_core.pipelines.diffusers_folder import read_json
+from omni_core.pipelines.diffusers_folder import read_model_index
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
 from omni_model_wan.fields import SAMPLING_FIELDS
 
@@ -102,7 +102,7 @@ class WanPipeline(DiffusersStepPipeline):
                               f"be a multiple of {temporal} (the VAE's temporal factor), e.g. {lo} or "
                               f"{lo + temporal}", field="num_frames")
         params = cls.check_model_fields(params)  # guidance_scale_2; other models' fields are refused
-        index = (read_json(f"{model_path}/model_index.json") if model_path else None) or {}
+        index = (read_model_index(model_path) if model_path else None) or {}
         if params.guidance_scale_2 is not None and model_path and index.get("boundary_ratio") is None:
             raise ConfigError(f"guidance_scale_2 needs a two-expert Wan 2.2 model (boundary_ratio in "
                               f"model_index.json); {model_path!r} has none", field="guidance_scale_2")
