@@ -31,7 +31,29 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name or folder (default: the tiny test pipeline)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per request (default: model default)")
     p.add_argument("--size", type=int, default=None, help="height and width (default: model default)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads per model process, the same for every row (default: the engine's policy)")
     return p
+
+
+def engine_config(args, **config) -> dict:
+    """Engine keyword arguments every row of a benchmark shares: limits that admit ``--size``/``--steps``
+    and the thread policy."""
+    out = {"limits": limits(args), **config}
+    if args.cpu_threads is not None:
+        out["cpu_threads"] = args.cpu_threads
+    return out
+
+
+def thread_header(args) -> str:
+    """The thread policy every row ran with, for the header."""
+    import os
+
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.platforms.threads import thread_policy
+
+    policy = thread_policy(OmniDiffusionConfig(model="-", cpu_threads=args.cpu_threads))
+    return f"{policy}; load average {os.getloadavg()[0]:.2f}"
 
 
 def resolve(args) -> str:

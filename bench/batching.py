@@ -47,13 +47,13 @@ def main() -> None:
     args = p.parse_args()
     model = _common.resolve(args)
     params = _common.sampling(args)
-    print(f"model={args.model or 'tiny test pipeline'} concurrent requests={args.n}")
+    print(f"model={args.model or 'tiny test pipeline'} concurrent requests={args.n}; {_common.thread_header(args)}")
     print(f"{'mode':14} {'max_num_seqs':>12} {'seconds':>8} {'req/s':>7} {'vs serial':>10}")
     for mode, step in (("request_batch", False), ("step_batch", True)):
         serial = None
         for seqs in (1, 4, 8):
-            sec = run(model, params, args.n, args.repeats, max_num_seqs=seqs, step_execution=step,
-                      limits=_common.limits(args))
+            sec = run(model, params, args.n, args.repeats,
+                      **_common.engine_config(args, max_num_seqs=seqs, step_execution=step))
             serial = serial or sec
             print(f"{mode:14} {seqs:12d} {sec:8.2f} {args.n / sec:7.1f} {serial / sec:9.2f}x")
 

@@ -425,6 +425,9 @@ class OmniDiffusionConfig(_FromKwargs):
     limits: RequestLimits = attrs.field(factory=RequestLimits, converter=RequestLimits.coerce)
     #: start more worker processes than the platform has devices (or usable CPU cores) anyway
     oversubscribe: bool = attrs.field(default=False, validator=bool_field)
+    #: torch threads of each model process, set once at its start; None = this machine's usable CPU cores
+    #: divided by the model processes on it (``omni_core.platforms.threads``)
+    cpu_threads: int | None = attrs.field(default=None, validator=int_field(min=1, max=4096, optional=True))
 
     def __attrs_post_init__(self) -> None:
         for name in sorted(self.attention_config.backend_names()):

@@ -41,6 +41,9 @@ class OmniDiffusionRequest:
     arrival_time: float = attrs.field(factory=time.monotonic)
     #: free-form data from pre-processing, passed to the pipeline (e.g. an input image)
     extra: dict = attrs.field(factory=dict)
+    #: with a streaming engine, whether this request's caller reads its per-step previews; False skips the
+    #: preview work and the intermediate outputs (a non-streamed HTTP request still gets progress callbacks)
+    stream_previews: bool = True
 
     @property
     def seed(self) -> int:

@@ -15,6 +15,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     eng.add_argument("--attention-backend", default=None, help="default attention backend (e.g. TORCH_SDPA)")
     eng.add_argument("--cache-backend", default=None, help="cache backend (e.g. cache_dit, tea_cache; default none)")
     eng.add_argument("--cache-config", default=None, help="JSON object of cache backend options")
+    eng.add_argument("--cpu-threads", type=int, default=None,
+                     help="torch threads per model process (default: usable CPU cores / model processes)")
     eng.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     eng.add_argument("--executor", default=None, help="uni or mp (default: by the number of processes)")
     eng.add_argument("--parallel-config", default=None, help='JSON object, e.g. \'{"ulysses_degree": 2}\'')
@@ -38,7 +40,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``OmniDiffusionConfig`` keyword arguments from the engine options that were given."""
     opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
             "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
-            "executor": args.executor, "parallel_config": _json_arg(args.parallel_config, "parallel-config")}
+            "executor": args.executor, "cpu_threads": args.cpu_threads, "parallel_config": _json_arg(args.parallel_config, "parallel-config")}
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.step_execution:
         opts["step_execution"] = True

@@ -85,6 +85,8 @@ class DiffusionEngine:
         self._dead: str | None = None
         self.counters = {"requests_added": 0, "requests_completed": 0, "requests_aborted": 0, "requests_failed": 0,
                          "denoise_steps": 0}
+        #: where the busy loop's time went, summed over waves (see ``wave_timing``)
+        self.timing = {"waves": 0, "denoise_calls": 0, "wave_s": 0.0, "pipeline_s": 0.0, "denoise_s": 0.0}
         self._thread = threading.Thread(target=self._busy_loop, name="omni-engine", daemon=True)
         self._thread.start()
 
@@ -222,6 +224,7 @@ class DiffusionEngine:
                         self._die(self.executor.death_reason or "the engine is dead: a worker died")
                 if self._closed or self._dead:
                     return
+                t0 = time.perf_counter()
                 sched = self.scheduler.schedule()
             try:
                 if sched.is_empty:
@@ -242,7 +245,15 @@ class DiffusionEngine:
                 result = RunnerOutput(outputs={rid: DiffusionOutput(request_id=rid, status="error",
                                                                     error=f"{type(exc).__name__}: {exc}")
                                                for rid in sched.scheduled_ids})
-            self._apply(sched, result)
+            self._apply(sched, result, t0)
+
+    def _count_wave(self, wall_s: float, metrics: dict) -> None:
+        t = self.timing
+        t["waves"] += 1
+        t["wave_s"] += wall_s
+        t["pipeline_s"] += metrics.get("pipeline_s", 0.0)
+        t["denoise_s"] += metrics.get("denoise_s", 0.0)
+        t["denoise_calls"] += metrics.get("denoise_calls", 0)
 
     def _mark_started(self, sched: DiffusionSchedulerOutput) -> None:
         now = time.monotonic()
@@ -257,7 +268,7 @@ class DiffusionEngine:
             if rid in self._records:
                 self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
 
-    def _apply(self, sched: DiffusionSchedulerOutput, result: RunnerOutput) -> None:
+    def _apply(self, sched: DiffusionSchedulerOutput, result: RunnerOutput, t0: float) -> None:
         with self._lock:
             ended = self.scheduler.update_from_output(sched, result)
             self._runner_held = set(result.held_ids)
@@ -275,18 +286,20 @@ class DiffusionEngine:
                     self._finalize(rid, out)
                 elif not out.finished:
                     self._notify_progress(record, out.step_index, out.num_steps)
-                    if self.config.streaming_output:
+                    if self.config.streaming_output and record.request.stream_previews:
                         record.stream.put(out)
             for rid, status in ended.items():  # ended without an output (lost by the runner)
                 if rid in self._records:
                     self._finalize(rid, DiffusionOutput(request_id=rid, status="error",
                                                         error="the runner returned no output for this request"))
+            # counted before the lock is released, so whoever reads a delivered output sees its wave counted
+            self._count_wave(time.perf_counter() - t0, result.metrics)
 
     def _last_step(self, record: RequestRecord, out: DiffusionOutput) -> None:
         """The step that finished a request counts like the others: progress, and (streaming) its preview
         as an intermediate output before the final one, so N steps stream N previews (lock held)."""
         self._notify_progress(record, out.step_index, out.num_steps)
-        if self.config.streaming_output:
+        if self.config.streaming_output and record.request.stream_previews:
             record.stream.put(DiffusionOutput(
                 request_id=out.request_id, finished=False, preview=out.preview, step_index=out.step_index,
                 num_steps=out.num_steps, metrics={k: out.metrics[k] for k in ("step_time_s", "batch_size")
@@ -360,12 +373,23 @@ class DiffusionEngine:
     def dead_reason(self) -> str | None:
         return self._dead
 
+    def wave_timing(self) -> dict[str, float]:
+        """Where the busy loop's time went, summed since start: ``wave_s`` (wall time of waves, from
+        scheduling to delivering their outputs), ``pipeline_s`` (inside the model's pipeline calls),
+        ``denoise_s`` (inside ``denoise_step``), ``denoise_calls``, and ``engine_s_per_step``: the engine's own
+        time (``wave_s - pipeline_s``: scheduling, transport, bookkeeping, events, delivery) per denoiser call."""
+        with self._lock:
+            t = dict(self.timing)
+        t["engine_s"] = t["wave_s"] - t["pipeline_s"]
+        t["engine_s_per_step"] = t["engine_s"] / t["denoise_calls"] if t["denoise_calls"] else 0.0
+        return t
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             tracked = set(self._records) | self.scheduler.tracked_ids() | self._runner_held
             return {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
                     "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
-                    "dead": self._dead, **self.counters}
+                    "dead": self._dead, **self.counters, "timing": self.wave_timing()}
 
     def close(self) -> None:
         """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""

@@ -22,6 +22,7 @@ from typing import Any
 from omni_core.errors import EngineDeadError
 from omni_core.executor.base import DiffusionExecutor
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.worker.timing import merge_wave_timings
 
 logger = logging.getLogger("omni_core.executor")
 
@@ -170,10 +171,13 @@ class MultiProcExecutor(DiffusionExecutor):
         for replica, payload in parts.items():
             self._send(replica, (kind, payload))
         merged = RunnerOutput()
+        timings = []
         for _ in parts:
             out = self._wait_result()
             merged.outputs.update(out.outputs)
             merged.held_ids |= out.held_ids
+            timings.append(out.metrics)
+        merged.metrics = merge_wave_timings(timings)
         for rid, o in merged.outputs.items():
             if o.finished:
                 self._assigned.pop(rid, None)
@@ -190,7 +194,8 @@ class MultiProcExecutor(DiffusionExecutor):
             kind = msg[0]
             if kind == "progress":
                 if self.on_progress is not None:
-                    self.on_progress(msg[1], msg[2], msg[3])
+                    for event in msg[1]:  # one message per denoising step: the batch's events
+                        self.on_progress(*event)
             elif kind == "result":
                 result = msg[2]
                 if any(o.status == "error" for o in result.outputs.values()):

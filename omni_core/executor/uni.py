@@ -17,11 +17,18 @@ class UniProcExecutor(DiffusionExecutor):
 
             raise ConfigError(f"executor 'uni' runs one process but parallel_config needs {self.config.world_size}; "
                               f"use executor='mp'", field="executor")
+        from omni_core.platforms.threads import apply_thread_policy
+
+        apply_thread_policy(self.config)
         device = platform.get_torch_device(0)
         platform.set_device(device)
         self.runner = ModelRunner(self.config, self.resolved, device=device, dtype=torch_dtype(self.config, platform),
-                                  on_progress=self.on_progress)
+                                  on_progress=self._progress if self.on_progress is not None else None)
         self.runner.load_model()
+
+    def _progress(self, events: list[tuple[str, int, int]]) -> None:
+        for event in events:
+            self.on_progress(*event)
 
     def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         return self.runner.execute_batch(sched)

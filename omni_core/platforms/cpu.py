@@ -20,10 +20,9 @@ class CpuPlatform(Platform):
     def max_world_size(self) -> tuple[int, str]:
         """One worker per usable CPU core: more processes only time-slice the same cores (each rank's step
         waits for the slowest), so they cost start-up time and memory without adding throughput."""
-        try:
-            n = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):  # not on Linux
-            n = os.cpu_count() or 1
+        from omni_core.platforms.threads import usable_cpu_cores
+
+        n = usable_cpu_cores()
         return n, f"{n} usable CPU core(s)"
 
     def get_torch_device(self, rank: int = 0) -> Any:

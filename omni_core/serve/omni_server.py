@@ -136,14 +136,19 @@ class OmniServer:
                            param="model", code="model_not_found")
 
     # ------------------------------------------------------------------ engine
-    def submit(self, prompt: str, negative_prompt: str | None, params: Any, on_progress: ProgressFn | None = None):
+    def submit(self, prompt: str, negative_prompt: str | None, params: Any, on_progress: ProgressFn | None = None,
+               *, stream_previews: bool = False):
         """Validate and queue one request; returns its handle or raises the matching APIError.
+
+        ``stream_previews``: the client reads per-step previews (a streamed response); otherwise the engine
+        computes none for it.
 
         The handle is taken at admission, so a request that ends before its reader starts still delivers
         its final output; ``handle.request`` is the request as the engine completed it (defaults, seed).
         """
         params = params.replace(output_type="pt")  # see media.pil_outputs
-        request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params)
+        request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params,
+                                       stream_previews=stream_previews)
         try:
             (handle,) = self.engine.submit([request], on_progress=on_progress)
         except OmniError as exc:

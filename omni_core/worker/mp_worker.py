@@ -61,7 +61,9 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         from omni_core.worker.runner import ModelRunner, torch_dtype
 
         platform = platform_for(config)  # the config's platform, not only what detection finds here
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        from omni_core.platforms.threads import apply_thread_policy
+
+        apply_thread_policy(config, processes=world_size)
         device = platform.get_torch_device(rank)
         platform.set_device(device)
         backend = "gloo" if device.type == "cpu" else platform.dist_backend
@@ -70,7 +72,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         _init_parallel_state(config, rank, world_size)
         replica, replica_ranks, replica_group = _replica_group(config, rank, world_size)
         is_leader = rank == replica_ranks[0]
-        progress = (lambda rid, step, total: result_q.put(("progress", rid, step, total))) if is_leader else None
+        progress = (lambda events: result_q.put(("progress", events))) if is_leader else None
         runner = ModelRunner(config, resolved, device=device, dtype=torch_dtype(config, platform), rank=rank,
                              world_size=world_size, on_progress=progress,
                              poll_aborts=(lambda: _drain(abort_q)) if is_leader else None,

@@ -18,6 +18,7 @@ from omni_core.pipelines.loader import ResolvedModel, load_pipeline
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.worker.timing import WaveClock
 
 logger = logging.getLogger("omni_core.worker")
 
@@ -66,19 +67,20 @@ class _Control:
         self.runner = runner
 
     def stopped(self, request_ids: list[str]) -> set[str]:
-        return self.runner.agree_stopped(request_ids)
+        self.runner.flush_progress()  # the previous step's events, sent once for the whole batch
+        return self.runner.clock.excluded(self.runner.agree_stopped, request_ids)
 
     def on_encoded(self, state: StepState) -> None:
         self.runner.begin_request(state)
 
     def on_step(self, state: StepState) -> None:
         if self.runner.on_progress is not None:
-            self.runner.on_progress(state.request_id, state.step_index, state.num_steps)
+            self.runner.progress.append((state.request_id, state.step_index, state.num_steps))
 
 
 class ModelRunner:
     def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
-                 world_size: int = 1, on_progress: Callable[[str, int, int], None] | None = None,
+                 world_size: int = 1, on_progress: Callable[[list[tuple[str, int, int]]], None] | None = None,
                  poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None
                  ) -> None:
         self.config = config
@@ -87,7 +89,10 @@ class ModelRunner:
         self.dtype = dtype
         self.rank = rank
         self.world_size = world_size
+        #: request path: called once per denoising step with that step's ``(request_id, step, num_steps)``
+        #: events for the whole batch (one message per step, not one per request, from a worker)
         self.on_progress = on_progress
+        self.progress: list[tuple[str, int, int]] = []
         self.poll_aborts = poll_aborts
         #: (process group, source rank, size) in which stop decisions are agreed: this data-parallel replica
         self.stop_group = stop_group or (None, 0, world_size)
@@ -97,10 +102,13 @@ class ModelRunner:
         self._abort_ids: set[str] = set()
         self._abort_lock = threading.Lock()
         self._in_flight: set[str] = set()
+        #: pipeline time of the current wave (``RunnerOutput.metrics``; see ``omni_core.worker.timing``)
+        self.clock = WaveClock()
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
+        self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
         from omni_core.plugins.availability import check_component
 
         name = self.config.cache_backend
@@ -194,7 +202,8 @@ class ModelRunner:
                         raise exc  # a lone request fails as the whole wave does (below)
                     return error_output(state.request_id, exc, fresh.get(state.request_id))
 
-                outs = batched_then_one_by_one(states, self._forward, alone, failed, what="forward")
+                outs = self.clock.timed(
+                    lambda: batched_then_one_by_one(states, self._forward, alone, failed, what="forward"))
                 for r, out in zip(reqs, outs):
                     outputs[r.request_id] = out
         except Exception as exc:  # noqa: BLE001
@@ -206,11 +215,19 @@ class ModelRunner:
             outputs[r.request_id].metrics.update({"execution_time_s": elapsed, "batch_size": len(reqs),
                                                   "communication_bytes": sent})
             self._forget(r.request_id)
-        return RunnerOutput(outputs=outputs, held_ids=self.held_ids())
+        return RunnerOutput(outputs=outputs, held_ids=self.held_ids(), metrics=self.clock.take())
 
     def _forward(self, states: list[StepState]) -> list[DiffusionOutput]:
-        outs = self.pipeline.forward(states, _Control(self))
+        try:
+            outs = self.pipeline.forward(states, _Control(self))
+        finally:
+            self.flush_progress()  # the last step's events, before the outputs
         return [self._finish_output(s, o, {}) for s, o in zip(states, outs)]
+
+    def flush_progress(self) -> None:
+        if self.progress:
+            events, self.progress = self.progress, []
+            self.clock.excluded(self.on_progress, events)
 
     # ------------------------------------------------------------------ step path
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
@@ -218,46 +235,51 @@ class ModelRunner:
 
         self.release(sched.finished_ids)
         outputs: dict[str, DiffusionOutput] = {}
+        timed = self.clock.timed
         t0, sent0 = time.perf_counter(), sent_bytes()
         with torch.inference_mode():
             for req in sched.new_requests:
                 state = self.new_state(req)
                 try:
-                    state = self.pipeline.prepare_encode(state) or state
-                    self.begin_request(state)
+                    state = timed(self._encode, state)
                     self.states[req.request_id] = state
                 except Exception as exc:  # noqa: BLE001
                     outputs[req.request_id] = error_output(req.request_id, exc, state)
             active = [self.states[r] for r in sched.scheduled_ids if r in self.states and not self.states[r].done]
-            preds = self._denoise(active, outputs)
+            preds = timed(self._denoise, active, outputs)
             for state, pred in preds:
                 try:
-                    self.pipeline.step_scheduler(state, pred)
+                    timed(self.pipeline.step_scheduler, state, pred)
                 except Exception as exc:  # noqa: BLE001
                     outputs[state.request_id] = error_output(state.request_id, exc, state)
                     self._forget(state.request_id)
             elapsed, sent = time.perf_counter() - t0, sent_bytes() - sent0
+            wave = {"step_time_s": elapsed, "communication_bytes": sent, "batch_size": len(active)}
             for rid in sched.scheduled_ids:
                 state = self.states.get(rid)
                 if state is None or rid in outputs:
                     continue
+                previews = self.config.streaming_output and state.request.stream_previews
                 if state.done:
                     try:
-                        out = self._finish_output(state, self.pipeline.post_decode(state), {})
-                        if self.config.streaming_output:  # the last step's preview; the engine streams it first
+                        out = self._finish_output(state, timed(self.pipeline.post_decode, state), {})
+                        if previews:  # the last step's preview; the engine streams it first
                             out.preview = self.pipeline.preview(state)
                     except Exception as exc:  # noqa: BLE001
                         out = error_output(rid, exc, state)
                     self._forget(rid)
                 else:
-                    preview = self.pipeline.preview(state) if self.config.streaming_output else None
-                    out = DiffusionOutput(request_id=rid, finished=False, preview=preview,
+                    out = DiffusionOutput(request_id=rid, finished=False,
+                                          preview=self.pipeline.preview(state) if previews else None,
                                           step_index=state.step_index, num_steps=state.num_steps)
-                out.metrics["step_time_s"] = elapsed
-                out.metrics["communication_bytes"] = sent
-                out.metrics["batch_size"] = len(active)
+                out.metrics.update(wave)
                 outputs[rid] = out
-        return RunnerOutput(outputs=outputs, held_ids=self.held_ids())
+        return RunnerOutput(outputs=outputs, held_ids=self.held_ids(), metrics=self.clock.take())
+
+    def _encode(self, state: StepState) -> StepState:
+        state = self.pipeline.prepare_encode(state) or state
+        self.begin_request(state)
+        return state
 
     def _denoise(self, active: list[StepState], outputs: dict[str, DiffusionOutput]) -> list[tuple[StepState, Any]]:
         if not active:

@@ -45,7 +45,7 @@ async def generate_images(request: Request):
         raise invalid("stream=true needs a server that runs its engine with streaming output (omni serve does "
                       "unless started with --no-stream-previews; the pipeline must support step execution)",
                       "stream", code="unsupported_value")
-    handle = server.submit(req.prompt, req.negative_prompt, req.params)
+    handle = server.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.stream)
     rid = handle.request_id
     server.track(rid)
     if req.stream:

@@ -8,10 +8,9 @@ state it is given -- each at its own timestep, both CFG branches included.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -29,9 +28,9 @@ from omni_model_shapes.tokenizer import ShapesTokenizer
 
 logger = logging.getLogger(__name__)
 
-#: ``OmniDiffusionConfig.model_kwargs`` this pipeline understands
-MODEL_KWARGS = {"cpu_threads": "torch threads while the model runs on the CPU (default 1; 0 = leave torch's setting)"}
-DEFAULT_CPU_THREADS = 1
+#: ``OmniDiffusionConfig.model_kwargs`` this pipeline understands: none (torch threads are the engine's
+#: ``cpu_threads``, set once per model process)
+MODEL_KWARGS: dict[str, str] = {}
 
 #: ``SamplingParams.extra_args`` this pipeline understands
 EXTRA_ARGS = {"upscale": "integer 1..32: nearest-neighbour upscaling of PIL outputs for display (default 8)"}
@@ -74,7 +73,7 @@ class ShapesPipeline(OmniPipeline):
 
     def __init__(self, transformer: ShapesTransformer2DModel, text_encoder: ShapesTextEncoder,
                  tokenizer: ShapesTokenizer, scheduler: FlowMatchEulerDiscreteScheduler,
-                 device: Any = "cpu", dtype: Any = torch.float32, cpu_threads: int = DEFAULT_CPU_THREADS) -> None:
+                 device: Any = "cpu", dtype: Any = torch.float32) -> None:
         for model in (transformer, text_encoder):
             model.to(device)
             if model.dtype != dtype:
@@ -87,7 +86,6 @@ class ShapesPipeline(OmniPipeline):
         self.scheduler = scheduler
         self.device = torch.device(device)
         self.dtype = dtype
-        self.cpu_threads = cpu_threads
 
     # ------------------------------------------------------------------ engine process
     @classmethod
@@ -140,12 +138,9 @@ class ShapesPipeline(OmniPipeline):
         kwargs = dict(getattr(config, "model_kwargs", None) or {})
         unknown = sorted(set(kwargs) - set(MODEL_KWARGS))
         if unknown:
-            raise ConfigError(f"model_kwargs {unknown} are not understood by {cls.__name__}; allowed: "
-                              + "; ".join(f"{k} ({v})" for k, v in MODEL_KWARGS.items()), field="model_kwargs")
-        threads = kwargs.get("cpu_threads", DEFAULT_CPU_THREADS)
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-            raise ConfigError(f"model_kwargs.cpu_threads={threads!r} is not allowed: an integer >= 0",
-                              field="model_kwargs.cpu_threads")
+            hint = " (torch threads: the engine option cpu_threads / --cpu-threads)" if "cpu_threads" in unknown else ""
+            raise ConfigError(f"model_kwargs {unknown} are not understood by {cls.__name__}; it takes none"
+                              + hint, field="model_kwargs")
         pipeline = cls(
             transformer=ShapesTransformer2DModel.from_pretrained(os.path.join(model_path, "transformer"),
                                                                  torch_dtype=dtype, use_safetensors=True),
@@ -153,7 +148,7 @@ class ShapesPipeline(OmniPipeline):
                                                            torch_dtype=dtype, use_safetensors=True),
             tokenizer=ShapesTokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(model_path, "scheduler")),
-            device=device, dtype=dtype, cpu_threads=threads)
+            device=device, dtype=dtype)
         return pipeline
 
     def denoisers(self) -> list[DenoiserSpec]:
@@ -175,21 +170,6 @@ class ShapesPipeline(OmniPipeline):
                 "a small orange square in the center", "a blue cross in the bottom left",
                 "a green circle in the top right"]
 
-    @contextlib.contextmanager
-    def threads(self) -> Iterator[None]:
-        """Run with at most ``cpu_threads`` torch threads on the CPU. The model's ops are so small that a second
-        thread mostly waits: measured on a loaded 2-core machine, one image took 5.0 s with 2 threads and
-        0.21 s with 1 (``bench/shapes_latency.py``)."""
-        before = torch.get_num_threads()
-        if self.device.type != "cpu" or not self.cpu_threads or self.cpu_threads >= before:
-            yield
-            return
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
     @torch.no_grad()
     def encode_prompt(self, prompt: str, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``([1, L, D] states, [1, L] bool mask)``; unknown words become ``<unk>`` (and are logged)."""
@@ -204,10 +184,6 @@ class ShapesPipeline(OmniPipeline):
         return self.text_encoder(ids, mask), mask
 
     def prepare_encode(self, state: StepState) -> StepState:
-        with self.threads():
-            return self._prepare_encode(state)
-
-    def _prepare_encode(self, state: StepState) -> StepState:
         sp = state.sampling_params
         height = sp.height or self.default_height
         width = sp.width or self.default_width
@@ -241,10 +217,6 @@ class ShapesPipeline(OmniPipeline):
     @torch.no_grad()
     def denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
         """One transformer call per image size (normally one) for all states and both CFG branches."""
-        with self.threads():
-            return self._denoise_step(states)
-
-    def _denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
         preds: list[torch.Tensor | None] = [None] * len(states)
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
@@ -308,10 +280,6 @@ class ShapesPipeline(OmniPipeline):
         return state.extra["guidance_scale"] > 1.0
 
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
-        with self.threads():
-            self._step_scheduler(state, noise_pred)
-
-    def _step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
         sigma = state.scheduler.sigmas[state.step_index]
         state.extra["x0"] = state.latents.float() - sigma * noise_pred  # the current clean estimate (previews)
         state.latents = state.scheduler.step(noise_pred, state.timesteps[state.step_index], state.latents.float(),

@@ -1,0 +1,128 @@
+"""The hot path: per wave, the time inside the model's pipeline against the engine's own time.
+
+    python bench/hot_path.py [--model shapes] [--max-num-seqs 8] [--depths 1 4 16 64] [--profile]
+
+For each executor (uni, mp) and mode (request_batch, step_batch), a closed loop keeps ``depth`` requests in
+the engine (each finished request is replaced at once) until ``--requests`` have completed, after one
+warm-up round. From ``engine.wave_timing()`` (the runner times every pipeline call; the engine times each
+wave from scheduling to output delivery) it prints, per denoising step: the wall time, the time inside
+``denoise_step``, the rest of the pipeline (encode, scheduler step, decode), and the engine's own time
+(scheduling, transport, bookkeeping, progress and preview events, delivery). Throughput at each depth is
+shown against depth 4. ``--profile`` adds a cProfile of the engine's busy-loop thread at the largest depth
+(step mode, uni executor): where the engine's own time goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import io
+import os
+import pstats
+import time
+
+import _common
+
+
+async def closed_loop(omni, params, depth: int, total: int) -> float:
+    """Keep ``depth`` requests in flight until ``total`` have completed; returns the wall time."""
+    started = 0
+
+    async def client() -> None:
+        nonlocal started
+        while started < total:
+            i, started = started, started + 1
+            async for _ in omni.generate(f"a red circle in the top left {i}", params.replace(seed=i)):
+                pass
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(depth)))
+    return time.perf_counter() - t0
+
+
+def measure(model: str, params, depth: int, total: int, profile: bool = False, **config) -> dict:
+    from omni_core import AsyncOmni
+
+    async def go():
+        omni = AsyncOmni(model, **config)
+        engine = omni.engine
+        prof = None
+        try:
+            await closed_loop(omni, params, min(depth, config["max_num_seqs"]), config["max_num_seqs"])  # warm up
+            if profile:
+                prof = _profile_busy_loop(engine)
+            before = engine.wave_timing()
+            wall = await closed_loop(omni, params, depth, total)
+            after = engine.wave_timing()
+        finally:
+            await omni.close()
+        t = {k: after[k] - before[k] for k in ("waves", "denoise_calls", "wave_s", "pipeline_s", "denoise_s")}
+        t.update(wall=wall, rps=total / wall, prof=prof)
+        return t
+
+    return asyncio.run(go())
+
+
+def _profile_busy_loop(engine):
+    """Start a cProfile inside the engine's busy-loop thread (from its next wave on)."""
+    prof = cProfile.Profile()
+    original = engine._count_wave
+    state = {"on": False}
+
+    def count_and_profile(wall_s, metrics):  # runs on the busy-loop thread after every wave
+        original(wall_s, metrics)
+        if not state["on"]:
+            prof.enable()
+            state["on"] = True
+
+    engine._count_wave = count_and_profile
+    return prof
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--requests", type=int, default=None, help="completed requests per row (default: 2x depth, >= 16)")
+    p.add_argument("--executors", nargs="+", default=["uni", "mp"])
+    p.add_argument("--modes", nargs="+", default=["request_batch", "step_batch"])
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the busy loop (first executor, last mode, largest depth)")
+    args = p.parse_args()
+    model = _common.resolve(args)
+    params = _common.sampling(args)
+    print(f"model={args.model or 'tiny test pipeline'} max_num_seqs={args.max_num_seqs}; {_common.thread_header(args)}")
+    print(f"{'executor':8} {'mode':14} {'depth':>5} {'req/s':>6} {'vs d4':>6} {'steps':>6} {'wall':>7} "
+          f"{'denoise':>8} {'pipe+':>6} {'engine':>7} {'engine%':>7}   (ms per denoising step)")
+    profile_out = None
+    for executor in args.executors:
+        for mode in args.modes:
+            rows = {}
+            for depth in args.depths:
+                total = args.requests or max(16, 2 * depth)
+                prof = args.profile and executor == args.executors[0] and mode == args.modes[-1] \
+                    and depth == max(args.depths)
+                rows[depth] = t = measure(model, params, depth, total, prof, **_common.engine_config(
+                    args, executor=executor, max_num_seqs=args.max_num_seqs, step_execution=mode == "step_batch"))
+                profile_out = t["prof"] or profile_out
+            base = rows.get(4, {}).get("rps")
+            for depth, t in rows.items():
+                steps = max(1, t["denoise_calls"])
+                engine_s = t["wave_s"] - t["pipeline_s"]
+                ratio = f"{t['rps'] / base:5.2f}x" if base else "     -"
+                print(f"{executor:8} {mode:14} {depth:5d} {t['rps']:6.2f} {ratio:>6} {steps:6d} "
+                      f"{t['wave_s'] / steps * 1e3:7.2f} {t['denoise_s'] / steps * 1e3:8.2f} "
+                      f"{(t['pipeline_s'] - t['denoise_s']) / steps * 1e3:6.2f} {engine_s / steps * 1e3:7.3f} "
+                      f"{100 * engine_s / max(t['wave_s'], 1e-9):6.1f}%", flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    if profile_out is not None:
+        buf = io.StringIO()
+        stats = pstats.Stats(profile_out, stream=buf)
+        stats.sort_stats("tottime").print_stats(25)
+        print(f"\nbusy-loop thread profile ({args.executors[0]}, {args.modes[-1]}, depth {max(args.depths)}), "
+              f"by own time:")
+        print(buf.getvalue())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The CPU thread policy: how many torch threads each model process runs with. One knob, ``cpu_threads``.
+
+Every model process (the engine's own with the ``uni`` executor, each worker with ``mp``) sets
+``torch.set_num_threads`` once when it starts, to ``cpu_threads`` if given, else to the usable CPU cores
+of this machine divided by the model processes that share them (at least one). Nothing changes the count
+per call: switching it around every op costs more than it saves, and a batch of requests needs every core
+(on the 2-core CI machine, ``shapes`` at batch 8 runs 1.25x faster with both cores than with one, while a
+lone request takes the same time with one or two; ``bench/hot_path.py``). On a GPU the same count covers
+the host-side ops (prompt encoding, schedulers, image conversion).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def usable_cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's cpuset), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_process(config: Any, processes: int = 1) -> int:
+    """The thread count of one model process: ``config.cpu_threads``, or usable cores // processes."""
+    configured = getattr(config, "cpu_threads", None)
+    if configured:
+        return configured
+    return max(1, usable_cpu_cores() // max(1, processes))
+
+
+def apply_thread_policy(config: Any, processes: int = 1) -> int:
+    """Set torch's intra-op thread count for this process (once, at start); returns it."""
+    import torch
+
+    n = threads_per_process(config, processes)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def thread_policy(config: Any = None, processes: int = 1) -> str:
+    """A one-line description for benchmark headers and ``omni env``."""
+    n = threads_per_process(config, processes)
+    how = "cpu_threads" if getattr(config, "cpu_threads", None) else f"{usable_cpu_cores()} usable cores / {processes}"
+    return f"torch threads per model process: {n} ({how})"

@@ -1,0 +1,71 @@
+"""Where a wave's time goes: inside the model's pipeline or in the engine around it.
+
+The runner times every call into the pipeline during a wave, so the engine can subtract it from the wave's
+wall time and report its own cost per denoising step (scheduling, transport, bookkeeping, progress and
+preview events, output delivery). That split is what ``bench/hot_path.py`` prints and what
+``engine.stats()`` accumulates; it costs two ``perf_counter`` calls per pipeline call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+#: keys a ``RunnerOutput.metrics`` carries for its wave (merged across data-parallel replicas by ``max``,
+#: as replicas run side by side): seconds inside pipeline calls, of which inside ``denoise_step``, and how
+#: many ``denoise_step`` calls (denoising steps of the wave) there were
+WAVE_TIMING_KEYS = ("pipeline_s", "denoise_s", "denoise_calls")
+
+
+class WaveClock:
+    """Accumulates pipeline time for the current wave; ``take()`` returns it and starts the next."""
+
+    def __init__(self) -> None:
+        self.pipeline_s = 0.0
+        self.denoise_s = 0.0
+        self.denoise_calls = 0
+        #: time spent in the runner's own callbacks while ``forward`` runs (request path): not the model's
+        self._excluded_s = 0.0
+
+    def timed(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)``, counted as pipeline time."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.pipeline_s += time.perf_counter() - t0
+
+    def wrap_denoise(self, denoise_step: Callable) -> Callable:
+        """``denoise_step`` that also counts its calls and time (installed on the pipeline instance, so
+        the base ``forward`` loop and the step path are both seen)."""
+        def timed_denoise_step(states: list) -> list:
+            t0 = time.perf_counter()
+            try:
+                return denoise_step(states)
+            finally:
+                self.denoise_s += time.perf_counter() - t0
+                self.denoise_calls += 1
+
+        timed_denoise_step.__wrapped__ = denoise_step  # type: ignore[attr-defined]
+        return timed_denoise_step
+
+    def excluded(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` run from inside a timed pipeline call but not counted as the model's time (the
+        abort poll and progress callbacks of ``forward``)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._excluded_s += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        out = {"pipeline_s": max(0.0, self.pipeline_s - self._excluded_s), "denoise_s": self.denoise_s,
+               "denoise_calls": self.denoise_calls}
+        self.pipeline_s = self.denoise_s = self._excluded_s = 0.0
+        self.denoise_calls = 0
+        return out
+
+
+def merge_wave_timings(parts: list[dict[str, Any]]) -> dict[str, float]:
+    """One wave's timing from the replicas that ran parts of it side by side (the slowest decides)."""
+    return {k: max((p.get(k, 0) for p in parts), default=0) for k in WAVE_TIMING_KEYS}
