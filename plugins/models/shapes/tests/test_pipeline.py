@@ -188,3 +188,38 @@ def test_model_kwargs_are_checked(tmp_path):
         ShapesPipeline.load(model_path(), OmniDiffusionConfig(model="shapes", model_kwargs={"threads": 1}))
     with pytest.raises(ConfigError, match="--cpu-threads"):  # the old per-model knob points at the engine's
         ShapesPipeline.load(model_path(), OmniDiffusionConfig(model="shapes", model_kwargs={"cpu_threads": 1}))
+
+
+def test_per_sample_modules_run_in_one_call_with_the_row_by_row_bits(shapes_pipeline):
+    """Per-request vectors (timestep, pooled text, adaLN modulation) go through one batched call per module,
+    and every row has exactly the bits it has when computed alone (so batching never changes an image)."""
+    from omni_model_shapes.models import per_sample
+
+    tr = shapes_pipeline.transformer
+    calls = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: calls.append(type(m).__name__))
+    try:
+        for b in (2, 5, 16):
+            torch.manual_seed(b)
+            t, h = torch.randn(b, 256), torch.randn(b, 128)
+            for module, x in ((tr.time_embed, t), (tr.text_pool, h), (tr.blocks[0].adaLN_modulation, h),
+                              (tr.out_modulation, h)):
+                alone = torch.cat([module(row) for row in x.split(1)])
+                calls.clear()
+                assert torch.equal(per_sample(module, x, True), alone)
+                assert calls.count("Linear") == 0  # no per-row module calls: the linears run as one bmm
+    finally:
+        hook.remove()
+
+
+def test_tanh_gelu_is_torchs_tanh_approximation():
+    from omni_model_shapes.models import TanhGELU
+
+    x = torch.linspace(-8, 8, 10001)
+    ref = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    with torch.no_grad():
+        fast = TanhGELU()(x.clone())
+    assert (fast.double() - ref).abs().max() < 1e-6
+    y = x.clone().requires_grad_()  # training keeps an autograd-friendly form
+    TanhGELU()(y).sum().backward()
+    assert y.grad is not None and torch.isfinite(y.grad).all()

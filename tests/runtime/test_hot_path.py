@@ -1,0 +1,101 @@
+"""The hot path's accounting and switches: where a wave's time goes (``engine.wave_timing()``), the one CPU
+thread knob (``cpu_threads``), and no preview work for a request nobody streams. Counts and structure are
+asserted here; the speeds themselves are measured by ``bench/hot_path.py`` and ``bench/batching.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core import Omni, SamplingParams
+from omni_core.config import OmniDiffusionConfig
+from omni_core.errors import ConfigError
+from omni_core.request import OmniDiffusionRequest
+
+
+def requests(n: int, steps: int, **kw) -> list[OmniDiffusionRequest]:
+    return [OmniDiffusionRequest(prompt=f"p{i}", sampling_params=SamplingParams(seed=i, num_inference_steps=steps), **kw)
+            for i in range(n)]
+
+
+def run_all(omni, reqs):
+    return [h.result(timeout=120) for h in omni.engine.submit(reqs)]
+
+
+@pytest.mark.parametrize("executor,step", [("uni", False), ("uni", True), ("mp", False), ("mp", True)])
+def test_wave_timing_counts_every_denoising_step_and_splits_the_wave(tiny_model, executor, step):
+    with Omni(tiny_model, executor=executor, step_execution=step, max_num_seqs=2, warmup=False) as omni:
+        outs = run_all(omni, requests(3, steps=4))  # waves of 2 + 1 requests, 4 steps each
+        t = omni.engine.wave_timing()
+    assert all(o.status == "completed" for o in outs)
+    # one denoiser call per step of each wave: 2 waves x 4 steps (in step mode the third request joins a wave
+    # of its own once the first two are done, so it is also 4 + 4)
+    assert t["denoise_calls"] == 8
+    assert t["waves"] == (8 if step else 2)
+    assert 0 < t["denoise_s"] <= t["pipeline_s"] <= t["wave_s"]
+    assert t["engine_s"] == pytest.approx(t["wave_s"] - t["pipeline_s"])
+    assert t["engine_s_per_step"] == pytest.approx(t["engine_s"] / 8)
+    assert omni.stats()["timing"]["denoise_calls"] == 8
+
+
+def test_cpu_threads_is_set_once_for_the_model_process(tiny_model):
+    before = torch.get_num_threads()
+    try:
+        with Omni(tiny_model, cpu_threads=1, warmup=False) as omni:
+            assert torch.get_num_threads() == 1  # the uni executor's model process is this one
+            seen = []
+            pipe = omni.engine.executor.runner.pipeline
+            denoise = pipe.denoise_step
+            pipe.denoise_step = lambda states: (seen.append(torch.get_num_threads()), denoise(states))[1]
+            run_all(omni, requests(2, steps=3))
+            assert seen and set(seen) == {1}  # nothing changes it per call
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_thread_policy_default_divides_the_usable_cores_among_model_processes():
+    from omni_core.platforms.threads import thread_policy, threads_per_process, usable_cpu_cores
+
+    cores = usable_cpu_cores()
+    default = OmniDiffusionConfig(model="x")
+    assert threads_per_process(default) == cores
+    assert threads_per_process(default, processes=cores * 2) == 1  # never zero
+    assert threads_per_process(OmniDiffusionConfig(model="x", cpu_threads=3), processes=2) == 3
+    assert "usable cores" in thread_policy(default) and "cpu_threads" in thread_policy(
+        OmniDiffusionConfig(model="x", cpu_threads=3))
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        OmniDiffusionConfig(model="x", cpu_threads=0)
+
+
+def test_cpu_threads_flag_reaches_the_config():
+    import argparse
+
+    from omni_core.cli.options import add_engine_options, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert engine_options(parser.parse_args(["--cpu-threads", "2"]))["cpu_threads"] == 2
+    assert "cpu_threads" not in engine_options(parser.parse_args([]))
+
+
+def test_no_previews_for_a_request_nobody_streams(tiny_model):
+    """A streaming engine computes previews only for requests that ask for them; a request with
+    ``stream_previews=False`` in the same wave gets only its final output (and its progress)."""
+    with Omni(tiny_model, streaming_output=True, max_num_seqs=2, warmup=False) as omni:
+        pipe = omni.engine.executor.runner.pipeline
+        previewed = []
+        preview = pipe.preview
+        pipe.preview = lambda state: (previewed.append(state.request_id), preview(state))[1]
+        streamed, quiet = requests(1, steps=3) + [OmniDiffusionRequest(
+            prompt="q", sampling_params=SamplingParams(seed=9, num_inference_steps=3), stream_previews=False)]
+        steps = []
+        h_stream, h_quiet = omni.engine.submit([streamed, quiet],
+                                               on_progress=lambda rid, step, total: steps.append((rid, step)))
+        outs_stream = []
+        while not outs_stream or not outs_stream[-1].finished:
+            outs_stream.append(h_stream.get(timeout=60))
+        final_quiet = h_quiet.get(timeout=60)
+    assert [o.finished for o in outs_stream] == [False, False, False, True]
+    assert final_quiet.finished and final_quiet.status == "completed" and final_quiet.images
+    assert set(previewed) == {streamed.request_id} and len(previewed) == 3
+    assert [s for rid, s in steps if rid == quiet.request_id] == [1, 2, 3]
