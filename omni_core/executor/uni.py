@@ -47,4 +47,5 @@ class UniProcExecutor(DiffusionExecutor):
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.states.clear()
+            runner.lanes.shutdown()
             runner.pipeline = None

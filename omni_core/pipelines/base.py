@@ -58,6 +58,9 @@ class OmniPipeline:
     supports_request_batch: ClassVar[bool] = True
     #: implements ``prepare_encode`` / ``denoise_step`` / ``step_scheduler`` / ``post_decode``
     supports_step_execution: ClassVar[bool] = True
+    #: ``denoise_step`` / ``forward`` may run on two sub-batches at once in two threads (no per-call state kept
+    #: on the pipeline or its modules): lets a CPU wave use one lane per core (``omni_core.worker.lanes``)
+    concurrent_calls_safe: ClassVar[bool] = False
     #: parallel strategies supported: any of "ulysses", "ring", "cfg", "data"
     supported_parallel: ClassVar[tuple[str, ...]] = ()
     #: height and width must be multiples of this

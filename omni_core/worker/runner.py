@@ -18,6 +18,7 @@ from omni_core.pipelines.loader import ResolvedModel, load_pipeline
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.worker.lanes import CpuLanes, lane_clock, lanes_allowed
 from omni_core.worker.timing import WaveClock
 
 logger = logging.getLogger("omni_core.worker")
@@ -68,14 +69,15 @@ class _Control:
 
     def stopped(self, request_ids: list[str]) -> set[str]:
         self.runner.flush_progress()  # the previous step's events, sent once for the whole batch
-        return self.runner.clock.excluded(self.runner.agree_stopped, request_ids)
+        return lane_clock(self.runner.clock).excluded(self.runner.agree_stopped, request_ids)
 
     def on_encoded(self, state: StepState) -> None:
         self.runner.begin_request(state)
 
     def on_step(self, state: StepState) -> None:
         if self.runner.on_progress is not None:
-            self.runner.progress.append((state.request_id, state.step_index, state.num_steps))
+            with self.runner.progress_lock:
+                self.runner.progress.append((state.request_id, state.step_index, state.num_steps))
 
 
 class ModelRunner:
@@ -93,6 +95,9 @@ class ModelRunner:
         #: events for the whole batch (one message per step, not one per request, from a worker)
         self.on_progress = on_progress
         self.progress: list[tuple[str, int, int]] = []
+        self.progress_lock = threading.Lock()
+        #: how a wave of several requests is split across the CPU cores (set up in ``load_model``)
+        self.lanes = CpuLanes(1, enabled=False)
         self.poll_aborts = poll_aborts
         #: (process group, source rank, size) in which stop decisions are agreed: this data-parallel replica
         self.stop_group = stop_group or (None, 0, world_size)
@@ -109,6 +114,10 @@ class ModelRunner:
     def load_model(self) -> None:
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
+        from omni_core.platforms.threads import threads_per_process
+
+        self.lanes = CpuLanes(threads_per_process(self.config, self.world_size),
+                              enabled=lanes_allowed(self.config, self.pipeline, self.device))
         from omni_core.plugins.availability import check_component
 
         name = self.config.cache_backend
@@ -202,8 +211,9 @@ class ModelRunner:
                         raise exc  # a lone request fails as the whole wave does (below)
                     return error_output(state.request_id, exc, fresh.get(state.request_id))
 
-                outs = self.clock.timed(
-                    lambda: batched_then_one_by_one(states, self._forward, alone, failed, what="forward"))
+                outs = self.clock.timed(lambda: batched_then_one_by_one(
+                    states, lambda batch: self.lanes.map(self._forward, batch, self.clock), alone, failed,
+                    what="forward"))
                 for r, out in zip(reqs, outs):
                     outputs[r.request_id] = out
         except Exception as exc:  # noqa: BLE001
@@ -225,9 +235,10 @@ class ModelRunner:
         return [self._finish_output(s, o, {}) for s, o in zip(states, outs)]
 
     def flush_progress(self) -> None:
-        if self.progress:
+        with self.progress_lock:
             events, self.progress = self.progress, []
-            self.clock.excluded(self.on_progress, events)
+        if events:
+            lane_clock(self.clock).excluded(self.on_progress, events)
 
     # ------------------------------------------------------------------ step path
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
@@ -289,7 +300,8 @@ class ModelRunner:
             outputs[state.request_id] = error_output(state.request_id, exc, state)
             self._forget(state.request_id)
 
-        preds = batched_then_one_by_one(active, self.pipeline.denoise_step,
+        preds = batched_then_one_by_one(active, lambda batch: self.lanes.map(self.pipeline.denoise_step, batch,
+                                                                             self.clock),
                                         lambda state: self.pipeline.denoise_step([state])[0], failed,
                                         what="denoise_step")
         return [(state, pred) for state, pred in zip(active, preds) if state.request_id not in outputs]

@@ -37,14 +37,17 @@ class WaveClock:
 
     def wrap_denoise(self, denoise_step: Callable) -> Callable:
         """``denoise_step`` that also counts its calls and time (installed on the pipeline instance, so
-        the base ``forward`` loop and the step path are both seen)."""
+        the base ``forward`` loop and the step path are both seen); inside a lane, on the lane's clock."""
+        from omni_core.worker.lanes import lane_clock
+
         def timed_denoise_step(states: list) -> list:
             t0 = time.perf_counter()
             try:
                 return denoise_step(states)
             finally:
-                self.denoise_s += time.perf_counter() - t0
-                self.denoise_calls += 1
+                clock = lane_clock(self)
+                clock.denoise_s += time.perf_counter() - t0
+                clock.denoise_calls += 1
 
         timed_denoise_step.__wrapped__ = denoise_step  # type: ignore[attr-defined]
         return timed_denoise_step
@@ -57,6 +60,13 @@ class WaveClock:
             return fn(*args)
         finally:
             self._excluded_s += time.perf_counter() - t0
+
+    def absorb_lanes(self, lanes: list[WaveClock]) -> None:
+        """Add what lanes that ran side by side inside one timed call counted: the slowest lane's denoise
+        time, calls and callback time (their sum would count the same wall time twice)."""
+        self.denoise_s += max(c.denoise_s for c in lanes)
+        self.denoise_calls += max(c.denoise_calls for c in lanes)
+        self._excluded_s += max(c._excluded_s for c in lanes)
 
     def take(self) -> dict[str, float]:
         out = {"pipeline_s": max(0.0, self.pipeline_s - self._excluded_s), "denoise_s": self.denoise_s,

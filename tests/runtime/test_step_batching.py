@@ -28,7 +28,9 @@ def final(stream):
 
 
 def test_a_request_joins_the_running_wave_at_the_next_step(tiny_model):
-    with Omni(tiny_model, step_execution=True, max_num_seqs=4, warmup=False) as omni:
+    # one torch thread: one lane, so the wave is one denoise_step call the log can show (with more threads a
+    # CPU wave is split into per-core sub-batches; tests/runtime/test_lanes.py)
+    with Omni(tiny_model, step_execution=True, max_num_seqs=4, warmup=False, cpu_threads=1) as omni:
         engine = omni.engine
         log = engine.executor.runner.pipeline.denoise_log  # (request_id, step_index) of every denoise_step call
         long = OmniDiffusionRequest(prompt="long", sampling_params=SamplingParams(

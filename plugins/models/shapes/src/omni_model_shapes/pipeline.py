@@ -57,6 +57,7 @@ def _modulated_input(transformer: ShapesTransformer2DModel, block: Any, args: di
 class ShapesPipeline(OmniPipeline):
     supports_request_batch = True
     supports_step_execution = True
+    concurrent_calls_safe = True  # denoise_step keeps no state on the pipeline or its modules
     supported_parallel = ("ulysses", "ring", "cfg")
     size_multiple = 4
     default_height = 32
