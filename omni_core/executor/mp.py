@@ -62,9 +62,13 @@ class MultiProcExecutor(DiffusionExecutor):
         ctx = tmp.get_context("spawn")
         self._closing = False
         self._dead: str | None = None
-        self.task_qs = [ctx.Queue() for _ in range(self.world_size)]
-        self.result_q = ctx.Queue()
-        self.abort_qs = [ctx.Queue() for _ in self.replicas]
+        # SimpleQueues: a put pickles and writes at once, where a Queue hands the message to a feeder thread
+        # first (a thread wake-up per message: 230 vs 360-570 us per wave round trip measured on 2 cores).
+        # Messages stay small (tensors travel in shared memory) and every wave's result is read before the
+        # next is sent, so a writer never waits long on a full pipe.
+        self.task_qs = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        self.result_q = ctx.SimpleQueue()
+        self.abort_qs = [ctx.SimpleQueue() for _ in self.replicas]
         port = free_port()
         self.procs = [ctx.Process(target=worker_main, name=f"omni-worker-{rank}", daemon=True,
                                   args=(rank, self.world_size, self.config, self.resolved, port, self.task_qs[rank],
@@ -94,7 +98,7 @@ class MultiProcExecutor(DiffusionExecutor):
                 raise EngineDeadError(f"workers did not load the model within {self.config.worker_start_timeout} s "
                                       f"(ready ranks: {sorted(ready)})")
             try:
-                msg = self.result_q.get(timeout=0.2)
+                msg = self._get_result(timeout=0.2)
             except queue.Empty:
                 dead = [p for p in self.procs if not p.is_alive()]
                 if dead:
@@ -183,12 +187,19 @@ class MultiProcExecutor(DiffusionExecutor):
                 self._assigned.pop(rid, None)
         return merged
 
+    def _get_result(self, timeout: float) -> tuple:
+        """The next message from the workers, or ``queue.Empty`` after ``timeout`` s (the engine's thread is
+        the only reader)."""
+        if not self.result_q._reader.poll(timeout):
+            raise queue.Empty
+        return self.result_q.get()
+
     def _wait_result(self) -> RunnerOutput:
         while True:
             if self._dead:
                 raise EngineDeadError(self._dead)
             try:
-                msg = self.result_q.get(timeout=0.2)
+                msg = self._get_result(timeout=0.2)
             except queue.Empty:
                 continue
             kind = msg[0]
@@ -261,7 +272,6 @@ class MultiProcExecutor(DiffusionExecutor):
         _kill_all(procs)
         for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None), *getattr(self, "abort_qs", [])]:
             if q is not None:
-                q.cancel_join_thread()
                 q.close()
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()

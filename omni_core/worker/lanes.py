@@ -19,17 +19,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
-import threading
 from typing import Any, Callable
 
-from omni_core.worker.timing import WaveClock
-
-_local = threading.local()
-
-
-def lane_clock(default: WaveClock) -> WaveClock:
-    """The clock of the lane running on this thread (``default`` outside lanes)."""
-    return getattr(_local, "clock", None) or default
+from omni_core.worker.timing import WaveClock, on_lane_clock
 
 
 class CpuLanes:
@@ -88,12 +80,8 @@ class CpuLanes:
         # unconditionally: OpenMP keeps the count per thread, and a pool thread may still have its default
         # even where torch.get_num_threads() already answers ``threads``
         torch.set_num_threads(threads)
-        _local.clock = clock
-        try:
-            with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
-                return fn(chunk)
-        finally:
-            _local.clock = None
+        with on_lane_clock(clock), torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+            return fn(chunk)
 
     def _set_threads(self, n: int) -> None:
         import torch

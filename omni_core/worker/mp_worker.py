@@ -9,19 +9,27 @@ broadcast at each step boundary.
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import traceback
 from typing import Any
 
 
 def _drain(q: Any) -> list[str]:
+    """Every id waiting on the abort queue (a SimpleQueue; this worker is its only reader), without blocking."""
     ids: list[str] = []
-    while True:
-        try:
-            ids.extend(q.get_nowait())
-        except queue.Empty:
-            return ids
+    while q._reader.poll(0):
+        ids.extend(q.get())
+    return ids
+
+
+#: tracebacks sent to the engine are cut to this many characters: a put blocks until the engine reads it,
+#: and a message must fit the pipe when nobody is reading (a start-up failure)
+MAX_TRACEBACK_CHARS = 16000
+
+
+def _traceback() -> str:
+    text = traceback.format_exc()
+    return text if len(text) <= MAX_TRACEBACK_CHARS else "...\n" + text[-MAX_TRACEBACK_CHARS:]
 
 
 def _replica_group(config: Any, rank: int, world_size: int) -> tuple[int, list[int], Any]:
@@ -80,7 +88,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         runner.load_model()
         result_q.put(("ready", rank))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
-        result_q.put(("fatal", rank, traceback.format_exc()))
+        result_q.put(("fatal", rank, _traceback()))
         return
 
     while True:
@@ -100,7 +108,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
                 raise ValueError(f"unknown message kind {kind!r}")
         except BaseException:  # noqa: BLE001
             if is_leader:
-                result_q.put(("error", replica, traceback.format_exc()))
+                result_q.put(("error", replica, _traceback()))
             continue
         if is_leader:
             result_q.put(("result", replica, out))

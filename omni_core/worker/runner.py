@@ -18,8 +18,8 @@ from omni_core.pipelines.loader import ResolvedModel, load_pipeline
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
-from omni_core.worker.lanes import CpuLanes, lane_clock, lanes_allowed
-from omni_core.worker.timing import WaveClock
+from omni_core.worker.lanes import CpuLanes, lanes_allowed
+from omni_core.worker.timing import WaveClock, lane_clock
 
 logger = logging.getLogger("omni_core.worker")
 

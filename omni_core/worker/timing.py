@@ -8,13 +8,33 @@ preview events, output delivery). That split is what ``bench/hot_path.py`` print
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 #: keys a ``RunnerOutput.metrics`` carries for its wave (merged across data-parallel replicas by ``max``,
 #: as replicas run side by side): seconds inside pipeline calls, of which inside ``denoise_step``, and how
 #: many ``denoise_step`` calls (denoising steps of the wave) there were
 WAVE_TIMING_KEYS = ("pipeline_s", "denoise_s", "denoise_calls")
+
+
+_local = threading.local()
+
+
+def lane_clock(default: WaveClock) -> WaveClock:
+    """The clock of the CPU lane running on this thread (``default`` outside lanes; ``omni_core.worker.lanes``)."""
+    return getattr(_local, "clock", None) or default
+
+
+@contextlib.contextmanager
+def on_lane_clock(clock: WaveClock) -> Iterator[None]:
+    """Count this thread's pipeline calls on ``clock`` (a lane's) while the block runs."""
+    _local.clock = clock
+    try:
+        yield
+    finally:
+        _local.clock = None
 
 
 class WaveClock:
@@ -38,8 +58,6 @@ class WaveClock:
     def wrap_denoise(self, denoise_step: Callable) -> Callable:
         """``denoise_step`` that also counts its calls and time (installed on the pipeline instance, so
         the base ``forward`` loop and the step path are both seen); inside a lane, on the lane's clock."""
-        from omni_core.worker.lanes import lane_clock
-
         def timed_denoise_step(states: list) -> list:
             t0 = time.perf_counter()
             try:
