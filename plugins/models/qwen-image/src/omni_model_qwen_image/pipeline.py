@@ -181,22 +181,25 @@ class QwenImagePipeline(DiffusersStepPipeline):
         """Same image size (the transformer takes one ``img_shapes`` layout per call) and dtype."""
         return (state.extra["height"], state.extra["width"], state.latents.dtype)
 
-    def run_branch(self, expert: str, states: list[StepState], branch: str) -> list[torch.Tensor]:
-        negative = branch == "uncond"
+    def run_segments(self, expert: str, segments: list[tuple[StepState, str]]) -> list[torch.Tensor]:
+        """One transformer call: each segment's packed latents with its branch's prompt, text padded to the
+        longest (masked when lengths differ), one timestep (and guidance) per row."""
+        states = [s for s, _ in segments]
         rows = [s.latents.shape[0] for s in states]
-        latents = torch.cat([s.latents for s in states])
-        embeds = [s.negative_prompt_embeds if negative else s.prompt_embeds for s in states]
-        masks = [s.negative_prompt_mask if negative else s.prompt_mask for s in states]
-        text, text_mask = self.pad_text(embeds, masks, rows)
-        timestep = torch.cat([s.timesteps[s.step_index].expand(r) for s, r in zip(states, rows)]).to(latents.dtype)
+        latents = states[0].latents if len(states) == 1 else torch.cat([s.latents for s in states])
+        text, text_mask = self.segment_text_batch(segments)
+        timestep = torch.stack([s.timesteps[s.step_index] for s in states])
+        if len(set(rows)) != 1 or rows[0] != 1:
+            timestep = timestep.repeat_interleave(torch.tensor(rows, device=timestep.device))
+        timestep = timestep.to(latents.dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.cat([torch.full([r], s.sampling_params.guidance_scale, device=self.device,
-                                             dtype=torch.float32) for s, r in zip(states, rows)])
+            guidance = torch.tensor([s.sampling_params.guidance_scale for s, r in zip(states, rows) for _ in range(r)],
+                                    device=self.device, dtype=torch.float32)
         vsf = self.pipe.vae_scale_factor
         height, width = states[0].extra["height"], states[0].extra["width"]
         img_shapes = [[(1, height // vsf // 2, width // vsf // 2)]] * latents.shape[0]
-        return self.call_denoiser(expert, states, branch, text_mask, hidden_states=latents, timestep=timestep / 1000,
+        return self.call_denoiser(expert, segments, text_mask, hidden_states=latents, timestep=timestep / 1000,
                                   guidance=guidance, encoder_hidden_states_mask=text_mask,
                                   encoder_hidden_states=text, img_shapes=img_shapes, attention_kwargs={})
 

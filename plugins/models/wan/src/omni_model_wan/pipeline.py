@@ -177,22 +177,28 @@ class WanPipeline(DiffusersStepPipeline):
     def cfg_scale(self, state: StepState) -> float:
         return self.expert_for(state)[1]
 
-    def run_branch(self, expert: str, states: list[StepState], branch: str) -> list[torch.Tensor]:
+    def run_segments(self, expert: str, segments: list[tuple[StepState, str]]) -> list[torch.Tensor]:
+        """One expert call: each segment's latents with its branch's prompt, one timestep per row (per token
+        for Wan 2.2 TI2V)."""
+        states = [s for s, _ in segments]
         rows = [s.latents.shape[0] for s in states]
-        latents = torch.cat([s.latents for s in states]).to(self.transformer_dtype)
-        embeds = [s.negative_prompt_embeds if branch == "uncond" else s.prompt_embeds for s in states]
+        latents = (states[0].latents if len(states) == 1 else torch.cat([s.latents for s in states]))
+        latents = latents.to(self.transformer_dtype)
         # each embedding is already zero-padded to its request's max_sequence_length, as diffusers does: the
         # mask hides only the extra positions of the shorter ones
-        text, text_mask = self.pad_text(embeds, None, rows)
-        ts = [s.timesteps[s.step_index] for s in states]
+        text, text_mask = self.segment_text_batch(segments)
+        timestep = torch.stack([s.timesteps[s.step_index] for s in states])
+        if len(set(rows)) != 1 or rows[0] != 1:
+            timestep = timestep.repeat_interleave(torch.tensor(rows, device=timestep.device))
         if self.expand_timesteps:  # Wan 2.2 TI2V: one timestep per latent token (all equal for text-to-video)
             _, _, f, h, w = latents.shape
             seq = f * (h // self.patch_size[1]) * (w // self.patch_size[2])
-            timestep = torch.cat([t.expand(r, seq) for t, r in zip(ts, rows)])
-        else:
-            timestep = torch.cat([t.expand(r) for t, r in zip(ts, rows)])
-        return self.call_denoiser(expert, states, branch, text_mask, hidden_states=latents, timestep=timestep,
+            timestep = timestep[:, None].expand(-1, seq)
+        return self.call_denoiser(expert, segments, text_mask, hidden_states=latents, timestep=timestep,
                                   encoder_hidden_states=text, attention_kwargs=None)
+
+    def segment_text(self, state: StepState, branch: str) -> tuple[torch.Tensor, None]:
+        return (state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds), None
 
     def post_decode(self, state: StepState) -> DiffusionOutput:
         pipe = self.pipe
