@@ -150,9 +150,8 @@ class WanPipeline(DiffusersStepPipeline):
         do_cfg = guidance_scale > 1.0
         msl = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         with torch.no_grad():
-            pe, ne = pipe.encode_prompt(prompt=[req.prompt], negative_prompt=req.negative_prompt,
-                                        do_classifier_free_guidance=do_cfg, num_videos_per_prompt=1,
-                                        max_sequence_length=msl, device=self.device)
+            pe = self._encode(req.prompt, msl)
+            ne = self._encode(req.negative_prompt or "", msl) if do_cfg else None  # diffusers: "" when None
         state.prompt_embeds = pe.to(self.transformer_dtype)
         state.negative_prompt_embeds = ne.to(self.transformer_dtype) if ne is not None else None
         scheduler = self.new_scheduler()
@@ -163,6 +162,38 @@ class WanPipeline(DiffusersStepPipeline):
                                              self.device, state.generator)
         state.extra.update(do_cfg=do_cfg, cfg_scale=guidance_scale, cfg_scale_2=guidance_scale_2)
         return state
+
+    def _guided(self, state: StepState) -> bool:
+        sp = state.sampling_params
+        return (sp.guidance_scale if sp.guidance_scale is not None else self.default_guidance_scale) > 1.0
+
+    def _encode(self, text: str, msl: int) -> torch.Tensor:
+        """diffusers' T5 embedding of one prompt (zero-padded to ``msl``); from the wave's batched encoding
+        when there is one."""
+        memo = self._text_memo
+        if memo is not None and (text, msl) in memo:
+            return memo[(text, msl)]
+        return self.pipe._get_t5_prompt_embeds(prompt=[text], max_sequence_length=msl, device=self.device)
+
+    def text_keys(self, state: StepState) -> list:
+        msl = state.sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        keys = [(state.request.prompt, msl)]
+        if self._guided(state):
+            keys.append((state.request.negative_prompt or "", msl))
+        return keys
+
+    def encode_prompts(self, keys: list) -> dict:
+        """Every distinct (prompt, max_sequence_length) of the wave through the text encoder, one call per
+        length (each row is padded to its length with its own attention mask, as diffusers encodes one)."""
+        out: dict = {}
+        by_length: dict[int, list[str]] = {}
+        for text, msl in keys:
+            by_length.setdefault(msl, []).append(text)
+        with torch.no_grad():
+            for msl, texts in by_length.items():
+                embeds = self.pipe._get_t5_prompt_embeds(prompt=texts, max_sequence_length=msl, device=self.device)
+                out.update({(t, msl): embeds[i:i + 1] for i, t in enumerate(texts)})
+        return out
 
     def expert_for(self, state: StepState) -> tuple[str, float]:
         """The expert and guidance scale for the state's current timestep (diffusers' boundary rule)."""
@@ -201,16 +232,25 @@ class WanPipeline(DiffusersStepPipeline):
         return (state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds), None
 
     def post_decode(self, state: StepState) -> DiffusionOutput:
+        return self.post_decode_batch([state])[0]
+
+    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
+        """One VAE decode per video size for the whole wave; each request's videos split back out."""
         pipe = self.pipe
-        out = DiffusionOutput(request_id=state.request_id, finished=True, step_index=state.step_index,
-                              num_steps=state.num_steps)
-        if state.sampling_params.output_type == "latent":
-            out.tensor = state.latents
-            return out
-        with torch.no_grad():
-            video = pipe.vae.decode(self.denormalize_latents(state.latents), return_dict=False)[0]
-            out.tensor = pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
-        return out
+        outs = [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
+                                num_steps=s.num_steps) for s in states]
+        for idx in self.decode_groups(states):
+            group = [states[i] for i in idx]
+            if group[0].sampling_params.output_type == "latent":
+                outs[idx[0]].tensor = group[0].latents
+                continue
+            latents = group[0].latents if len(group) == 1 else torch.cat([s.latents for s in group])
+            with torch.no_grad():
+                video = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0]
+                videos = pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
+            for i, part in zip(idx, videos.split([s.latents.shape[0] for s in group])):
+                outs[i].tensor = part
+        return outs
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The middle latent frame of the first video ``[C, h, w]``."""
