@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-          f"{args.steps} steps, {args.repeats} repeats (medians)")
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads on both sides (torch's default: "
+          f"{os.cpu_count()} cores), device {args.device}, {args.steps} steps, {args.repeats} repeats (medians), "
+          f"interleaved; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min)")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         kinds = ["qwen", "wan"] if args.model == "both" else [args.model]
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = f"{a.height}x{a.width}" + ("" if kind == "qwen" else f"x{a.frames}f")
             for metric, omni, diff, ratio in bench(kind, folder, a):
                 rows.append((f"{name} {shape}", metric, omni, diff, ratio))
+    load = os.getloadavg()
+    print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min)")
     print(f"\n{'model':<34} {'metric':<52} {'omni':>9} {'diffusers':>10} {'omni/diffusers':>15}")
     for model, metric, omni, diff, ratio in rows:
         print(f"{model:<34} {metric:<52} {omni:>9.3f} {diff:>10.3f} {ratio:>15}")
