@@ -348,11 +348,13 @@ class DiffusersStepPipeline(OmniPipeline):
             cond, uncond = out[:len(group)], out[len(group):]
         else:
             rows = [s.latents.shape[0] for s in guided]
-            pos, neg = cfg_parallel_predict(lambda: torch.cat(self.run_segments(expert, [(s, "cond") for s in guided])),
-                                            lambda: torch.cat(self.run_segments(expert, [(s, "uncond") for s in guided])))
+            pos, neg = cfg_parallel_predict(
+                lambda: torch.cat(self.run_segments(expert, [(s, "cond") for s in guided])),
+                lambda: torch.cat(self.run_segments(expert, [(s, "uncond") for s in guided])))
             cond_of = dict(zip(map(id, guided), pos.split(rows)))
             plain = [s for s in group if not s.extra["do_cfg"]]
-            cond_of.update(zip(map(id, plain), self.run_segments(expert, [(s, "cond") for s in plain]) if plain else []))
+            if plain:
+                cond_of.update(zip(map(id, plain), self.run_segments(expert, [(s, "cond") for s in plain])))
             cond, uncond = [cond_of[id(s)] for s in group], list(neg.split(rows))
         if not guided:
             return cond
