@@ -104,3 +104,23 @@ def test_a_request_alone_folds_its_branches_only_when_no_mask_is_needed(qwen_dir
         handle.remove()
     assert same == [2] * STEPS
     assert calls == [1, 1] * STEPS
+
+
+def test_vae_single_frame_convs_match_diffusers_conv3d(omni_qwen, diffusers_qwen, monkeypatch):
+    """The decoder's causal Conv3d on one frame with no cache runs as conv2d (the last temporal kernel slice)
+    and gives diffusers' own decode up to float summation order."""
+    from omni_core.pipelines.diffusers_step import _SingleFrameCausalConv
+
+    convs = [m for m in omni_qwen.pipe.vae.modules() if isinstance(m.__dict__.get("forward"), _SingleFrameCausalConv)]
+    assert convs and not any("forward" in m.__dict__ for m in diffusers_qwen.vae.modules()
+                             if isinstance(m, torch.nn.Conv3d))
+    conv2d = torch.nn.functional.conv2d
+    used = []
+    monkeypatch.setattr(torch.nn.functional, "conv2d", lambda *a, **k: used.append(1) or conv2d(*a, **k))
+    z = torch.randn(2, 4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = omni_qwen.pipe.vae.decode(z, return_dict=False)[0]
+        monkeypatch.undo()
+        ref = diffusers_qwen.vae.decode(z, return_dict=False)[0]
+    assert len(used) >= len([m for m in convs if m in set(omni_qwen.pipe.vae.decoder.modules())])
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=0)

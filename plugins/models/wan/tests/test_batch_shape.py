@@ -94,3 +94,14 @@ def test_step_waves_call_each_expert_present_once(wan22_dir, wan22):
             h.remove()
     assert ["transformer", "transformer_2"] in expected
     assert len(calls) == sum(len(e) for e in expected)
+
+
+def test_vae_first_frame_convs_match_diffusers_conv3d(wan22):
+    """Only the first latent frame (no cached frames) takes the conv2d path; the video equals diffusers' own
+    decode up to float summation order."""
+    ref_pipe, omni = wan22
+    z = torch.randn(2, omni.pipe.vae.config.z_dim, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = omni.pipe.vae.decode(z, return_dict=False)[0]
+        ref = ref_pipe.vae.decode(z, return_dict=False)[0]
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=0)
