@@ -105,3 +105,19 @@ def test_vae_first_frame_convs_match_diffusers_conv3d(wan22):
         fast = omni.pipe.vae.decode(z, return_dict=False)[0]
         ref = ref_pipe.vae.decode(z, return_dict=False)[0]
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("msl", [512, 32, 8])
+def test_t5_embeds_equal_diffusers_padded_encoding(wan22, msl):
+    """The text encoder runs on the longest prompt of the batch instead of max_sequence_length tokens; the
+    embeddings equal diffusers' (padded to msl, zero beyond each prompt), truncation included."""
+    ref_pipe, omni = wan22
+    texts = PROMPTS + [NEG, ""]
+    with torch.no_grad():
+        ours = omni.t5_embeds(texts, msl)
+        ref = torch.cat([ref_pipe._get_t5_prompt_embeds(prompt=[t], max_sequence_length=msl) for t in texts])
+    assert ours.shape == ref.shape == (len(texts), msl, ref.shape[-1])
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    n = int(omni.pipe.tokenizer(["a cat"], max_length=msl, truncation=True).attention_mask[0].__len__())
+    row = ours[PROMPTS.index("a cat")]
+    assert bool(row[:n].any(dim=-1).all()) and not bool(row[n:].any())  # zero after the prompt's tokens

@@ -173,7 +173,7 @@ class WanPipeline(DiffusersStepPipeline):
         memo = self._text_memo
         if memo is not None and (text, msl) in memo:
             return memo[(text, msl)]
-        return self.pipe._get_t5_prompt_embeds(prompt=[text], max_sequence_length=msl, device=self.device)
+        return self.t5_embeds([text], msl)
 
     def text_keys(self, state: StepState) -> list:
         msl = state.sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
@@ -191,9 +191,29 @@ class WanPipeline(DiffusersStepPipeline):
             by_length.setdefault(msl, []).append(text)
         with torch.no_grad():
             for msl, texts in by_length.items():
-                embeds = self.pipe._get_t5_prompt_embeds(prompt=texts, max_sequence_length=msl, device=self.device)
+                embeds = self.t5_embeds(texts, msl)
                 out.update({(t, msl): embeds[i:i + 1] for i, t in enumerate(texts)})
         return out
+
+    def t5_embeds(self, texts: list[str], msl: int) -> torch.Tensor:
+        """diffusers' ``_get_t5_prompt_embeds(texts, max_sequence_length=msl)``: ``[len(texts), msl, D]``, each
+        prompt's tokens encoded with the attention mask and zero beyond them. The encoder runs on the batch's
+        longest prompt, not ``msl`` tokens: T5 is bidirectional with masked padding keys, per-token norms and
+        MLPs, and relative position biases, so a real token's output does not depend on how much padding
+        follows (diffusers discards the padding's outputs); the same result up to float summation order."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        pipe = self.pipe
+        tokens = pipe.tokenizer([prompt_clean(t) for t in texts], padding="longest", max_length=msl, truncation=True,
+                                add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        ids, mask = tokens.input_ids, tokens.attention_mask
+        device = next(pipe.text_encoder.parameters()).device
+        hidden = pipe.text_encoder(ids.to(device), mask.to(device)).last_hidden_state
+        hidden = hidden.to(dtype=pipe.text_encoder.dtype, device=self.device)
+        embeds = hidden.new_zeros(len(texts), msl, hidden.shape[-1])
+        for i, n in enumerate(mask.gt(0).sum(dim=1).tolist()):
+            embeds[i, :n] = hidden[i, :n]
+        return embeds
 
     def expert_for(self, state: StepState) -> tuple[str, float]:
         """The expert and guidance scale for the state's current timestep (diffusers' boundary rule)."""
