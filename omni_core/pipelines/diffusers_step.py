@@ -239,9 +239,10 @@ class DiffusersStepPipeline(OmniPipeline):
     @contextlib.contextmanager
     def encoded_prompts(self, states: list[StepState]):
         """While active, :meth:`encoded_text` answers from one batched :meth:`encode_prompts` over the
-        wave's distinct texts (keys from :meth:`text_keys`)."""
+        wave's distinct texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as
+        diffusers does (a batch of prompts of different lengths is padded and masked)."""
         keys: list = []
-        for s in states:
+        for s in states if len(states) > 1 else []:
             for key in self.text_keys(s):
                 if key not in keys:
                     keys.append(key)
