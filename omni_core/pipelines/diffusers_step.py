@@ -233,14 +233,15 @@ class DiffusersStepPipeline(OmniPipeline):
                 DiffusionOutput(request_id=s.request_id, finished=True, status="aborted", step_index=s.step_index,
                                 num_steps=s.num_steps) for s in batch]
 
-    # -- batched text encoding: prepare_encode reads the wave's encodings through encoded_text()
+    # -- batched text encoding: while a wave is encoded, ``_text_memo`` holds its encodings by text key and a
+    # subclass's prepare_encode reads them there (falling back to encoding alone: one request, or step mode)
     _text_memo: dict | None = None
 
     @contextlib.contextmanager
     def encoded_prompts(self, states: list[StepState]):
-        """While active, :meth:`encoded_text` answers from one batched :meth:`encode_prompts` over the
-        wave's distinct texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as
-        diffusers does (a batch of prompts of different lengths is padded and masked)."""
+        """While active, ``_text_memo`` holds one batched :meth:`encode_prompts` over the wave's distinct
+        texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as diffusers does
+        (a batch of prompts of different lengths is padded and masked)."""
         keys: list = []
         for s in states if len(states) > 1 else []:
             for key in self.text_keys(s):
@@ -260,13 +261,6 @@ class DiffusersStepPipeline(OmniPipeline):
     def encode_prompts(self, keys: list) -> dict:
         """``{key: encoding}`` for the keys of :meth:`text_keys`, in as few text-encoder calls as possible."""
         return {}
-
-    def encoded_text(self, key: Any, encode: Any) -> Any:
-        """The wave's batched encoding of ``key``, else ``encode()`` (one request alone, or step mode)."""
-        memo = self._text_memo
-        if memo is not None and key in memo:
-            return memo[key]
-        return encode()
 
     def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
         """:meth:`post_decode` of every state (subclasses decode states of one latent shape together)."""
