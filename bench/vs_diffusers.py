@@ -8,8 +8,9 @@ For each model it prints, side by side:
 
 * latency: the median wall time of one request through ``Omni(model=<folder>)`` (``Omni.generate``, engine,
   scheduler and executor included) over the median of diffusers' pipeline ``__call__`` on the same folder;
-* throughput: 8 requests submitted together to Omni (``max_num_seqs=8``, REQUEST_BATCH, so they run as one
-  batch) over diffusers running the same 8 requests one after another (requests per second, higher is better).
+* throughput: 8 requests submitted together to Omni (``max_num_seqs=8``, request mode by default, so they run
+  as one batch; ``--mode step`` for step waves) over diffusers running the same 8 requests one after another
+  (requests per second, higher is better).
 
 Both sides use float32 on the CPU (or ``--device``), the same prompts, seeds, size and steps, CFG on.
 The tiny folders are built in a temp dir with the plugins' own builders (random weights; no download).
@@ -73,7 +74,7 @@ def bench(kind: str, folder: str, args: argparse.Namespace) -> list[tuple[str, f
             output_type="pil", **kwargs)
 
     n = len(PROMPTS)
-    with Omni(folder, dtype="float32", warmup=False, max_num_seqs=n) as omni:
+    with Omni(folder, dtype="float32", warmup=False, max_num_seqs=n, step_execution=args.mode == "step") as omni:
         def run_omni(prompts: list[str], seed: int):
             omni.generate([{"prompt": p, "negative_prompt": NEG} for p in prompts], seed=seed, use_tqdm=False,
                           **kwargs)
@@ -103,12 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--mode", choices=("request", "step"), default="request",
+                        help="Omni's execution mode: whole requests per wave (default) or step waves")
     args = parser.parse_args(argv)
 
     import torch
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-          f"{args.steps} steps, {args.repeats} repeats (medians)")
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads on both sides (torch's default: "
+          f"{os.cpu_count()} cores), device {args.device}, {args.steps} steps, {args.repeats} repeats (medians), "
+          f"interleaved, Omni in {args.mode} mode; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min)")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         kinds = ["qwen", "wan"] if args.model == "both" else [args.model]
@@ -124,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = f"{a.height}x{a.width}" + ("" if kind == "qwen" else f"x{a.frames}f")
             for metric, omni, diff, ratio in bench(kind, folder, a):
                 rows.append((f"{name} {shape}", metric, omni, diff, ratio))
+    load = os.getloadavg()
+    print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min)")
     print(f"\n{'model':<34} {'metric':<52} {'omni':>9} {'diffusers':>10} {'omni/diffusers':>15}")
     for model, metric, omni, diff, ratio in rows:
         print(f"{model:<34} {metric:<52} {omni:>9.3f} {diff:>10.3f} {ratio:>15}")

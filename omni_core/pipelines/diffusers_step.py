@@ -2,14 +2,17 @@
 
 Models such as Qwen-Image and Wan keep a real diffusers pipeline for its helpers (``encode_prompt``,
 ``prepare_latents``, the VAE and image/video processors) and run Omni's own denoise loop: one scheduler per
-request, one denoiser call per (expert, CFG branch) for a batch of requests that may be at different steps
-and have prompts of different token lengths. Everything in that loop that does not depend on the model lives
-here once, so a model plugin writes only what is really its own:
+request, and per step ONE denoiser call per expert for a batch of requests that may be at different steps
+and have prompts of different token lengths, with the CFG branches folded into the batch (the cond rows of
+every request, then the uncond rows of the guided ones; padded text hidden by a key-padding mask). Everything
+in that loop that does not depend on the model lives here once, so a model plugin writes only what is really
+its own:
 
 * ``diffusers_class`` and ``install_attention`` (how its attention modules call Omni ``Attention`` layers);
 * ``prepare_encode`` (prompt encoding, latents, timesteps: use :meth:`start_schedule`);
-* ``run_branch`` (the denoiser's arguments for a batch of states: use :meth:`pad_text` and
-  :meth:`call_denoiser`, which sets the typed :class:`~omni_core.forward_context.DenoiseCall`);
+* ``run_segments`` (the denoiser's arguments for a batch of (state, branch) segments: use
+  :meth:`segment_text_batch` and :meth:`call_denoiser`, which sets the typed
+  :class:`~omni_core.forward_context.DenoiseCall`);
 * ``post_decode`` (use :meth:`denormalize_latents`), ``preview_latents`` and ``denoisers()`` (the specs).
 
 CFG (plain, or true CFG with norm rescale via ``cfg_normalize``) goes through
@@ -30,8 +33,9 @@ import torch
 
 from omni_core.distributed.cfg_parallel import cfg_combine
 from omni_core.forward_context import use_config, use_denoise_call
-from omni_core.pipelines.base import OmniPipeline
+from omni_core.pipelines.base import OmniPipeline, StepControl, _NoControl
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
+from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.state import StepState
 
 
@@ -53,6 +57,10 @@ def pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None] | None
     exactly what diffusers computes."""
     masks = masks if masks is not None else [None] * len(embeds)
     longest = max(e.shape[1] for e in embeds)
+    if all(m is None for m in masks) and all(e.shape[1] == longest for e in embeds):  # nothing to pad or mask
+        if len(embeds) == 1:
+            return embeds[0].expand(rows[0], -1, -1), None
+        return torch.cat([e.expand(r, -1, -1) for e, r in zip(embeds, rows)]), None
     parts, mask_parts = [], []
     for e, m, r in zip(embeds, masks, rows):
         length = e.shape[1]
@@ -64,6 +72,47 @@ def pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None] | None
         mask_parts.append(valid.expand(r, -1))
     mask = torch.cat(mask_parts)
     return torch.cat(parts), (None if bool(mask.all()) else mask)
+
+
+class _SingleFrameCausalConv:
+    """``forward`` of a diffusers causal ``Conv3d`` (``QwenImageCausalConv3d``, ``WanCausalConv3d``): a single
+    input frame with no cached frames before it (an image, or a video's first latent frame) is padded in
+    time with zeros only, so every temporal kernel slice but the last multiplies zeros: the same output is
+    one ``conv2d`` with that slice, a third of the work for a 3x3x3 kernel. Anything else (cached frames,
+    several frames, temporal stride) runs the module's own forward."""
+
+    def __init__(self, conv: torch.nn.Conv3d) -> None:
+        self.conv = conv
+        self.forward = conv.forward
+        self._slice: tuple[Any, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+        conv = self.conv
+        pad = conv._padding
+        if (cache_x is not None or x.dim() != 5 or x.shape[2] != 1 or conv.stride[0] != 1
+                or conv.dilation[0] != 1 or pad[4] != conv.kernel_size[0] - 1 or pad[5] != 0):
+            return self.forward(x, cache_x)
+        w = conv.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._slice is None or self._slice[0] != key:
+            self._slice = (key, w[:, :, -1].contiguous())
+        x2 = torch.nn.functional.pad(x[:, :, 0], list(pad[:4])) if any(pad[:4]) else x[:, :, 0]
+        out = torch.nn.functional.conv2d(x2, self._slice[1], conv.bias, stride=conv.stride[1:],
+                                         dilation=conv.dilation[1:], groups=conv.groups)
+        return out.unsqueeze(2)
+
+
+def single_frame_causal_convs(vae: torch.nn.Module) -> int:
+    """Give every causal ``Conv3d`` of ``vae`` (modules with diffusers' ``_padding`` causal layout) the
+    :class:`_SingleFrameCausalConv` forward; returns how many. Decoding an image (one latent frame) then
+    costs about a third of the convolution work, with the same result up to float summation order."""
+    n = 0
+    for module in vae.modules():
+        if (isinstance(module, torch.nn.Conv3d) and isinstance(getattr(module, "_padding", None), (tuple, list))
+                and len(module._padding) == 6 and not isinstance(module.forward, _SingleFrameCausalConv)):
+            module.forward = _SingleFrameCausalConv(module)
+            n += 1
+    return n
 
 
 def fill_defaults(params: Any, **defaults: Any) -> Any:
@@ -95,6 +144,8 @@ class DiffusersStepPipeline(OmniPipeline):
     denoiser_names: ClassVar[tuple[str, ...]] = ("transformer",)
     #: true CFG rescales the guided prediction to the cond prediction's norm (Qwen-Image)
     cfg_normalize: ClassVar[bool] = False
+    #: decode single latent frames with 2-D convolutions (:func:`single_frame_causal_convs`)
+    fast_vae_convs: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ engine process
     @classmethod
@@ -122,6 +173,8 @@ class DiffusersStepPipeline(OmniPipeline):
         #: denoiser name -> module, for the names in ``denoiser_names`` that the folder has
         self.experts = {name: getattr(pipe, name) for name in self.denoiser_names
                         if getattr(pipe, name, None) is not None}
+        if getattr(pipe, "vae", None) is not None and self.fast_vae_convs:
+            single_frame_causal_convs(pipe.vae)
 
     @classmethod
     def install_attention(cls, module: torch.nn.Module, name: str) -> list:
@@ -151,6 +204,79 @@ class DiffusersStepPipeline(OmniPipeline):
                     layers += cls.install_attention(getattr(pipe, name), name)
         return cls(pipe, device, dtype, layers)
 
+    # -- the request path: a whole wave at once
+    def forward(self, batch: list[StepState], control: StepControl | None = None) -> list[DiffusionOutput]:
+        """Run whole requests, as :meth:`OmniPipeline.forward` does, with the per-request work batched over
+        the wave: the prompts of every request (and the negative prompts, each distinct text once) go through
+        the text encoder in one call (:meth:`encode_prompts`), and the finished latents through the VAE in
+        one decode per latent shape (:meth:`post_decode_batch`)."""
+        control = control or _NoControl()
+        with self.encoded_prompts(batch):
+            for state in batch:
+                self.prepare_encode(state)
+                control.on_encoded(state)
+        stopped: set[str] = set()
+        while True:
+            pending = [s.request_id for s in batch if not s.done and s.request_id not in stopped]
+            if pending:
+                stopped |= control.stopped(pending)
+            active = [s for s in batch if not s.done and s.request_id not in stopped]
+            if not active:
+                break
+            preds = self.denoise_step(active)
+            for state, pred in zip(active, preds):
+                self.step_scheduler(state, pred)
+                control.on_step(state)
+        finished = [s for s in batch if s.request_id not in stopped]
+        decoded = dict(zip(map(id, finished), self.post_decode_batch(finished))) if finished else {}
+        return [decoded[id(s)] if id(s) in decoded else
+                DiffusionOutput(request_id=s.request_id, finished=True, status="aborted", step_index=s.step_index,
+                                num_steps=s.num_steps) for s in batch]
+
+    # -- batched text encoding: while a wave is encoded, ``_text_memo`` holds its encodings by text key and a
+    # subclass's prepare_encode reads them there (falling back to encoding alone: one request, or step mode)
+    _text_memo: dict | None = None
+
+    @contextlib.contextmanager
+    def encoded_prompts(self, states: list[StepState]):
+        """While active, ``_text_memo`` holds one batched :meth:`encode_prompts` over the wave's distinct
+        texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as diffusers does
+        (a batch of prompts of different lengths is padded and masked)."""
+        keys: list = []
+        for s in states if len(states) > 1 else []:
+            for key in self.text_keys(s):
+                if key not in keys:
+                    keys.append(key)
+        memo = self.encode_prompts(keys) if len(keys) > 1 else {}
+        self._text_memo = memo
+        try:
+            yield memo
+        finally:
+            self._text_memo = None
+
+    def text_keys(self, state: StepState) -> list:
+        """The hashable texts ``prepare_encode`` will encode for ``state`` (none: no batched encoding)."""
+        return []
+
+    def encode_prompts(self, keys: list) -> dict:
+        """``{key: encoding}`` for the keys of :meth:`text_keys`, in as few text-encoder calls as possible."""
+        return {}
+
+    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
+        """:meth:`post_decode` of every state (subclasses decode states of one latent shape together)."""
+        return [self.post_decode(s) for s in states]
+
+    def decode_groups(self, states: list[StepState]) -> list[list[int]]:
+        """Indices of ``states`` that one VAE decode can take together (same latent shape, not ``latent``
+        output), in order; each state that is decoded alone (``latent`` output) is a group of its own."""
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(states):
+            key = (("latent", i) if s.sampling_params.output_type == "latent"
+                   else (tuple(s.latents.shape[1:]), s.latents.dtype, tuple(sorted(
+                       (k, v) for k, v in s.extra.items() if k in ("height", "width")))))
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
+
     # -- helpers for prepare_encode
     def new_scheduler(self) -> Any:
         """A fresh scheduler for one request (schedulers keep per-request state: step index, sigmas)."""
@@ -179,63 +305,110 @@ class DiffusersStepPipeline(OmniPipeline):
         return state.extra["cfg_scale"]
 
     def batch_key(self, state: StepState) -> tuple:
-        """States with equal keys share one denoiser call per branch (same expert, latent shape, dtype)."""
+        """States with equal keys share one denoiser call (same expert, latent shape, dtype)."""
         return (self.expert_name(state), tuple(state.latents.shape[1:]), state.latents.dtype)
 
     def denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
-        """Per batch key: one cond call, and one uncond call for the CFG requests, combined per request."""
-        preds: dict[int, torch.Tensor] = {}
+        """Per batch key (normally one per expert): ONE denoiser call whose rows are the cond rows of every
+        state followed by the uncond rows of the guided states, then the guidance combined for all guided
+        rows at once (:func:`cfg_combine` with a per-row scale)."""
+        preds: list[torch.Tensor | None] = [None] * len(states)
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
             groups.setdefault(self.batch_key(s), []).append(i)
         with torch.no_grad():
             for idx in groups.values():
                 group = [states[i] for i in idx]
-                cond, uncond_of = self._branches(self.expert_name(group[0]), group)
-                for i, s, pred in zip(idx, group, cond):
-                    if s.extra["do_cfg"]:
-                        pred = cfg_combine(pred, uncond_of[id(s)], self.cfg_scale(s), normalize=self.cfg_normalize)
+                for i, pred in zip(idx, self._denoise_group(self.expert_name(group[0]), group)):
                     preds[i] = pred
-        return [preds[i] for i in range(len(states))]
+        return preds
 
-    def _branches(self, expert: str, group: list[StepState]) -> tuple[list, dict]:
-        """(cond prediction per state, {id(state): uncond prediction} for the CFG states).
+    def _denoise_group(self, expert: str, group: list[StepState]) -> list[torch.Tensor]:
+        """The guided prediction of every state of one batch key.
 
-        With a cfg group of two ranks the CFG states' cond and uncond calls run on cfg ranks 0 and 1 at the
-        same time and are exchanged (``cfg_parallel_predict``); states without CFG run on both ranks."""
+        Normally one call holds every state's cond rows and the guided states' uncond rows. With a cfg group
+        of two ranks the guided states' cond and uncond rows run on cfg ranks 0 and 1 at the same time and
+        are exchanged (``cfg_parallel_predict``); states without CFG run on both ranks. A request alone whose
+        two branches have prompts of different lengths runs them as two unmasked calls, as diffusers does, so
+        it computes exactly what diffusers computes (folding them would need a padding mask)."""
         from omni_core.distributed import cfg_parallel_predict, get_cfg_group
 
-        cfg_states = [s for s in group if s.extra["do_cfg"]]
-        if get_cfg_group().world_size == 1 or not cfg_states:
-            cond = self.run_branch(expert, group, "cond")
-            uncond = self.run_branch(expert, cfg_states, "uncond") if cfg_states else []
-            return cond, dict(zip(map(id, cfg_states), uncond))
-        rows = [s.latents.shape[0] for s in cfg_states]
-        pos, neg = cfg_parallel_predict(lambda: torch.cat(self.run_branch(expert, cfg_states, "cond")),
-                                        lambda: torch.cat(self.run_branch(expert, cfg_states, "uncond")))
-        cond_of = dict(zip(map(id, cfg_states), pos.split(rows)))
-        plain = [s for s in group if not s.extra["do_cfg"]]
-        cond_of.update(zip(map(id, plain), self.run_branch(expert, plain, "cond") if plain else []))
-        return [cond_of[id(s)] for s in group], dict(zip(map(id, cfg_states), neg.split(rows)))
+        guided = [s for s in group if s.extra["do_cfg"]]
+        if get_cfg_group().world_size == 1 or not guided:
+            segments = [(s, "cond") for s in group] + [(s, "uncond") for s in guided]
+            if len(group) == 1 and guided and self._mask_only_when_folded(segments):
+                out = self.run_segments(expert, segments[:1]) + self.run_segments(expert, segments[1:])
+            else:
+                out = self.run_segments(expert, segments)
+            cond, uncond = out[:len(group)], out[len(group):]
+        else:
+            rows = [s.latents.shape[0] for s in guided]
+            pos, neg = cfg_parallel_predict(
+                lambda: torch.cat(self.run_segments(expert, [(s, "cond") for s in guided])),
+                lambda: torch.cat(self.run_segments(expert, [(s, "uncond") for s in guided])))
+            cond_of = dict(zip(map(id, guided), pos.split(rows)))
+            plain = [s for s in group if not s.extra["do_cfg"]]
+            if plain:
+                cond_of.update(zip(map(id, plain), self.run_segments(expert, [(s, "cond") for s in plain])))
+            cond, uncond = [cond_of[id(s)] for s in group], list(neg.split(rows))
+        if not guided:
+            return cond
+        guided_ids = {id(s) for s in guided}
+        pos = [c for s, c in zip(group, cond) if id(s) in guided_ids]
+        rows = [p.shape[0] for p in pos]
+        pos_t, neg_t = (pos[0], uncond[0]) if len(pos) == 1 else (torch.cat(pos), torch.cat(uncond))
+        scales = [float(self.cfg_scale(s)) for s in guided]
+        if len(set(scales)) == 1:
+            scale: Any = scales[0]
+        else:  # one scale per row, broadcast over the prediction's other dims
+            scale = torch.tensor([g for g, r in zip(scales, rows) for _ in range(r)], dtype=pos_t.dtype,
+                                 device=pos_t.device).view(-1, *([1] * (pos_t.dim() - 1)))
+        guided_pred = cfg_combine(pos_t, neg_t, scale, normalize=self.cfg_normalize)
+        combined = iter(guided_pred.split(rows) if len(pos) > 1 else [guided_pred])
+        return [next(combined) if id(s) in guided_ids else c for s, c in zip(group, cond)]
 
-    def run_branch(self, expert: str, states: list[StepState], branch: str) -> list[torch.Tensor]:
-        """One denoiser call over every row of ``states`` for ``branch`` ("cond"/"uncond"); each state's
-        prediction. Subclasses build the arguments and call :meth:`call_denoiser`."""
+    def _mask_only_when_folded(self, segments: list[tuple[StepState, str]]) -> bool:
+        """Whether one call over ``segments`` needs a text padding mask that each segment alone does not."""
+        texts = [self.segment_text(s, b) for s, b in segments]
+        rows = [s.latents.shape[0] for s, _ in segments]
+        if self.pad_text([e for e, _ in texts], [m for _, m in texts], rows)[1] is None:
+            return False
+        return all(self.pad_text([e], [m], [r])[1] is None for (e, m), r in zip(texts, rows))
+
+    def segment_text(self, state: StepState, branch: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``[1, L, D]`` prompt embedding and ``[1, L]`` mask (or None: all valid) of ``state`` for
+        ``branch`` ("cond": the prompt; "uncond": the negative prompt)."""
+        if branch == "uncond":
+            return state.negative_prompt_embeds, state.negative_prompt_mask
+        return state.prompt_embeds, state.prompt_mask
+
+    def segment_text_batch(self, segments: list[tuple[StepState, str]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The padded text of one call over ``segments`` and its key-padding mask (None: nothing masked)."""
+        texts = [self.segment_text(s, b) for s, b in segments]
+        return self.pad_text([e for e, _ in texts], [m for _, m in texts], [s.latents.shape[0] for s, _ in segments])
+
+    def run_segments(self, expert: str, segments: list[tuple[StepState, str]]) -> list[torch.Tensor]:
+        """One denoiser call over ``segments`` ((state, branch) pairs, in row order: each state's latents with
+        that branch's prompt); one prediction per segment. Subclasses build the arguments (text from
+        :meth:`segment_text_batch`) and call :meth:`call_denoiser`."""
         raise NotImplementedError
 
     pad_text = staticmethod(pad_text)
 
-    def call_denoiser(self, expert: str, states: list[StepState], branch: str, text_mask: Any = None,
+    def call_denoiser(self, expert: str, segments: list[tuple[StepState, str]], text_mask: Any = None,
                       **kwargs: Any) -> list[torch.Tensor]:
         """``experts[expert](**kwargs)`` inside the typed denoise-call context (which rows belong to which
-        request, the branch, the expert, the text key-padding mask) and the module's per-branch cache
-        context; the output split back into one prediction per state."""
-        rows = [s.latents.shape[0] for s in states]
+        request and branch, the expert, the text key-padding mask) and the module's cache context (the branch
+        name when the call holds one branch, else ``"cond+uncond"``); the output split back into one
+        prediction per segment."""
+        rows = [s.latents.shape[0] for s, _ in segments]
         module = self.experts[expert]
-        with use_denoise_call([(s, r, branch) for s, r in zip(states, rows)], expert=expert, text_mask=text_mask), \
-                module.cache_context(branch):
+        branches = {b for _, b in segments}
+        context = branches.pop() if len(branches) == 1 else "cond+uncond"
+        with use_denoise_call([(s, r, b) for (s, b), r in zip(segments, rows)], expert=expert, text_mask=text_mask), \
+                module.cache_context(context):
             out = module(**kwargs, return_dict=False)[0]
-        return list(out.split(rows))
+        return list(out.split(rows)) if len(rows) > 1 else [out]
 
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
         t = state.timesteps[state.step_index]

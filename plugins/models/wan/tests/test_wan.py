@@ -100,7 +100,7 @@ def test_wan22_two_experts_request_batch(wan22_dir, wan22):
     finally:
         for h in hooks:
             h.remove()
-    assert calls == {"transformer": 4, "transformer_2": 4}  # 2 steps each, cond + uncond, all 3 requests per call
+    assert calls == {"transformer": 2, "transformer_2": 2}  # 2 steps each: ONE call holds cond + uncond of all 3
     for i, (state, out) in enumerate(zip(states, outs)):
         assert_parity(state, out, reference(ref_pipe, PROMPTS[i], 20 + i, negative=NEG, g=5.0, g2=2.0))
 
@@ -225,8 +225,8 @@ def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(w
     finally:
         for h in hooks:
             h.remove()
-    # 4 steps x (cond + uncond) x 2 blocks, on whichever expert the step uses
-    assert calls == {"self": STEPS * 2 * 2, "cross": STEPS * 2 * 2}
+    # 4 steps x one call (cond + uncond folded) x 2 blocks, on whichever expert the step uses
+    assert calls == {"self": STEPS * 2, "cross": STEPS * 2}
 
 
 def test_preview(wan21_dir, wan21):
@@ -315,10 +315,10 @@ def test_wan22_calls_carry_the_typed_context(wan22_dir, wan22):
         for h in hooks:
             h.remove()
     assert {n for n, _, _ in calls} == {"transformer", "transformer_2"}
+    assert len(calls) == STEPS  # one call per step: both requests' cond rows and the guided one's uncond rows
     for name, call, batch in calls:
         assert call.expert == name and call.covers(batch)
-        if len(call.groups) == 2:  # the cond call of both requests: 32 vs 16 text tokens
-            assert [g.branch for g in call.groups] == ["cond", "cond"] and call.text_mask.shape == (2, 32)
-            assert not bool(call.text_mask[1, 16:].any())
-        else:
-            assert [(g.state, g.branch) for g in call.groups] == [(states[0], "uncond")] and call.text_mask is None
+        assert [(g.state, g.branch) for g in call.groups] == [(states[0], "cond"), (states[1], "cond"),
+                                                              (states[0], "uncond")]
+        assert call.text_mask.shape == (3, 32)  # 32 vs 16 text tokens
+        assert not bool(call.text_mask[1, 16:].any()) and bool(call.text_mask[[0, 2]].all())

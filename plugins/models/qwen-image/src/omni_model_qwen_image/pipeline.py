@@ -153,14 +153,11 @@ class QwenImagePipeline(DiffusersStepPipeline):
         n = sp.num_outputs_per_prompt
         true_cfg = sp.true_cfg_scale if sp.true_cfg_scale is not None else TRUE_CFG_SCALE.default
         msl = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        do_cfg = self._do_cfg(state)
         with torch.no_grad():
-            state.prompt_embeds, state.prompt_mask = pipe.encode_prompt(
-                prompt=[req.prompt], device=self.device, num_images_per_prompt=1, max_sequence_length=msl)
-            do_cfg = true_cfg > 1 and req.negative_prompt is not None
+            state.prompt_embeds, state.prompt_mask = self._encode(req.prompt, msl)
             if do_cfg:
-                state.negative_prompt_embeds, state.negative_prompt_mask = pipe.encode_prompt(
-                    prompt=[req.negative_prompt], device=self.device, num_images_per_prompt=1,
-                    max_sequence_length=msl)
+                state.negative_prompt_embeds, state.negative_prompt_mask = self._encode(req.negative_prompt, msl)
         self.seed_generator(state)
         height, width = sp.height, sp.width
         state.latents = pipe.prepare_latents(n, self.transformer.config.in_channels // 4, height, width,
@@ -177,42 +174,81 @@ class QwenImagePipeline(DiffusersStepPipeline):
         state.extra.update(do_cfg=do_cfg, cfg_scale=true_cfg, height=height, width=width, rows=n)
         return state
 
+    @staticmethod
+    def _do_cfg(state: StepState) -> bool:
+        sp = state.sampling_params
+        true_cfg = sp.true_cfg_scale if sp.true_cfg_scale is not None else TRUE_CFG_SCALE.default
+        return true_cfg > 1 and state.request.negative_prompt is not None
+
+    def _encode(self, text: str, msl: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """diffusers' ``encode_prompt([text])``: ``[1, L, D]`` embeddings cut to ``msl`` and no mask (one
+        prompt has no padding); from the wave's batched encoding when there is one."""
+        memo = self._text_memo
+        if memo is not None and text in memo:
+            return memo[text][:, :msl], None
+        return self.pipe.encode_prompt(prompt=[text], device=self.device, num_images_per_prompt=1,
+                                       max_sequence_length=msl)
+
+    def text_keys(self, state: StepState) -> list:
+        req = state.request
+        return [req.prompt, req.negative_prompt] if self._do_cfg(state) else [req.prompt]
+
+    def encode_prompts(self, keys: list) -> dict:
+        """Every distinct prompt of the wave through the text encoder in one call (padded to the longest,
+        with the attention mask, as diffusers encodes a list of prompts); each cut back to its own tokens."""
+        with torch.no_grad():
+            embeds, mask = self.pipe._get_qwen_prompt_embeds(list(keys), self.device)
+        lengths = mask.sum(dim=1).tolist()
+        return {key: embeds[i:i + 1, :n] for i, (key, n) in enumerate(zip(keys, lengths))}
+
     def batch_key(self, state: StepState) -> tuple:
         """Same image size (the transformer takes one ``img_shapes`` layout per call) and dtype."""
         return (state.extra["height"], state.extra["width"], state.latents.dtype)
 
-    def run_branch(self, expert: str, states: list[StepState], branch: str) -> list[torch.Tensor]:
-        negative = branch == "uncond"
+    def run_segments(self, expert: str, segments: list[tuple[StepState, str]]) -> list[torch.Tensor]:
+        """One transformer call: each segment's packed latents with its branch's prompt, text padded to the
+        longest (masked when lengths differ), one timestep (and guidance) per row."""
+        states = [s for s, _ in segments]
         rows = [s.latents.shape[0] for s in states]
-        latents = torch.cat([s.latents for s in states])
-        embeds = [s.negative_prompt_embeds if negative else s.prompt_embeds for s in states]
-        masks = [s.negative_prompt_mask if negative else s.prompt_mask for s in states]
-        text, text_mask = self.pad_text(embeds, masks, rows)
-        timestep = torch.cat([s.timesteps[s.step_index].expand(r) for s, r in zip(states, rows)]).to(latents.dtype)
+        latents = states[0].latents if len(states) == 1 else torch.cat([s.latents for s in states])
+        text, text_mask = self.segment_text_batch(segments)
+        timestep = torch.stack([s.timesteps[s.step_index] for s in states])
+        if len(set(rows)) != 1 or rows[0] != 1:
+            timestep = timestep.repeat_interleave(torch.tensor(rows, device=timestep.device))
+        timestep = timestep.to(latents.dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.cat([torch.full([r], s.sampling_params.guidance_scale, device=self.device,
-                                             dtype=torch.float32) for s, r in zip(states, rows)])
+            guidance = torch.tensor([s.sampling_params.guidance_scale for s, r in zip(states, rows) for _ in range(r)],
+                                    device=self.device, dtype=torch.float32)
         vsf = self.pipe.vae_scale_factor
         height, width = states[0].extra["height"], states[0].extra["width"]
         img_shapes = [[(1, height // vsf // 2, width // vsf // 2)]] * latents.shape[0]
-        return self.call_denoiser(expert, states, branch, text_mask, hidden_states=latents, timestep=timestep / 1000,
+        return self.call_denoiser(expert, segments, text_mask, hidden_states=latents, timestep=timestep / 1000,
                                   guidance=guidance, encoder_hidden_states_mask=text_mask,
                                   encoder_hidden_states=text, img_shapes=img_shapes, attention_kwargs={})
 
     def post_decode(self, state: StepState) -> DiffusionOutput:
-        pipe, sp = self.pipe, state.sampling_params
-        out = DiffusionOutput(request_id=state.request_id, finished=True, step_index=state.step_index,
-                              num_steps=state.num_steps)
-        if sp.output_type == "latent":
-            out.tensor = state.latents
-            return out
-        with torch.no_grad():
-            latents = pipe._unpack_latents(state.latents, state.extra["height"], state.extra["width"],
-                                           pipe.vae_scale_factor)
-            image = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0][:, :, 0]
-            out.tensor = pipe.image_processor.postprocess(image, output_type="pt")
-        return out
+        return self.post_decode_batch([state])[0]
+
+    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
+        """One VAE decode per image size for the whole wave; each request's images split back out."""
+        pipe = self.pipe
+        outs = [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
+                                num_steps=s.num_steps) for s in states]
+        for idx in self.decode_groups(states):
+            group = [states[i] for i in idx]
+            if group[0].sampling_params.output_type == "latent":
+                outs[idx[0]].tensor = group[0].latents
+                continue
+            latents = group[0].latents if len(group) == 1 else torch.cat([s.latents for s in group])
+            with torch.no_grad():
+                latents = pipe._unpack_latents(latents, group[0].extra["height"], group[0].extra["width"],
+                                               pipe.vae_scale_factor)
+                image = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0][:, :, 0]
+                images = pipe.image_processor.postprocess(image, output_type="pt")
+            for i, part in zip(idx, images.split([s.latents.shape[0] for s in group])):
+                outs[i].tensor = part
+        return outs
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The first image's unpacked latents ``[C, h, w]``."""

@@ -150,9 +150,8 @@ class WanPipeline(DiffusersStepPipeline):
         do_cfg = guidance_scale > 1.0
         msl = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         with torch.no_grad():
-            pe, ne = pipe.encode_prompt(prompt=[req.prompt], negative_prompt=req.negative_prompt,
-                                        do_classifier_free_guidance=do_cfg, num_videos_per_prompt=1,
-                                        max_sequence_length=msl, device=self.device)
+            pe = self._encode(req.prompt, msl)
+            ne = self._encode(req.negative_prompt or "", msl) if do_cfg else None  # diffusers: "" when None
         state.prompt_embeds = pe.to(self.transformer_dtype)
         state.negative_prompt_embeds = ne.to(self.transformer_dtype) if ne is not None else None
         scheduler = self.new_scheduler()
@@ -163,6 +162,58 @@ class WanPipeline(DiffusersStepPipeline):
                                              self.device, state.generator)
         state.extra.update(do_cfg=do_cfg, cfg_scale=guidance_scale, cfg_scale_2=guidance_scale_2)
         return state
+
+    def _guided(self, state: StepState) -> bool:
+        sp = state.sampling_params
+        return (sp.guidance_scale if sp.guidance_scale is not None else self.default_guidance_scale) > 1.0
+
+    def _encode(self, text: str, msl: int) -> torch.Tensor:
+        """diffusers' T5 embedding of one prompt (zero-padded to ``msl``); from the wave's batched encoding
+        when there is one."""
+        memo = self._text_memo
+        if memo is not None and (text, msl) in memo:
+            return memo[(text, msl)]
+        return self.t5_embeds([text], msl)
+
+    def text_keys(self, state: StepState) -> list:
+        msl = state.sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        keys = [(state.request.prompt, msl)]
+        if self._guided(state):
+            keys.append((state.request.negative_prompt or "", msl))
+        return keys
+
+    def encode_prompts(self, keys: list) -> dict:
+        """Every distinct (prompt, max_sequence_length) of the wave through the text encoder, one call per
+        length (each row is padded to its length with its own attention mask, as diffusers encodes one)."""
+        out: dict = {}
+        by_length: dict[int, list[str]] = {}
+        for text, msl in keys:
+            by_length.setdefault(msl, []).append(text)
+        with torch.no_grad():
+            for msl, texts in by_length.items():
+                embeds = self.t5_embeds(texts, msl)
+                out.update({(t, msl): embeds[i:i + 1] for i, t in enumerate(texts)})
+        return out
+
+    def t5_embeds(self, texts: list[str], msl: int) -> torch.Tensor:
+        """diffusers' ``_get_t5_prompt_embeds(texts, max_sequence_length=msl)``: ``[len(texts), msl, D]``, each
+        prompt's tokens encoded with the attention mask and zero beyond them. The encoder runs on the batch's
+        longest prompt, not ``msl`` tokens: T5 is bidirectional with masked padding keys, per-token norms and
+        MLPs, and relative position biases, so a real token's output does not depend on how much padding
+        follows (diffusers discards the padding's outputs); the same result up to float summation order."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        pipe = self.pipe
+        tokens = pipe.tokenizer([prompt_clean(t) for t in texts], padding="longest", max_length=msl, truncation=True,
+                                add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        ids, mask = tokens.input_ids, tokens.attention_mask
+        device = next(pipe.text_encoder.parameters()).device
+        hidden = pipe.text_encoder(ids.to(device), mask.to(device)).last_hidden_state
+        hidden = hidden.to(dtype=pipe.text_encoder.dtype, device=self.device)
+        embeds = hidden.new_zeros(len(texts), msl, hidden.shape[-1])
+        for i, n in enumerate(mask.gt(0).sum(dim=1).tolist()):
+            embeds[i, :n] = hidden[i, :n]
+        return embeds
 
     def expert_for(self, state: StepState) -> tuple[str, float]:
         """The expert and guidance scale for the state's current timestep (diffusers' boundary rule)."""
@@ -177,34 +228,49 @@ class WanPipeline(DiffusersStepPipeline):
     def cfg_scale(self, state: StepState) -> float:
         return self.expert_for(state)[1]
 
-    def run_branch(self, expert: str, states: list[StepState], branch: str) -> list[torch.Tensor]:
+    def run_segments(self, expert: str, segments: list[tuple[StepState, str]]) -> list[torch.Tensor]:
+        """One expert call: each segment's latents with its branch's prompt, one timestep per row (per token
+        for Wan 2.2 TI2V)."""
+        states = [s for s, _ in segments]
         rows = [s.latents.shape[0] for s in states]
-        latents = torch.cat([s.latents for s in states]).to(self.transformer_dtype)
-        embeds = [s.negative_prompt_embeds if branch == "uncond" else s.prompt_embeds for s in states]
+        latents = (states[0].latents if len(states) == 1 else torch.cat([s.latents for s in states]))
+        latents = latents.to(self.transformer_dtype)
         # each embedding is already zero-padded to its request's max_sequence_length, as diffusers does: the
         # mask hides only the extra positions of the shorter ones
-        text, text_mask = self.pad_text(embeds, None, rows)
-        ts = [s.timesteps[s.step_index] for s in states]
+        text, text_mask = self.segment_text_batch(segments)
+        timestep = torch.stack([s.timesteps[s.step_index] for s in states])
+        if len(set(rows)) != 1 or rows[0] != 1:
+            timestep = timestep.repeat_interleave(torch.tensor(rows, device=timestep.device))
         if self.expand_timesteps:  # Wan 2.2 TI2V: one timestep per latent token (all equal for text-to-video)
             _, _, f, h, w = latents.shape
             seq = f * (h // self.patch_size[1]) * (w // self.patch_size[2])
-            timestep = torch.cat([t.expand(r, seq) for t, r in zip(ts, rows)])
-        else:
-            timestep = torch.cat([t.expand(r) for t, r in zip(ts, rows)])
-        return self.call_denoiser(expert, states, branch, text_mask, hidden_states=latents, timestep=timestep,
+            timestep = timestep[:, None].expand(-1, seq)
+        return self.call_denoiser(expert, segments, text_mask, hidden_states=latents, timestep=timestep,
                                   encoder_hidden_states=text, attention_kwargs=None)
 
+    def segment_text(self, state: StepState, branch: str) -> tuple[torch.Tensor, None]:
+        return (state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds), None
+
     def post_decode(self, state: StepState) -> DiffusionOutput:
+        return self.post_decode_batch([state])[0]
+
+    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
+        """One VAE decode per video size for the whole wave; each request's videos split back out."""
         pipe = self.pipe
-        out = DiffusionOutput(request_id=state.request_id, finished=True, step_index=state.step_index,
-                              num_steps=state.num_steps)
-        if state.sampling_params.output_type == "latent":
-            out.tensor = state.latents
-            return out
-        with torch.no_grad():
-            video = pipe.vae.decode(self.denormalize_latents(state.latents), return_dict=False)[0]
-            out.tensor = pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
-        return out
+        outs = [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
+                                num_steps=s.num_steps) for s in states]
+        for idx in self.decode_groups(states):
+            group = [states[i] for i in idx]
+            if group[0].sampling_params.output_type == "latent":
+                outs[idx[0]].tensor = group[0].latents
+                continue
+            latents = group[0].latents if len(group) == 1 else torch.cat([s.latents for s in group])
+            with torch.no_grad():
+                video = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0]
+                videos = pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
+            for i, part in zip(idx, videos.split([s.latents.shape[0] for s in group])):
+                outs[i].tensor = part
+        return outs
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The middle latent frame of the first video ``[C, h, w]``."""
