@@ -1,18 +1,24 @@
 """Batching: 16 concurrent requests at max_num_seqs 1, 4 and 8, in REQUEST_BATCH and STEP_BATCH modes.
 
-    python bench/batching.py [--model shapes] [--n 16] [--size 64 --steps 10]
+    python bench/batching.py [--model shapes] [--n 16] [--size 64 --steps 10] [--cpu-threads N]
 
-Prints throughput (requests/s) of each setting and its ratio over serial execution (max_num_seqs=1, same
-mode), measured side by side in one run.
+All six engines are loaded first (every one with the same thread policy), then measured interleaved: each
+round runs one burst of ``--n`` concurrent requests on every engine in turn, so load drift on a shared
+machine hits them alike. Prints the median throughput (requests/s) of each setting, its ratio over serial
+execution (max_num_seqs=1, same mode), and step mode against request mode at each max_num_seqs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 
 import _common
+
+SEQS = (1, 4, 8)
+MODES = (("request_batch", False), ("step_batch", True))
 
 
 async def burst(omni, params, n: int) -> float:
@@ -25,37 +31,41 @@ async def burst(omni, params, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(model: str, params, n: int, repeats: int, **config) -> float:
-    """Median wall time of ``repeats`` bursts of ``n`` concurrent requests on one engine."""
-    from omni_core import AsyncOmni
-
-    async def go():
-        omni = AsyncOmni(model, **config)
-        try:
-            await burst(omni, params, min(n, 4))  # warm up
-            return statistics.median([await burst(omni, params, n) for _ in range(repeats)])
-        finally:
-            await omni.close()
-
-    return asyncio.run(go())
-
-
 def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--n", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="bursts per setting (the median is shown)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds (the median burst of each setting is shown)")
     args = p.parse_args()
     model = _common.resolve(args)
     params = _common.sampling(args)
+
+    async def go() -> dict:
+        from omni_core import AsyncOmni
+
+        engines = {(mode, seqs): AsyncOmni(model, **_common.engine_config(args, max_num_seqs=seqs, step_execution=step))
+                   for mode, step in MODES for seqs in SEQS}
+        times: dict = {key: [] for key in engines}
+        try:
+            for omni in engines.values():
+                await burst(omni, params, min(args.n, 4))  # warm up
+            for _ in range(args.repeats):
+                for key, omni in engines.items():
+                    times[key].append(await burst(omni, params, args.n))
+        finally:
+            for omni in engines.values():
+                await omni.close()
+        return {key: statistics.median(t) for key, t in times.items()}
+
     print(f"model={args.model or 'tiny test pipeline'} concurrent requests={args.n}; {_common.thread_header(args)}")
-    print(f"{'mode':14} {'max_num_seqs':>12} {'seconds':>8} {'req/s':>7} {'vs serial':>10}")
-    for mode, step in (("request_batch", False), ("step_batch", True)):
-        serial = None
-        for seqs in (1, 4, 8):
-            sec = run(model, params, args.n, args.repeats,
-                      **_common.engine_config(args, max_num_seqs=seqs, step_execution=step))
-            serial = serial or sec
-            print(f"{mode:14} {seqs:12d} {sec:8.2f} {args.n / sec:7.1f} {serial / sec:9.2f}x")
+    sec = asyncio.run(go())
+    print(f"{'mode':14} {'max_num_seqs':>12} {'seconds':>8} {'req/s':>7} {'vs serial':>10} {'step/request':>13}")
+    for mode, _ in MODES:
+        for seqs in SEQS:
+            s = sec[(mode, seqs)]
+            vs_request = sec[("request_batch", seqs)] / s
+            print(f"{mode:14} {seqs:12d} {s:8.2f} {args.n / s:7.1f} {sec[(mode, 1)] / s:9.2f}x "
+                  f"{vs_request:12.2f}x")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

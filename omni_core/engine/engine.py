@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from omni_core.config import OmniDiffusionConfig, SamplingParams
+from omni_core.engine.delivery import OutputDelivery
 from omni_core.engine.model_info import ModelInfo, ProgressFn
 from omni_core.engine.handle import RequestHandle
 from omni_core.engine.modes import DiffusionExecutionMode, mode_for
@@ -87,6 +88,7 @@ class DiffusionEngine:
                          "denoise_steps": 0}
         #: where the busy loop's time went, summed over waves (see ``wave_timing``)
         self.timing = {"waves": 0, "denoise_calls": 0, "wave_s": 0.0, "pipeline_s": 0.0, "denoise_s": 0.0}
+        self._delivery = OutputDelivery()
         self._thread = threading.Thread(target=self._busy_loop, name="omni-engine", daemon=True)
         self._thread.start()
 
@@ -334,12 +336,11 @@ class DiffusionEngine:
             out.metrics["queue_time_s"] = record.started - record.arrival
         key = {"completed": "requests_completed", "aborted": "requests_aborted"}.get(out.status, "requests_failed")
         self.counters[key] += 1
-        if out.status == "completed":
-            try:
-                out = self.pipeline_cls.post_process(out, record.request)
-            except Exception as exc:  # noqa: BLE001
-                out.status, out.error = "error", f"post-processing failed: {type(exc).__name__}: {exc}"
-        record.stream.put(out)
+        if out.status == "completed":  # post-processing runs on the delivery thread, not the busy loop
+            request = record.request
+            self._delivery.deliver(record.stream, out, lambda o: self.pipeline_cls.post_process(o, request))
+        else:
+            record.stream.put(out)
 
     def _die(self, reason: str) -> None:
         """Mark the engine dead and fail every request it holds (lock held)."""
@@ -412,6 +413,7 @@ class DiffusionEngine:
             self.scheduler.schedule()  # flush finished ids
             self._runner_held = set()
         self.executor.shutdown()
+        self._delivery.close()  # what finished before the close still arrives
 
 
 def make_engine(config: OmniDiffusionConfig, **kwargs: Any) -> DiffusionEngine:

@@ -22,6 +22,7 @@ from typing import Any
 from omni_core.errors import EngineDeadError
 from omni_core.executor.base import DiffusionExecutor
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.worker.transport import unpack_outputs
 from omni_core.worker.timing import merge_wave_timings
 
 logger = logging.getLogger("omni_core.executor")
@@ -208,7 +209,7 @@ class MultiProcExecutor(DiffusionExecutor):
                     for event in msg[1]:  # one message per denoising step: the batch's events
                         self.on_progress(*event)
             elif kind == "result":
-                result = msg[2]
+                result = unpack_outputs(msg[2])
                 if any(o.status == "error" for o in result.outputs.values()):
                     # a failed collective (a peer died) looks like a request error on the leader
                     dead = self._dead_worker(timeout=1.0)

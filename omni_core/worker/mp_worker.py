@@ -13,6 +13,8 @@ import sys
 import traceback
 from typing import Any
 
+from omni_core.worker.transport import pack_outputs
+
 
 def _drain(q: Any) -> list[str]:
     """Every id waiting on the abort queue (a SimpleQueue; this worker is its only reader), without blocking."""
@@ -111,7 +113,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
                 result_q.put(("error", replica, _traceback()))
             continue
         if is_leader:
-            result_q.put(("result", replica, out))
+            result_q.put(("result", replica, pack_outputs(out)))
     try:
         _destroy_parallel_state()
         dist.destroy_process_group()

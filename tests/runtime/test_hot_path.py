@@ -99,3 +99,21 @@ def test_no_previews_for_a_request_nobody_streams(tiny_model):
     assert final_quiet.finished and final_quiet.status == "completed" and final_quiet.images
     assert set(previewed) == {streamed.request_id} and len(previewed) == 3
     assert [s for rid, s in steps if rid == quiet.request_id] == [1, 2, 3]
+
+
+def test_small_output_tensors_cross_processes_as_bytes_and_come_back_equal():
+    from omni_core.outputs import DiffusionOutput
+    from omni_core.waves import RunnerOutput
+    from omni_core.worker.transport import BY_VALUE_MAX_BYTES, TensorBytes, pack_outputs, unpack_outputs
+
+    small = [torch.rand(1, 3, 8, 8), torch.rand(2, 3).bfloat16(), torch.zeros(0, 3), torch.arange(6).reshape(2, 3)[:, ::2]]
+    large = torch.zeros(BY_VALUE_MAX_BYTES // 4 + 1)
+    outs = {f"r{i}": DiffusionOutput(request_id=f"r{i}", tensor=t, preview=t) for i, t in enumerate(small)}
+    outs["big"] = DiffusionOutput(request_id="big", tensor=large)
+    result = pack_outputs(RunnerOutput(outputs=outs))
+    assert all(isinstance(result.outputs[f"r{i}"].tensor, TensorBytes) for i in range(len(small)))
+    assert result.outputs["big"].tensor is large  # shared memory is cheaper for large tensors
+    back = unpack_outputs(result)
+    for i, t in enumerate(small):
+        for got in (back.outputs[f"r{i}"].tensor, back.outputs[f"r{i}"].preview):
+            assert got.dtype == t.dtype and torch.equal(got, t)
