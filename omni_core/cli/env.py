@@ -94,6 +94,7 @@ def collect_env(pm=None) -> dict[str, Any]:
         "packages": {dist: _version(dist) for dist in PACKAGES},
         "switches": {k: os.environ[k] for k in SWITCHES if k in os.environ},
         "platform": platform_info,
+        "cpu_threads": _thread_report(),
         "plugins": {"total": len(plugins), "active": sum(p.status == ACTIVE for p in plugins),
                     "not_active": [{"name": p.name, "dist": p.dist, "status": p.status, "error": p.error}
                                    for p in plugins if p.status != ACTIVE]},
@@ -101,6 +102,13 @@ def collect_env(pm=None) -> dict[str, Any]:
         "cache_backends": cache,
         "pipelines": pipelines,
     }
+
+
+def _thread_report() -> dict[str, Any]:
+    from omni_core.platforms.threads import threads_per_process, usable_cpu_cores
+
+    return {"usable_cores": usable_cpu_cores(), "per_model_process": threads_per_process(None),
+            "policy": "cpu_threads, else usable cores / model processes (--cpu-threads N)"}
 
 
 def _backend_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -130,6 +138,9 @@ def format_env(env: dict[str, Any]) -> str:
     else:
         lines.append(f"platform: {plat['name']} (device type {plat['device_type']}; {plat['reason']})")
     lines += [f"  {step}" for step in plat["trace"]]
+    threads = env["cpu_threads"]
+    lines.append(f"cpu threads: {threads['per_model_process']} per model process of one ({threads['usable_cores']} "
+                 f"usable cores; {threads['policy']})")
     p = env["plugins"]
     lines.append("")
     lines.append(f"plugins: {p['active']} of {p['total']} active (built-ins included)")
