@@ -14,7 +14,8 @@ and after the result arrives); everything else runs where the model lives (a wor
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+import contextlib
+from typing import Any, ClassVar, ContextManager, Protocol
 
 import attrs
 
@@ -224,16 +225,29 @@ class OmniPipeline:
         return ["a photo of a cat", "a red car on a street", "a mountain lake at sunrise", "a bowl of fruit",
                 "a city skyline at night", "a portrait of an old man", "a forest path in autumn", "a sailing boat"]
 
+    def encoded_prompts(self, states: list[StepState]) -> ContextManager[Any]:
+        """A window around the ``prepare_encode`` calls of the requests that start together (a request-mode
+        wave, or the new requests of a step wave) in which a pipeline may encode all their prompts in one
+        text-encoder call (``DiffusersStepPipeline`` does). Default: nothing shared."""
+        return contextlib.nullcontext()
+
+    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
+        """``post_decode`` of every state, in order; a pipeline may decode states of one shape together."""
+        return [self.post_decode(s) for s in states]
+
     def preview(self, state: StepState) -> Any:
         """A cheap RGB preview ``[3, h, w]`` in [0, 1] of the current latents (no VAE decode), or None."""
         return None
 
     def forward(self, batch: list[StepState], control: StepControl | None = None) -> list[DiffusionOutput]:
-        """Run whole requests. Stopped requests come back ``status="aborted"`` after at most one more step."""
+        """Run whole requests. Stopped requests come back ``status="aborted"`` after at most one more step.
+        The per-request ends are batched over the wave: prompts inside one :meth:`encoded_prompts` window,
+        finished latents through one :meth:`post_decode_batch`."""
         control = control or _NoControl()
-        for state in batch:
-            self.prepare_encode(state)
-            control.on_encoded(state)
+        with self.encoded_prompts(batch):
+            for state in batch:
+                self.prepare_encode(state)
+                control.on_encoded(state)
         stopped: set[str] = set()
         while True:
             pending = [s.request_id for s in batch if not s.done and s.request_id not in stopped]
@@ -246,14 +260,11 @@ class OmniPipeline:
             for state, pred in zip(active, preds):
                 self.step_scheduler(state, pred)
                 control.on_step(state)
-        outputs = []
-        for s in batch:
-            if s.request_id in stopped:
-                outputs.append(DiffusionOutput(request_id=s.request_id, finished=True, status="aborted",
-                                               step_index=s.step_index, num_steps=s.num_steps))
-            else:
-                outputs.append(self.post_decode(s))
-        return outputs
+        finished = [s for s in batch if s.request_id not in stopped]
+        decoded = dict(zip(map(id, finished), self.post_decode_batch(finished))) if finished else {}
+        return [decoded[id(s)] if id(s) in decoded else
+                DiffusionOutput(request_id=s.request_id, finished=True, status="aborted", step_index=s.step_index,
+                                num_steps=s.num_steps) for s in batch]
 
 
 def tensor_to_pil(t: Any):

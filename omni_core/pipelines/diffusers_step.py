@@ -33,9 +33,8 @@ import torch
 
 from omni_core.distributed.cfg_parallel import cfg_combine
 from omni_core.forward_context import use_config, use_denoise_call
-from omni_core.pipelines.base import OmniPipeline, StepControl, _NoControl
+from omni_core.pipelines.base import OmniPipeline
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
-from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.state import StepState
 
 
@@ -204,35 +203,6 @@ class DiffusersStepPipeline(OmniPipeline):
                     layers += cls.install_attention(getattr(pipe, name), name)
         return cls(pipe, device, dtype, layers)
 
-    # -- the request path: a whole wave at once
-    def forward(self, batch: list[StepState], control: StepControl | None = None) -> list[DiffusionOutput]:
-        """Run whole requests, as :meth:`OmniPipeline.forward` does, with the per-request work batched over
-        the wave: the prompts of every request (and the negative prompts, each distinct text once) go through
-        the text encoder in one call (:meth:`encode_prompts`), and the finished latents through the VAE in
-        one decode per latent shape (:meth:`post_decode_batch`)."""
-        control = control or _NoControl()
-        with self.encoded_prompts(batch):
-            for state in batch:
-                self.prepare_encode(state)
-                control.on_encoded(state)
-        stopped: set[str] = set()
-        while True:
-            pending = [s.request_id for s in batch if not s.done and s.request_id not in stopped]
-            if pending:
-                stopped |= control.stopped(pending)
-            active = [s for s in batch if not s.done and s.request_id not in stopped]
-            if not active:
-                break
-            preds = self.denoise_step(active)
-            for state, pred in zip(active, preds):
-                self.step_scheduler(state, pred)
-                control.on_step(state)
-        finished = [s for s in batch if s.request_id not in stopped]
-        decoded = dict(zip(map(id, finished), self.post_decode_batch(finished))) if finished else {}
-        return [decoded[id(s)] if id(s) in decoded else
-                DiffusionOutput(request_id=s.request_id, finished=True, status="aborted", step_index=s.step_index,
-                                num_steps=s.num_steps) for s in batch]
-
     # -- batched text encoding: while a wave is encoded, ``_text_memo`` holds its encodings by text key and a
     # subclass's prepare_encode reads them there (falling back to encoding alone: one request, or step mode)
     _text_memo: dict | None = None
@@ -261,10 +231,6 @@ class DiffusersStepPipeline(OmniPipeline):
     def encode_prompts(self, keys: list) -> dict:
         """``{key: encoding}`` for the keys of :meth:`text_keys`, in as few text-encoder calls as possible."""
         return {}
-
-    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
-        """:meth:`post_decode` of every state (subclasses decode states of one latent shape together)."""
-        return [self.post_decode(s) for s in states]
 
     def decode_groups(self, states: list[StepState]) -> list[list[int]]:
         """Indices of ``states`` that one VAE decode can take together (same latent shape, not ``latent``

@@ -249,13 +249,7 @@ class ModelRunner:
         timed = self.clock.timed
         t0, sent0 = time.perf_counter(), sent_bytes()
         with torch.inference_mode():
-            for req in sched.new_requests:
-                state = self.new_state(req)
-                try:
-                    state = timed(self._encode, state)
-                    self.states[req.request_id] = state
-                except Exception as exc:  # noqa: BLE001
-                    outputs[req.request_id] = error_output(req.request_id, exc, state)
+            timed(self._encode_new, sched.new_requests, outputs)
             active = [self.states[r] for r in sched.scheduled_ids if r in self.states and not self.states[r].done]
             preds = timed(self._denoise, active, outputs)
             for state, pred in preds:
@@ -266,6 +260,9 @@ class ModelRunner:
                     self._forget(state.request_id)
             elapsed, sent = time.perf_counter() - t0, sent_bytes() - sent0
             wave = {"step_time_s": elapsed, "communication_bytes": sent, "batch_size": len(active)}
+            finished = [self.states[r] for r in sched.scheduled_ids
+                        if r in self.states and r not in outputs and self.states[r].done]
+            decoded = timed(self._decode_finished, finished)
             for rid in sched.scheduled_ids:
                 state = self.states.get(rid)
                 if state is None or rid in outputs:
@@ -273,7 +270,10 @@ class ModelRunner:
                 previews = self.config.streaming_output and state.request.stream_previews
                 if state.done:
                     try:
-                        out = self._finish_output(state, timed(self.pipeline.post_decode, state), {})
+                        result = decoded[rid]
+                        if isinstance(result, Exception):  # its own decode raised
+                            raise result
+                        out = self._finish_output(state, result, {})
                         if previews:  # the last step's preview; the engine streams it first
                             out.preview = self.pipeline.preview(state)
                     except Exception as exc:  # noqa: BLE001
@@ -287,10 +287,34 @@ class ModelRunner:
                 outputs[rid] = out
         return RunnerOutput(outputs=outputs, held_ids=self.held_ids(), metrics=self.clock.take())
 
-    def _encode(self, state: StepState) -> StepState:
-        state = self.pipeline.prepare_encode(state) or state
-        self.begin_request(state)
-        return state
+    def _encode_new(self, requests: list[OmniDiffusionRequest], outputs: dict[str, DiffusionOutput]) -> None:
+        """``prepare_encode`` of the wave's new requests inside one ``encoded_prompts`` window (their prompts
+        may share a text-encoder call); a request that fails fails alone."""
+        states = [self.new_state(r) for r in requests]
+        try:
+            window = self.pipeline.encoded_prompts(states)
+            window.__enter__()
+        except Exception:  # noqa: BLE001 - the shared encoding failed: each request encodes its own below
+            logger.warning("batched prompt encoding failed; encoding request by request", exc_info=True)
+            window = None
+        try:
+            for state in states:
+                try:
+                    state = self.pipeline.prepare_encode(state) or state
+                    self.begin_request(state)
+                    self.states[state.request_id] = state
+                except Exception as exc:  # noqa: BLE001
+                    outputs[state.request_id] = error_output(state.request_id, exc, state)
+        finally:
+            if window is not None:
+                window.__exit__(None, None, None)
+
+    def _decode_finished(self, states: list[StepState]) -> dict[str, Any]:
+        """``post_decode`` of the requests that finished in this wave, batched; a failing batch is retried
+        request by request, and a request whose decode raises gets the exception as its result."""
+        results = batched_then_one_by_one(states, self.pipeline.post_decode_batch, self.pipeline.post_decode,
+                                          lambda state, exc: exc, what="post_decode")
+        return {s.request_id: r for s, r in zip(states, results)}
 
     def _denoise(self, active: list[StepState], outputs: dict[str, DiffusionOutput]) -> list[tuple[StepState, Any]]:
         if not active:
