@@ -39,7 +39,7 @@ class OutputDelivery:
             stream, out, post_process = item
             try:
                 out = post_process(out)
-            except Exception as exc:  # noqa: BLE001 - the request fails, delivery goes on
+            except BaseException as exc:  # noqa: BLE001 - the request fails, delivery goes on
                 out.status, out.error = "error", f"post-processing failed: {type(exc).__name__}: {exc}"
             stream.put(out)
 

@@ -69,7 +69,9 @@ class MultiProcExecutor(DiffusionExecutor):
         # next is sent, so a writer never waits long on a full pipe.
         self.task_qs = [ctx.SimpleQueue() for _ in range(self.world_size)]
         self.result_q = ctx.SimpleQueue()
-        self.abort_qs = [ctx.SimpleQueue() for _ in self.replicas]
+        # aborts may come in bulk (close() aborts every tracked request) while no worker reads them: a
+        # Queue's feeder thread never blocks the caller; they are not on the per-step path
+        self.abort_qs = [ctx.Queue() for _ in self.replicas]
         port = free_port()
         self.procs = [ctx.Process(target=worker_main, name=f"omni-worker-{rank}", daemon=True,
                                   args=(rank, self.world_size, self.config, self.resolved, port, self.task_qs[rank],
@@ -271,9 +273,12 @@ class MultiProcExecutor(DiffusionExecutor):
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         _kill_all(procs)
-        for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None), *getattr(self, "abort_qs", [])]:
+        for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None)]:
             if q is not None:
                 q.close()
+        for q in getattr(self, "abort_qs", []):
+            q.cancel_join_thread()
+            q.close()
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
         monitor = getattr(self, "_monitor", None)

@@ -205,6 +205,7 @@ class DiffusersStepPipeline(OmniPipeline):
 
     # -- batched text encoding: while a wave is encoded, ``_text_memo`` holds its encodings by text key and a
     # subclass's prepare_encode reads them there (falling back to encoding alone: one request, or step mode)
+    #: per-call state on the instance, so these pipelines leave ``concurrent_calls_safe`` False (no CPU lanes)
     _text_memo: dict | None = None
 
     @contextlib.contextmanager

@@ -67,6 +67,7 @@ class CpuLanes:
         finally:
             done = [f.exception() or f.result() for f in futures]  # wait for every lane before going on
             clock.absorb_lanes(clocks)
+            self._set_threads(self.threads)  # the rest of the wave (scheduler steps, decode) gets every thread
         for result in done:
             if isinstance(result, BaseException):
                 raise result

@@ -9,6 +9,7 @@ broadcast at each step boundary.
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import traceback
 from typing import Any
@@ -17,11 +18,13 @@ from omni_core.worker.transport import pack_outputs
 
 
 def _drain(q: Any) -> list[str]:
-    """Every id waiting on the abort queue (a SimpleQueue; this worker is its only reader), without blocking."""
+    """Every id waiting on the abort queue, without blocking (the runner serialises concurrent callers)."""
     ids: list[str] = []
-    while q._reader.poll(0):
-        ids.extend(q.get())
-    return ids
+    while True:
+        try:
+            ids.extend(q.get_nowait())
+        except queue.Empty:
+            return ids
 
 
 #: tracebacks sent to the engine are cut to this many characters: a put blocks until the engine reads it,

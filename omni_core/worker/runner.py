@@ -96,6 +96,8 @@ class ModelRunner:
         self.on_progress = on_progress
         self.progress: list[tuple[str, int, int]] = []
         self.progress_lock = threading.Lock()
+        #: held while a flush is delivered, so lanes' events reach listeners in step order
+        self._flush_lock = threading.Lock()
         #: how a wave of several requests is split across the CPU cores (set up in ``load_model``)
         self.lanes = CpuLanes(1, enabled=False)
         self.poll_aborts = poll_aborts
@@ -106,6 +108,7 @@ class ModelRunner:
         self.states: dict[str, StepState] = {}
         self._abort_ids: set[str] = set()
         self._abort_lock = threading.Lock()
+        self._poll_lock = threading.Lock()
         self._in_flight: set[str] = set()
         #: pipeline time of the current wave (``RunnerOutput.metrics``; see ``omni_core.worker.timing``)
         self.clock = WaveClock()
@@ -144,7 +147,8 @@ class ModelRunner:
     def agree_stopped(self, request_ids: list[str]) -> set[str]:
         """Which of ``request_ids`` to stop; the replica's leader decides and its ranks learn the same answer."""
         if self.poll_aborts is not None:
-            polled = self.poll_aborts()
+            with self._poll_lock:  # lanes ask at once; one of them drains the queue
+                polled = self.poll_aborts()
             with self._abort_lock:
                 self._abort_ids.update(r for r in polled if r in self._in_flight)
         with self._abort_lock:
@@ -189,6 +193,7 @@ class ModelRunner:
     def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         import torch
 
+        self.clock.take()  # nothing left over from a wave that raised
         self.release(sched.finished_ids)
         reqs = sched.new_requests
         batch_ids = {r.request_id for r in reqs}
@@ -235,15 +240,17 @@ class ModelRunner:
         return [self._finish_output(s, o, {}) for s, o in zip(states, outs)]
 
     def flush_progress(self) -> None:
-        with self.progress_lock:
-            events, self.progress = self.progress, []
-        if events:
-            lane_clock(self.clock).excluded(self.on_progress, events)
+        with self._flush_lock:
+            with self.progress_lock:
+                events, self.progress = self.progress, []
+            if events:
+                lane_clock(self.clock).excluded(self.on_progress, events)
 
     # ------------------------------------------------------------------ step path
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         import torch
 
+        self.clock.take()  # nothing left over from a wave that raised
         self.release(sched.finished_ids)
         outputs: dict[str, DiffusionOutput] = {}
         timed = self.clock.timed
