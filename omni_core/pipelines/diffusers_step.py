@@ -34,6 +34,7 @@ import torch
 from omni_core.distributed.cfg_parallel import cfg_combine
 from omni_core.forward_context import use_config, use_denoise_call
 from omni_core.pipelines.base import OmniPipeline
+from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
 from omni_core.pipelines.state import StepState
 
@@ -232,6 +233,31 @@ class DiffusersStepPipeline(OmniPipeline):
     def encode_prompts(self, keys: list) -> dict:
         """``{key: encoding}`` for the keys of :meth:`text_keys`, in as few text-encoder calls as possible."""
         return {}
+
+    def post_decode(self, state: StepState) -> DiffusionOutput:
+        return self.post_decode_batch([state])[0]
+
+    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
+        """One VAE decode per latent shape for the whole wave (:meth:`decode_latents`); each request's
+        outputs split back out. ``latent`` output skips the decode."""
+        outs = [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
+                                num_steps=s.num_steps) for s in states]
+        for idx in self.decode_groups(states):
+            group = [states[i] for i in idx]
+            if group[0].sampling_params.output_type == "latent":
+                outs[idx[0]].tensor = group[0].latents
+                continue
+            latents = group[0].latents if len(group) == 1 else torch.cat([s.latents for s in group])
+            with torch.no_grad():
+                decoded = self.decode_latents(latents, group[0])
+            for i, part in zip(idx, decoded.split([s.latents.shape[0] for s in group])):
+                outs[i].tensor = part
+        return outs
+
+    def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
+        """The VAE decode of stacked final latents of one shape (``state``: the first of them, for its size)
+        -> float outputs in [0, 1], one row per latent row."""
+        raise NotImplementedError
 
     def decode_groups(self, states: list[StepState]) -> list[list[int]]:
         """Indices of ``states`` that one VAE decode can take together (same latent shape, not ``latent``

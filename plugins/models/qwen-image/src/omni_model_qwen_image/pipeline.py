@@ -15,7 +15,6 @@ import torch
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
@@ -227,28 +226,11 @@ class QwenImagePipeline(DiffusersStepPipeline):
                                   guidance=guidance, encoder_hidden_states_mask=text_mask,
                                   encoder_hidden_states=text, img_shapes=img_shapes, attention_kwargs={})
 
-    def post_decode(self, state: StepState) -> DiffusionOutput:
-        return self.post_decode_batch([state])[0]
-
-    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
-        """One VAE decode per image size for the whole wave; each request's images split back out."""
+    def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         pipe = self.pipe
-        outs = [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
-                                num_steps=s.num_steps) for s in states]
-        for idx in self.decode_groups(states):
-            group = [states[i] for i in idx]
-            if group[0].sampling_params.output_type == "latent":
-                outs[idx[0]].tensor = group[0].latents
-                continue
-            latents = group[0].latents if len(group) == 1 else torch.cat([s.latents for s in group])
-            with torch.no_grad():
-                latents = pipe._unpack_latents(latents, group[0].extra["height"], group[0].extra["width"],
-                                               pipe.vae_scale_factor)
-                image = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0][:, :, 0]
-                images = pipe.image_processor.postprocess(image, output_type="pt")
-            for i, part in zip(idx, images.split([s.latents.shape[0] for s in group])):
-                outs[i].tensor = part
-        return outs
+        latents = pipe._unpack_latents(latents, state.extra["height"], state.extra["width"], pipe.vae_scale_factor)
+        image = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0][:, :, 0]
+        return pipe.image_processor.postprocess(image, output_type="pt")
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The first image's unpacked latents ``[C, h, w]``."""

@@ -15,7 +15,6 @@ import torch
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_model_index
@@ -251,26 +250,10 @@ class WanPipeline(DiffusersStepPipeline):
     def segment_text(self, state: StepState, branch: str) -> tuple[torch.Tensor, None]:
         return (state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds), None
 
-    def post_decode(self, state: StepState) -> DiffusionOutput:
-        return self.post_decode_batch([state])[0]
-
-    def post_decode_batch(self, states: list[StepState]) -> list[DiffusionOutput]:
-        """One VAE decode per video size for the whole wave; each request's videos split back out."""
+    def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         pipe = self.pipe
-        outs = [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
-                                num_steps=s.num_steps) for s in states]
-        for idx in self.decode_groups(states):
-            group = [states[i] for i in idx]
-            if group[0].sampling_params.output_type == "latent":
-                outs[idx[0]].tensor = group[0].latents
-                continue
-            latents = group[0].latents if len(group) == 1 else torch.cat([s.latents for s in group])
-            with torch.no_grad():
-                video = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0]
-                videos = pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
-            for i, part in zip(idx, videos.split([s.latents.shape[0] for s in group])):
-                outs[i].tensor = part
-        return outs
+        video = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0]
+        return pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The middle latent frame of the first video ``[C, h, w]``."""
