@@ -306,6 +306,8 @@ LIMIT_FIELDS = {
     "max_steps": ("num_inference_steps", "num_inference_steps", "--max-steps"),
     "max_outputs": ("num_outputs_per_prompt (the server's n)", "num_outputs_per_prompt", "--max-outputs"),
     "max_prompt_chars": ("characters of the prompt and of the negative prompt, each", "prompt", "--max-prompt-chars"),
+    "max_image_pixels": ("height x width of each input image (edit and image-to-video models)", "image",
+                         "--max-image-pixels"),
 }
 
 
@@ -325,6 +327,7 @@ class RequestLimits(_FromKwargs):
     max_outputs: int | None = attrs.field(default=None, validator=int_field(min=1, max=MAX_OUTPUTS_PER_PROMPT,
                                                                            optional=True))
     max_prompt_chars: int | None = attrs.field(default=None, validator=int_field(min=1, optional=True))
+    max_image_pixels: int | None = attrs.field(default=None, validator=int_field(min=1, optional=True))
 
     @classmethod
     def coerce(cls, value: Any) -> RequestLimits:

@@ -44,6 +44,11 @@ class OmniDiffusionRequest:
     #: with a streaming engine, whether this request's caller reads its per-step previews; False skips the
     #: preview work and the intermediate outputs (a non-streamed HTTP request still gets progress callbacks)
     stream_previews: bool = True
+    #: input images (edit and image-to-video models): PIL images as given, then (once the engine has checked
+    #: them, ``omni_core.images``) RGB ``uint8`` tensors ``[3, H, W]``, which is what a pipeline receives
+    images: list = attrs.field(factory=list)
+    #: what besides the sampling params decides batch compatibility (the pipeline's, set by the engine)
+    batch_extra: tuple = ()
 
     @property
     def seed(self) -> int:
@@ -54,15 +59,32 @@ class OmniDiffusionRequest:
     @classmethod
     def from_prompt(cls, prompt: Any, sampling_params: SamplingParams, request_id: str | None = None
                     ) -> OmniDiffusionRequest:
-        """A prompt is a string or a dict with ``prompt`` and optionally ``negative_prompt``."""
-        negative = None
+        """A prompt is a string or a dict with ``prompt`` and optionally ``negative_prompt`` and ``image`` (a PIL
+        image or a list of them; vLLM-Omni's ``{"multi_modal_data": {"image": ...}}`` spelling works too)."""
+        from omni_core.images import as_image_list
+
+        negative, images = None, []
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "negative_prompt"}
+            unknown = set(prompt) - PROMPT_KEYS
             if unknown:
-                raise ConfigError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: prompt, negative_prompt",
-                                  field="prompt")
+                raise ConfigError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: "
+                                  f"{', '.join(sorted(PROMPT_KEYS))}", field="prompt")
             negative = prompt.get("negative_prompt")
+            images = as_image_list(prompt.get("image"))
+            mm = prompt.get("multi_modal_data")
+            if mm is not None:
+                if not isinstance(mm, dict) or set(mm) - {"image"}:
+                    raise ConfigError(f"multi_modal_data must be a dict with 'image' (the only modality a diffusion "
+                                      f"model takes here), got {mm!r:.80}", field="multi_modal_data")
+                if images and mm.get("image") is not None:
+                    raise ConfigError("give the input images once: 'image' or multi_modal_data['image'], not both",
+                                      field="image")
+                images = images or as_image_list(mm.get("image"), field="multi_modal_data.image")
             prompt = prompt.get("prompt")
         check_prompt(prompt, negative)
         kwargs = {"request_id": request_id} if request_id else {}
-        return cls(prompt=prompt, negative_prompt=negative, sampling_params=sampling_params, **kwargs)
+        return cls(prompt=prompt, negative_prompt=negative, sampling_params=sampling_params, images=images, **kwargs)
+
+
+#: keys a prompt dict may have
+PROMPT_KEYS = frozenset({"prompt", "negative_prompt", "image", "multi_modal_data"})

@@ -37,7 +37,7 @@ def refused(omni, prompt="a red circle in the top left", **params):
 def test_shapes_defaults(shapes):
     """shapes is trained at 32x32: 64x64, 200 steps, 4 outputs, 4096 prompt characters, images only."""
     assert shapes.engine.limits == RequestLimits(max_pixels=4096, max_frames=1, max_steps=200, max_outputs=4,
-                                                 max_prompt_chars=4096)
+                                                 max_prompt_chars=4096, max_image_pixels=4096 * 4096)
 
 
 @pytest.mark.parametrize("params, field, text", [
@@ -135,7 +135,7 @@ def test_base_defaults_are_derived_from_the_model():
         default_limits = {"max_steps": 20, "max_outputs": 1}
 
     assert Image.request_limits() == RequestLimits(max_pixels=4 * 16 * 24, max_frames=1, max_steps=200,
-                                                   max_outputs=4, max_prompt_chars=4096)
+                                                   max_outputs=4, max_prompt_chars=4096, max_image_pixels=4096 * 4096)
     assert Video.request_limits().max_frames == 161  # twice the default clip, still 4k+1
     declared = Declared.request_limits({"max_outputs": 2})
     assert (declared.max_steps, declared.max_outputs, declared.max_pixels) == (20, 2, 1536)

@@ -58,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 #: RequestLimits field -> what it bounds (the flag is --max-pixels etc.)
 LIMIT_FLAGS = {"max_pixels": "pixels (height x width) per output", "max_steps": "denoising steps",
                "max_outputs": "outputs per prompt (n)", "max_frames": "video frames",
-               "max_prompt_chars": "characters in the prompt (and in the negative prompt)"}
+               "max_prompt_chars": "characters in the prompt (and in the negative prompt)",
+               "max_image_pixels": "pixels (height x width) per input image (edit and image-to-video models)"}
 #: the same defaults as omni_core.serve.app (not imported: `omni serve --help` must not load FastAPI)
 MAX_BODY_BYTES = 1 << 20
 SHUTDOWN_GRACE_S = 10.0

@@ -148,6 +148,7 @@ class DiffusionEngine:
         check_prompt(request.prompt, request.negative_prompt)
         params = self.pipeline_cls.check_sampling_params(request.sampling_params, self.resolved.model_path)
         self.limits.check(params, request.prompt, request.negative_prompt, model=self.pipeline_cls.__name__)
+        self.pipeline_cls.check_images(request, self.limits)
         if params.seed is None:
             params = params.replace(seed=secrets.randbits(63))
         request.sampling_params = params

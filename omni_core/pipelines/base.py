@@ -21,6 +21,7 @@ import attrs
 
 from omni_core.config import RequestLimits, SamplingParams, check_sampling_field, registered_sampling_fields
 from omni_core.errors import ConfigError
+from omni_core.images import ImageInput
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import read_model_index  # noqa: F401 (model plugins import it here)
 from omni_core.pipelines.state import StepState
@@ -82,12 +83,18 @@ class OmniPipeline:
     #: per-model request limits (``RequestLimits`` field names) overriding the safe defaults of
     #: ``request_limits``; e.g. ``{"max_pixels": 1280 * 720, "max_frames": 121}``
     default_limits: ClassVar[dict[str, int]] = {}
+    #: the input images a request carries (edit and image-to-video models); None: the model takes none, and a
+    #: request with images is refused naming the ``image`` field
+    image_input: ClassVar[ImageInput | None] = None
 
     #: base defaults: 200 steps is 4x the usual 50-step schedule; 4 outputs per prompt; 4096 characters is
     #: far beyond what a text encoder reads (Qwen-Image and Wan truncate at 512-1024 tokens)
     BASE_MAX_STEPS: ClassVar[int] = 200
     BASE_MAX_OUTPUTS: ClassVar[int] = 4
     BASE_MAX_PROMPT_CHARS: ClassVar[int] = 4096
+    #: 16 MP per input image: beyond any model's working size (inputs are resized to it), and it bounds the
+    #: decode and resize a request costs the engine's process
+    BASE_MAX_IMAGE_PIXELS: ClassVar[int] = 4096 * 4096
 
     @classmethod
     def request_limits(cls, configured: Any = None) -> RequestLimits:
@@ -97,7 +104,7 @@ class OmniPipeline:
         frames = 2 * (cls.default_num_frames - 1) + 1 if cls.is_video and cls.default_num_frames else 1
         base = {"max_pixels": 4 * cls.default_height * cls.default_width, "max_frames": frames,
                 "max_steps": cls.BASE_MAX_STEPS, "max_outputs": cls.BASE_MAX_OUTPUTS,
-                "max_prompt_chars": cls.BASE_MAX_PROMPT_CHARS}
+                "max_prompt_chars": cls.BASE_MAX_PROMPT_CHARS, "max_image_pixels": cls.BASE_MAX_IMAGE_PIXELS}
         model = RequestLimits.coerce(cls.default_limits).resolved(base)  # also checks default_limits' keys
         return RequestLimits.coerce(configured).resolved(attrs.asdict(model))
 
@@ -135,6 +142,18 @@ class OmniPipeline:
                                   f"{(params.num_frames - 1) // cls.frame_multiple * cls.frame_multiple + 1})",
                                   field="num_frames")
         return params
+
+    @classmethod
+    def check_images(cls, request: OmniDiffusionRequest, limits: RequestLimits) -> OmniDiffusionRequest:
+        """Check the request's input images against ``image_input`` and the limits (engine process, before any
+        work), then give the request their transport form (``uint8`` tensors) and their batch-key part."""
+        from omni_core import images as im
+
+        im.check_images(request.images, cls.image_input, model=cls.__name__, max_image_pixels=limits.max_image_pixels)
+        if request.images:
+            request.batch_extra = cls.image_input.batch_key(request.images)
+            request.images = [im.to_tensor(image) for image in request.images]
+        return request
 
     @classmethod
     def check_model_fields(cls, params: SamplingParams) -> SamplingParams:

@@ -39,11 +39,12 @@ class BaseScheduler:
     # ------------------------------------------------------------------ keys
     def batch_key(self, request: OmniDiffusionRequest) -> tuple:
         """``KEY_FIELDS``, the model fields declared ``splits_batch`` (read from the declarations the pipeline's
-        check put on the params: no pipeline import here), and whether there is a negative prompt."""
+        check put on the params: no pipeline import here), whether there is a negative prompt, and what the
+        pipeline put in ``request.batch_extra`` (e.g. input image sizes)."""
         sp = request.sampling_params
         has_negative = request.negative_prompt is not None
         model = tuple((f.name, sp.model_fields.get(f.name)) for f in sp.model_field_specs if f.splits_batch)
-        return tuple(getattr(sp, f) for f in self.KEY_FIELDS) + model + (has_negative,)
+        return tuple(getattr(sp, f) for f in self.KEY_FIELDS) + model + (has_negative,) + request.batch_extra
 
     # ------------------------------------------------------------------ lifecycle
     def add_request(self, request: OmniDiffusionRequest) -> str:
