@@ -43,7 +43,10 @@ class DenoiserSpec:
     * ``name`` -- how the pipeline calls it (``"transformer"``, Wan 2.2's ``"transformer_2"``); the key of a
       request's per-denoiser cache state and of the typed call context's ``expert``.
     * ``module`` -- the ``torch.nn.Module`` (its ``forward`` is what the pipeline calls).
-    * ``blocks_attr`` -- attribute of ``module`` holding the ``nn.ModuleList`` of transformer blocks.
+    * ``blocks_attr`` -- attribute of ``module`` holding the ``nn.ModuleList`` of transformer blocks, or several
+      (FLUX's double- then single-stream blocks), run one after the other with nothing between them that
+      changes the streams, all with the same ``block_params`` and ``block_outputs``; ``blocks`` is their
+      concatenation.
     * ``block_params`` -- the block forward's positional parameter names, in order (checked against the real
       signature by :meth:`check_block_signature`, so a library upgrade that renames one fails loudly).
     * ``carried`` -- the block parameters whose values flow from one block to the next (a block returns them).
@@ -67,7 +70,7 @@ class DenoiserSpec:
 
     name: str
     module: Any
-    blocks_attr: str
+    blocks_attr: tuple[str, ...] = attrs.field(converter=_names)
     block_params: tuple[str, ...] = attrs.field(converter=_names)
     carried: tuple[str, ...] = attrs.field(converter=_names)
     block_outputs: tuple[str, ...] = attrs.field(converter=_names)
@@ -97,7 +100,10 @@ class DenoiserSpec:
 
     @property
     def blocks(self) -> Any:
-        return getattr(self.module, self.blocks_attr)
+        """The block list (the ``nn.ModuleList`` itself for one ``blocks_attr``; a list of all for several)."""
+        if len(self.blocks_attr) == 1:
+            return getattr(self.module, self.blocks_attr[0])
+        return [block for attr in self.blocks_attr for block in getattr(self.module, attr)]
 
     def defaults_for(self, backend: str, model_path: str | None = None) -> dict[str, Any]:
         """The model's shipped defaults for cache backend ``backend`` (empty if it ships none): the spec's
@@ -110,13 +116,14 @@ class DenoiserSpec:
     def check_block_signature(self, who: str = "accelerator") -> None:
         """Refuse a block whose forward no longer takes ``block_params`` in order (e.g. a library upgrade
         renamed one), instead of slicing the wrong inputs."""
-        block = self.blocks[0]
-        names = [p.name for p in inspect.signature(block.forward).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if tuple(names[: len(self.block_params)]) != self.block_params:
-            raise ConfigError(f"{who}: {type(block).__name__}.forward takes {names}, but the {self.name!r} denoiser "
-                              f"spec declares {list(self.block_params)}; the installed model code changed",
-                              field="block_params")
+        for attr in self.blocks_attr:  # the first block of each list (a list holds one block class)
+            block = getattr(self.module, attr)[0]
+            names = [p.name for p in inspect.signature(block.forward).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if tuple(names[: len(self.block_params)]) != self.block_params:
+                raise ConfigError(f"{who}: {type(block).__name__}.forward takes {names}, but the {self.name!r} "
+                                  f"denoiser spec declares {list(self.block_params)}; the installed model code "
+                                  f"changed", field="block_params")
 
 
 def denoisers_of(pipeline: Any) -> list[DenoiserSpec]:
