@@ -105,6 +105,13 @@ def check_images(images: list[Any], spec: ImageInput | None, *, model: str, max_
                               f"limits={{'max_image_pixels': ...}} (omni serve --max-image-pixels)", field=field)
 
 
+def warmup_images(spec: ImageInput, height: int, width: int) -> list[Any]:
+    """The fewest input images ``spec`` accepts (at least one), grey, at the warm-up output size."""
+    from PIL import Image
+
+    return [Image.new("RGB", (width, height), (128, 128, 128)) for _ in range(max(1, spec.min_images))]
+
+
 def to_tensor(image: Any) -> Any:
     """A checked PIL image as an RGB ``uint8`` tensor ``[3, H, W]`` (what travels to workers)."""
     import numpy as np

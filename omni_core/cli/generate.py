@@ -18,6 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog='example: omni generate --prompt "a red circle in the top left" --out circle.png')
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an input image for edit and image-to-video models (repeat for models that take several)")
     p.add_argument("--model", default="shapes", help="model name or diffusers-format folder (default: shapes)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
@@ -67,6 +69,20 @@ def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, s
     return added
 
 
+def open_image(path: str):
+    """``--image PATH`` as a decoded PIL image, or a ``ConfigError`` naming ``image``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.copy()
+    except FileNotFoundError:
+        raise ConfigError(f"--image {path!r}: no such file", field="image") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise ConfigError(f"--image {path!r} is not an image PIL can read ({exc})", field="image") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from omni_core.entrypoints.omni import Omni
     from omni_core.utils.media import VIDEO_SUFFIXES, upscale_for_display, write_video
@@ -76,6 +92,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 "num_outputs_per_prompt": args.n, **{name: getattr(args, dest) for name, dest in args.model_fields}}
     sampling = {k: v for k, v in sampling.items() if v is not None}
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
+    if args.image:  # read before the model loads: a bad path fails at once
+        prompt["image"] = [open_image(path) for path in args.image]
     t0 = time.perf_counter()
     with Omni(args.model, warmup=not args.no_warmup, **engine_options(args)) as omni:
         t1 = time.perf_counter()

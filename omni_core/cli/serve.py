@@ -38,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="seconds a finished video job and its file are kept (default: 3600)")
     srv.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                      help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
+    srv.add_argument("--max-upload-bytes", type=int, default=MAX_UPLOAD_BYTES,
+                     help="the body cap of the routes that take input images: /v1/images/edits, /v1/videos, "
+                          f"/v1/chat/completions (default: {MAX_UPLOAD_BYTES})")
     srv.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                      help="seconds in-flight requests get at SIGINT/SIGTERM before they are aborted and answered "
                           f"with an error (default: {SHUTDOWN_GRACE_S:g})")
@@ -62,6 +65,7 @@ LIMIT_FLAGS = {"max_pixels": "pixels (height x width) per output", "max_steps": 
                "max_image_pixels": "pixels (height x width) per input image (edit and image-to-video models)"}
 #: the same defaults as omni_core.serve.app (not imported: `omni serve --help` must not load FastAPI)
 MAX_BODY_BYTES = 1 << 20
+MAX_UPLOAD_BYTES = 32 << 20
 SHUTDOWN_GRACE_S = 10.0
 #: exit status of `omni serve` when it stopped because its engine died (a supervisor should restart it)
 EXIT_ENGINE_DEAD = 3
@@ -93,6 +97,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--video-ttl {args.video_ttl} is invalid: must be > 0", field="video_ttl")
     if args.max_body_bytes < 1:
         raise ConfigError(f"--max-body-bytes {args.max_body_bytes} is invalid: must be >= 1", field="max_body_bytes")
+    if args.max_upload_bytes < 1:
+        raise ConfigError(f"--max-upload-bytes {args.max_upload_bytes} is invalid: must be >= 1",
+                          field="max_upload_bytes")
     if not args.shutdown_grace >= 0:
         raise ConfigError(f"--shutdown-grace {args.shutdown_grace} is invalid: must be >= 0", field="shutdown_grace")
 
@@ -131,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, video_dir=args.video_dir,
                     max_video_jobs=args.max_video_jobs, video_ttl_s=args.video_ttl, retry_after_s=args.retry_after,
                     close_engine=True, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
-                    exit_on_engine_death=True)
+                    exit_on_engine_death=True, max_upload_bytes=args.max_upload_bytes)
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host

@@ -133,6 +133,11 @@ class DiffusionEngine:
                      + f" steps={params.num_inference_steps}")
             req = OmniDiffusionRequest(prompt="warmup", sampling_params=params,
                                        request_id=f"warmup-{secrets.token_hex(4)}")
+            if self.pipeline_cls.image_input is not None:  # a model that needs input images warms up with grey ones
+                from omni_core.images import warmup_images
+
+                req.images = warmup_images(self.pipeline_cls.image_input, params.height, params.width)
+                self.pipeline_cls.check_images(req, self.limits)
             out = self._admit([req])[0].result()
             error, frame = out.error, out.metrics.get("error_frame")
         except Exception as exc:  # noqa: BLE001 - the shape was refused, or the engine died
@@ -365,7 +370,8 @@ class DiffusionEngine:
         return ModelInfo(model=self.config.model, pipeline=spec.name, provider=spec.provider,
                          model_path=self.resolved.model_path, is_video=bool(getattr(cls, "is_video", False)),
                          frame_multiple=getattr(cls, "frame_multiple", 1), size_multiple=cls.size_multiple,
-                         streaming=bool(self.config.streaming_output), sampling_fields=tuple(spec.sampling_fields))
+                         streaming=bool(self.config.streaming_output), sampling_fields=tuple(spec.sampling_fields),
+                         image_input=cls.image_input)
 
     @property
     def is_dead(self) -> bool:

@@ -36,6 +36,8 @@ class ModelInfo:
     #: the pipeline's own sampling knobs (``SamplingField`` records from its ``PipelineSpec``): the request fields
     #: the served model takes beyond the core's
     sampling_fields: tuple = ()
+    #: the input images a request carries (``omni_core.images.ImageInput``), or None: the model takes none
+    image_input: object = None
 
 
 __all__ = ["ModelInfo", "ProgressFn"]

@@ -30,6 +30,15 @@ class CpuPlatform(Platform):
 
         return torch.device("cpu")
 
+    def peak_memory_bytes(self, device: Any = None) -> int:
+        """The process's peak resident set (``ru_maxrss``, KiB on Linux): CPU tensors live in it."""
+        try:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        except (ImportError, OSError):
+            return 0
+
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         total = 0
         try:

@@ -59,6 +59,12 @@ class CudaLikePlatform(Platform):
 
         torch.cuda.empty_cache()
 
+    def peak_memory_bytes(self, device: Any = None) -> int:
+        """Peak bytes held by torch's allocator on ``device`` (``torch.cuda.max_memory_allocated``)."""
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         """Bytes ``allocated``/``reserved`` by torch's allocator, plus the device's ``free`` and ``total``."""
         import torch

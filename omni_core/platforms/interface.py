@@ -51,6 +51,11 @@ class Platform:
         """Bytes ``allocated``, ``reserved``, ``total`` on ``device`` (0 where unknown)."""
         return {"allocated": 0, "reserved": 0, "total": 0}
 
+    def peak_memory_bytes(self, device: Any = None) -> int:
+        """The most memory this process has held on ``device`` so far (0 where unknown): reported with every
+        finished request as ``metrics["peak_memory_mb"]`` (the server's ``usage.peak_memory_mb``)."""
+        return 0
+
     def default_attention_backend(self, head_size: int, dtype: Any) -> str:
         """The attention backend this platform prefers for a head size and dtype."""
         return "TORCH_SDPA"

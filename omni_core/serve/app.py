@@ -23,18 +23,18 @@ from fastapi import FastAPI
 
 from omni_core.serve.errors import install_error_handlers
 from omni_core.serve.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from omni_core.serve.omni_server import MAX_BODY_BYTES, PREVIEW_MAX_SIDE, SHUTDOWN_GRACE_S, OmniServer
+from omni_core.serve.omni_server import MAX_BODY_BYTES, MAX_UPLOAD_BYTES, PREVIEW_MAX_SIDE, SHUTDOWN_GRACE_S, OmniServer
 from omni_core.serve.openapi import install_openapi
-from omni_core.serve.routes import images, system, videos
+from omni_core.serve.routes import chat, images, system, videos
 
-__all__ = ["MAX_BODY_BYTES", "PREVIEW_MAX_SIDE", "SHUTDOWN_GRACE_S", "OmniServer", "build_app"]
+__all__ = ["MAX_BODY_BYTES", "MAX_UPLOAD_BYTES", "PREVIEW_MAX_SIDE", "SHUTDOWN_GRACE_S", "OmniServer", "build_app"]
 
 
 def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_key: str | None = None,
               video_dir: str | None = None, max_video_jobs: int = 100, video_ttl_s: float = 3600.0,
               retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE,
               max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
-              exit_on_engine_death: bool = False) -> Any:
+              exit_on_engine_death: bool = False, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> Any:
     """A FastAPI app serving ``engine_or_omni`` (an ``EngineClient`` such as ``DiffusionEngine``, or an
     ``AsyncOmni`` / ``Omni``, whose engine is used).
 
@@ -43,13 +43,14 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     routing, so unknown routes are 401 too); an empty key is refused. ``video_dir``: where MP4s go (default: a
     temp dir removed at shutdown). ``close_engine``: close the engine when the app shuts down (``omni serve``
     owns its engine; tests usually own theirs). ``max_body_bytes``: larger bodies get 413 (counted while
-    read). ``shutdown_grace_s``: at shutdown, requests still running after this long are aborted through the
+    read); ``max_upload_bytes`` is the cap of the routes that take input images. ``shutdown_grace_s``: at shutdown, requests still running after this long are aborted through the
     engine and answered with an error. ``exit_on_engine_death``: stop serving once the engine is dead.
     """
     server = OmniServer(engine_or_omni, served_model_name=served_model_name, api_key=api_key, video_dir=video_dir,
                         max_video_jobs=max_video_jobs, video_ttl_s=video_ttl_s, retry_after_s=retry_after_s,
                         close_engine=close_engine, preview_max_side=preview_max_side, max_body_bytes=max_body_bytes,
-                        shutdown_grace_s=shutdown_grace_s, exit_on_engine_death=exit_on_engine_death)
+                        shutdown_grace_s=shutdown_grace_s, exit_on_engine_death=exit_on_engine_death,
+                        max_upload_bytes=max_upload_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -63,11 +64,11 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
                   docs_url="/docs", redoc_url=None)
     app.state.omni = server
     install_error_handlers(app)
-    for router in (system.router, system.v1, images.v1, videos.v1):  # the order of the OpenAPI paths
+    for router in (system.router, system.v1, images.v1, videos.v1, chat.v1):  # the order of the OpenAPI paths
         app.include_router(router)
     install_openapi(app, server.api_key, server.model_info.sampling_fields)
     # outermost first: metrics (counts every answer), the API key (before routing), the body cap
-    app.add_middleware(BodyLimitMiddleware, limit=server.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=server.max_body_bytes, upload_limit=server.max_upload_bytes)
     app.add_middleware(AuthMiddleware, server=server)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics)
     return app

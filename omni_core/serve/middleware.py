@@ -30,20 +30,28 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodyLimitMiddleware:
-    """Bodies over ``limit`` bytes get 413: at once when ``Content-Length`` says so, otherwise as soon as the
-    bytes read pass the limit (a chunked body is never buffered beyond it)."""
+#: routes whose bodies carry input images: capped by ``upload_limit`` instead of ``limit``
+UPLOAD_PATHS = frozenset({"/v1/images/edits", "/v1/videos", "/v1/chat/completions"})
 
-    def __init__(self, app: Any, limit: int) -> None:
+
+class BodyLimitMiddleware:
+    """Bodies over the limit get 413: at once when ``Content-Length`` says so, otherwise as soon as the bytes
+    read pass it (a chunked body is never buffered beyond it). Routes that take images (``UPLOAD_PATHS``) have
+    the larger ``upload_limit``."""
+
+    def __init__(self, app: Any, limit: int, upload_limit: int | None = None) -> None:
         self.app, self.limit = app, limit
+        self.upload_limit = upload_limit or limit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        upload = scope["path"] in UPLOAD_PATHS
+        limit = self.upload_limit if upload else self.limit
         length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await send_error(too_large(self.limit), scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            await send_error(too_large(limit, upload), scope, receive, send)
             return
         received = 0
 
@@ -52,8 +60,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise too_large(self.limit)
+                if received > limit:
+                    raise too_large(limit, upload)
             return message
 
         await self.app(scope, limited_receive, send)

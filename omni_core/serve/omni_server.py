@@ -16,7 +16,7 @@ from typing import Any, Callable
 from omni_core.engine.client import EngineClient, ProgressFn
 from omni_core.errors import ConfigError, OmniError, QueueFullError
 from omni_core.request import OmniDiffusionRequest
-from omni_core.serve.errors import admission_error, dead_message
+from omni_core.serve.errors import admission_error, dead_message, generation_failed
 from omni_core.serve.metrics import ServerMetrics
 from omni_core.serve.protocol import APIError
 from omni_core.serve.videos import VideoJobs
@@ -27,6 +27,10 @@ logger = logging.getLogger("omni_core.serve")
 PREVIEW_MAX_SIDE = 256
 #: default cap on a request body: a request is a prompt and a few numbers, far below this
 MAX_BODY_BYTES = 1 << 20
+#: the body cap of the routes that take input images (edits, videos, chat messages with data URLs)
+MAX_UPLOAD_BYTES = 32 << 20
+#: the model name vLLM-Omni's clients send by default; it names the served model
+DEFAULT_MODEL_ALIAS = "default"
 #: default seconds in-flight requests get to finish at shutdown before they are aborted through the engine
 SHUTDOWN_GRACE_S = 10.0
 #: ``Authorization: Bearer <token>``: scheme in any case, exactly one space, a token without whitespace
@@ -45,19 +49,24 @@ class OmniServer:
                  video_dir: str | None = None, max_video_jobs: int = 100, video_ttl_s: float = 3600.0,
                  retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE,
                  max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
-                 exit_on_engine_death: bool = False):
+                 exit_on_engine_death: bool = False, max_upload_bytes: int = MAX_UPLOAD_BYTES):
         if api_key is not None and (not isinstance(api_key, str) or not api_key or _BEARER.fullmatch(
                 f"Bearer {api_key}") is None):
             raise ConfigError(f"api_key={api_key!r} is invalid: give a non-empty key without whitespace, or "
                               f"api_key=None for no authentication", field="api_key")
-        if max_body_bytes < 1:
-            raise ConfigError(f"max_body_bytes={max_body_bytes} is invalid: must be >= 1", field="max_body_bytes")
+        for name, value in (("max_body_bytes", max_body_bytes), ("max_upload_bytes", max_upload_bytes)):
+            if value < 1:
+                raise ConfigError(f"{name}={value} is invalid: must be >= 1", field=name)
         #: AsyncOmni / Omni hold their engine client in ``.engine``; or this is the client itself
         self.engine: EngineClient = getattr(engine_or_omni, "engine", engine_or_omni)
         self.model_info = self.engine.model_info
         self.model_name = served_model_name or self.model_info.model
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes
+        #: the input images the served model takes (None: none) and the per-image pixel limit
+        self.image_input = self.model_info.image_input
+        self.max_image_pixels = self.engine.limits.max_image_pixels
         self.shutdown_grace_s = shutdown_grace_s
         self.exit_on_engine_death = exit_on_engine_death
         #: set by the uvicorn wrapper (``omni_core.serve.server``): makes the server shut down gracefully
@@ -131,13 +140,15 @@ class OmniServer:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """A request names the served model, or none, or ``"default"`` (what vLLM-Omni's clients send when
+        they are not told a name: one server serves one model, so it is that one)."""
+        if model is not None and model not in (self.model_name, DEFAULT_MODEL_ALIAS):
             raise APIError(404, f"the model {model!r} does not exist on this server; it serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     # ------------------------------------------------------------------ engine
     def submit(self, prompt: str, negative_prompt: str | None, params: Any, on_progress: ProgressFn | None = None,
-               *, stream_previews: bool = False):
+               *, stream_previews: bool = False, images: list | None = None):
         """Validate and queue one request; returns its handle or raises the matching APIError.
 
         ``stream_previews``: the client reads per-step previews (a streamed response); otherwise the engine
@@ -148,7 +159,7 @@ class OmniServer:
         """
         params = params.replace(output_type="pt")  # see media.pil_outputs
         request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params,
-                                       stream_previews=stream_previews)
+                                       stream_previews=stream_previews, images=list(images or []))
         try:
             (handle,) = self.engine.submit([request], on_progress=on_progress)
         except OmniError as exc:
@@ -162,6 +173,19 @@ class OmniServer:
 
     def untrack(self, request_id: str) -> None:
         self._inflight.discard(request_id)
+
+    async def run_to_end(self, request: Any, handle: Any, kind: str = "image") -> Any:
+        """The completed output of a tracked request (None if the client left; a failure raises its APIError)."""
+        try:
+            out = await self.final_output(request, handle)
+        finally:
+            self.untrack(handle.request_id)
+        if out is None:
+            return None
+        if out.status != "completed":
+            raise generation_failed(out, self.engine.is_dead)
+        self.metrics.observe_generation(kind, out.metrics)
+        return out
 
     async def final_output(self, request: Any, handle: Any) -> Any:
         """The request's final output, or None if the client disconnected first (the request is aborted)."""

@@ -15,7 +15,7 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 STATUS_DOC = {400: "invalid request: `param` names the field", 401: "missing or incorrect API key",
               404: "unknown model, video or route", 409: "the video is not ready",
-              413: "the request body is larger than --max-body-bytes",
+              413: "the request body is larger than --max-body-bytes (--max-upload-bytes where images are sent)",
               429: "the queue (or the video table) is full; see Retry-After",
               500: "the generation failed", 503: "the engine is dead, closed, or the server is shutting down"}
 
@@ -34,14 +34,28 @@ def form_schema(json_schema: dict[str, Any]) -> dict[str, Any]:
             "properties": {name: {"type": "string"} for name in json_schema["properties"]}}
 
 
+def edit_form_schema(model_fields: tuple | None = None) -> dict[str, Any]:
+    """The multipart form of ``POST /v1/images/edits``: the generation fields as text, the image file(s), a mask."""
+    from omni_core.serve.protocol import image_body_schema
+
+    schema = form_schema(image_body_schema(model_fields))
+    binary = {"type": "string", "format": "binary"}
+    schema["properties"].update({"image": binary, "image[]": {"type": "array", "items": binary}, "mask": binary})
+    return schema
+
+
 def model_request_bodies(model_fields: tuple) -> dict[str, dict[str, Any]]:
     """``{path: {content type: schema}}`` of the POST bodies, with the served model's declared sampling fields
     (the routes state the core's fields only, at import, before any model is known)."""
     from omni_core.serve.protocol import image_body_schema, video_body_schema
 
     video = video_body_schema(model_fields)
+    form = form_schema(video)
+    form["properties"]["input_reference"] = {"type": "string", "format": "binary"}
     return {"/v1/images/generations": {"application/json": image_body_schema(model_fields)},
-            "/v1/videos": {"application/json": video, "multipart/form-data": form_schema(video)}}
+            "/v1/images/edits": {"multipart/form-data": edit_form_schema(model_fields)},
+            "/v1/videos": {"application/json": video, "multipart/form-data": form,
+                           "application/x-www-form-urlencoded": form_schema(video)}}
 
 
 def install_openapi(app: Any, api_key: str | None, model_fields: tuple = ()) -> None:

@@ -37,9 +37,10 @@ def invalid(message: str, param: str | None, code: str = "invalid_value") -> API
     return APIError(400, message, param=param, code=code)
 
 
-def too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than max_body_bytes={limit} bytes; send a smaller body, or "
-                         f"raise the limit with omni serve --max-body-bytes", code="request_too_large")
+def too_large(limit: int, upload: bool = False) -> APIError:
+    name = "max_upload_bytes" if upload else "max_body_bytes"
+    return APIError(413, f"the request body is larger than {name}={limit} bytes; send a smaller body, or "
+                         f"raise the limit with omni serve --{name.replace('_', '-')}", code="request_too_large")
 
 
 # ------------------------------------------------------------------------------------------ JSON bodies
@@ -114,7 +115,8 @@ def _depth(value: Any, limit: int) -> int:
 
 
 #: SamplingParams / pipeline field -> the request field a client sends
-_PARAM_OF_FIELD = {"num_outputs_per_prompt": "n", "height": "size", "width": "size", "extra_args": "extra_args"}
+_PARAM_OF_FIELD = {"num_outputs_per_prompt": "n", "height": "size", "width": "size", "extra_args": "extra_args",
+                   "multi_modal_data.image": "image"}
 
 
 def config_error(exc: ConfigError, extra: Mapping[str, str] | None = None) -> APIError:
@@ -230,6 +232,17 @@ def _prompt(fields: dict[str, Any]) -> str:
 def _sampling(fields: dict[str, Any], names: Mapping[str, str], **fixed: Any) -> SamplingParams:
     kwargs = {target: fields[name] for name, target in names.items() if name in fields}
     size = parse_size(fields.get("size"))
+    sides = [name for name in ("width", "height") if name in fields]
+    if sides:  # vLLM-Omni's clients send separate width and height
+        if size is not None:
+            raise invalid("give either 'size' or 'width' and 'height', not both", "size")
+        if len(sides) == 1:
+            missing = ({"width", "height"} - set(sides)).pop()
+            raise invalid(f"'{sides[0]}' needs '{missing}' as well (or give 'size': 'WIDTHxHEIGHT')", missing,
+                          code="missing_required_parameter")
+        size = (fields["width"], fields["height"])
+        if min(size) < 1:
+            raise invalid(f"width={size[0]} and height={size[1]} must be positive", "width")
     if size is not None:
         kwargs["width"], kwargs["height"] = size
     try:
@@ -293,6 +306,8 @@ class ImageRequest:
     params: SamplingParams
     model: str | None
     stream: bool
+    #: input images (PIL), for edit models
+    images: tuple = ()
 
 
 def parse_image_request(body: Any, *, model_fields: Sequence[Any] | None = None) -> ImageRequest:
@@ -311,14 +326,120 @@ def parse_image_request(body: Any, *, model_fields: Sequence[Any] | None = None)
                         model=fields.get("model"), stream=fields.get("stream", False))
 
 
+# ------------------------------------------------------------------------------------------ edits
+#: the file fields of ``POST /v1/images/edits``: OpenAI's client sends ``image`` (one file) or ``image[]`` (several)
+EDIT_IMAGE_FIELDS = ("image", "image[]")
+EDIT_MASK_FIELD = "mask"
+#: sent by vLLM-Omni's benchmark client with every edit (``bot_task=think``, a knob of its own models): read
+#: as the models here have no such knob
+EDIT_IGNORED = ("user", "safety_identifier", "bot_task")
+
+
+def parse_edit_request(form: Any, *, model_fields: Sequence[Any] | None = None) -> ImageRequest:
+    """The text fields of a ``POST /v1/images/edits`` form -> :class:`ImageRequest` (images added by the route).
+    The same fields as generations, read from form text."""
+    kinds, sampling = _with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)
+    fields = _read_fields(form, kinds, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
+                          ignored=EDIT_IGNORED, unsupported=IMAGE_UNSUPPORTED, from_form=True)
+    prompt = _prompt(fields)
+    fmt = fields.get("response_format", "b64_json")
+    if fmt != "b64_json":
+        raise invalid(f"'response_format'={fmt!r} is not supported: this server returns images inline, use "
+                      f"'b64_json'", "response_format", code="unsupported_value")
+    return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=_sampling(fields, sampling),
+                        model=fields.get("model"), stream=fields.get("stream", False))
+
+
+# ------------------------------------------------------------------------------------------ chat completions
+#: generation fields a chat request may carry, at the top level or in ``extra_body`` (vLLM-Omni's image route)
+CHAT_GENERATION_FIELDS = {
+    "n": "int", "size": "str", "width": "int", "height": "int", "num_inference_steps": "int",
+    "guidance_scale": "number", "negative_prompt": "str", "seed": "int", "num_frames": "int", "fps": "int",
+    "extra_args": "object",
+}
+#: chat-completion fields that mean nothing to an image model; read and left alone, as vLLM-Omni does
+CHAT_IGNORED = ("user", "temperature", "top_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
+                "presence_penalty", "stop", "modalities", "response_format")
+_CHAT_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
+                  "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
+                  "num_frames": "num_frames"}
+
+
+@attrs.frozen
+class ChatImageRequest:
+    request: ImageRequest
+    #: the image URLs of the last user message, in order (data URLs)
+    image_urls: tuple
+
+
+def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None) -> ChatImageRequest:
+    """``POST /v1/chat/completions`` for an image model (vLLM-Omni's image route): the last user message is the
+    prompt (its text parts joined; its ``image_url`` parts are input images), generation fields come at the top
+    level or in ``extra_body``."""
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}", None, code="invalid_body")
+    body = dict(body)
+    extra = body.pop("extra_body", None)
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise invalid(f"'extra_body' must be a JSON object, got {type(extra).__name__}", "extra_body",
+                          code="invalid_type")
+        both = sorted(set(extra) & set(body))
+        if both:
+            raise invalid(f"{both[0]!r} is given both at the top level and in 'extra_body'; give it once", both[0])
+        body.update(extra)
+    messages = body.pop("messages", None)
+    if body.pop("stream", False):
+        raise invalid("stream=true is not supported on /v1/chat/completions for image models; use "
+                      "POST /v1/images/generations with stream=true for per-step previews", "stream",
+                      code="unsupported_value")
+    text, urls = _last_user_message(messages)
+    kinds, sampling = _with_model_fields({"model": "str", **CHAT_GENERATION_FIELDS}, _CHAT_SAMPLING, model_fields)
+    fields = _read_fields(body, kinds, ignored=CHAT_IGNORED)
+    fields.pop("fps", None)  # vLLM-Omni's client sends its --fps with image requests too
+    if fields.get("num_frames") == 1:
+        fields.pop("num_frames")
+    request = ImageRequest(prompt=text, negative_prompt=fields.get("negative_prompt"),
+                           params=_sampling(fields, sampling), model=fields.get("model"), stream=False)
+    return ChatImageRequest(request=request, image_urls=tuple(urls))
+
+
+def _last_user_message(messages: Any) -> tuple[str, list]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' is required: a non-empty list of chat messages; the last user message is the prompt",
+                      "messages", code="missing_required_parameter")
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise invalid("'messages' has no message with role 'user' (its content is the prompt)", "messages")
+    content = users[-1].get("content")
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise invalid("a user message's 'content' must be a string or a list of parts", "messages", code="invalid_type")
+    texts, urls = [], []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url" and isinstance(part.get("image_url"), (dict, str)):
+            url = part["image_url"]
+            urls.append(url.get("url") if isinstance(url, dict) else url)
+        else:
+            raise invalid(f"content part {i} of the last user message must be {{'type': 'text', 'text': ...}} or "
+                          f"{{'type': 'image_url', 'image_url': {{'url': 'data:...'}}}}, got {part!r:.80}",
+                          "messages", code="invalid_type")
+    return " ".join(texts), urls
+
+
 # ------------------------------------------------------------------------------------------ videos
 VIDEO_FIELDS = {
     "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
-    "extra_args": "object",
+    "extra_args": "object", "width": "int", "height": "int",
 }
-VIDEO_UNSUPPORTED = {"input_reference": "only text-to-video is served",
-                     "remixed_from_video_id": "remixing is not supported"}
+#: the field of ``/v1/videos`` holding the input image of an image-to-video model (a file part, or a data URL)
+INPUT_REFERENCE = "input_reference"
+VIDEO_UNSUPPORTED = {"remixed_from_video_id": "remixing is not supported"}
 _VIDEO_SAMPLING = {"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"}
 MAX_FPS = 120
@@ -374,10 +495,37 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
 
 
 def parse_form(body: bytes, content_type: str) -> dict[str, Any]:
-    """Fields of a ``multipart/form-data`` body (what the ``openai`` client sends to ``/v1/videos``).
+    """Fields of a ``multipart/form-data`` body, a file part as ``bytes`` (refused by the field checks where a
+    route expects text); the last part of a repeated name wins. See :func:`parse_multipart` for files."""
+    fields, files = parse_multipart(body, content_type)
+    return {**fields, **{name: parts[-1] for name, parts in files.items()}}
 
-    Parsed with the standard library's MIME parser so the server needs no extra dependency. A file part
-    comes back as ``bytes`` (and is then refused by the field checks).
+
+def parse_urlencoded(body: bytes) -> dict[str, str]:
+    """Fields of an ``application/x-www-form-urlencoded`` body (what aiohttp and vLLM-Omni's benchmark send for a
+    form without files); a repeated name is refused, naming it."""
+    from urllib.parse import parse_qsl
+
+    try:
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(body.strip()),
+                          max_num_fields=256)
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the form body is not valid UTF-8: {exc}", None, code="invalid_body") from None
+    except ValueError as exc:
+        raise invalid(f"malformed application/x-www-form-urlencoded body: {exc}", None, code="invalid_body") from None
+    fields: dict[str, str] = {}
+    for name, value in pairs:
+        if name in fields:
+            raise invalid(f"form field '{name}' is given more than once", name, code="invalid_body")
+        fields[name] = value
+    return fields
+
+
+def parse_multipart(body: bytes, content_type: str) -> tuple[dict[str, str], dict[str, list[bytes]]]:
+    """``(text fields, file parts by name)`` of a ``multipart/form-data`` body (what the ``openai`` client sends to
+    ``/v1/videos`` and ``/v1/images/edits``); a name may carry several files (``image[]``).
+
+    Parsed with the standard library's MIME parser so the server needs no extra dependency.
     """
     from email.parser import BytesParser
     from email.policy import HTTP
@@ -389,6 +537,7 @@ def parse_form(body: bytes, content_type: str) -> dict[str, Any]:
     from email.utils import collapse_rfc2231_value
 
     fields: dict[str, Any] = {}
+    files: dict[str, list[bytes]] = {}
     for part in msg.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if not name:
@@ -396,7 +545,7 @@ def parse_form(body: bytes, content_type: str) -> dict[str, Any]:
         name = collapse_rfc2231_value(name)
         payload = part.get_payload(decode=True) or b""
         if part.get_filename() is not None:
-            fields[name] = payload
+            files.setdefault(name, []).append(payload)
             continue
         charset = part.get_content_charset() or "utf-8"
         try:
@@ -406,7 +555,7 @@ def parse_form(body: bytes, content_type: str) -> dict[str, Any]:
                           code="invalid_body") from None
         except UnicodeDecodeError as exc:
             raise invalid(f"form field '{name}' is not valid {charset}: {exc}", name, code="invalid_body") from None
-    return fields
+    return fields, files
 
 
 # ------------------------------------------------------------------------------------------ OpenAPI

@@ -44,6 +44,8 @@ class VideoJob:
     expires_at: int | None = None
     error: dict | None = None
     seed: int | None = None
+    #: the worker's peak memory when the job's request finished (vLLM-Omni's clients read it from the job)
+    peak_memory_mb: float | None = None
     path: str | None = None
     task: Any = None
 
@@ -66,12 +68,19 @@ class VideoJob:
             self.progress = min(99, int(100 * step / max(total, 1)))
 
     def to_dict(self) -> dict[str, Any]:
-        """OpenAI's video object, plus omni's ``num_frames``, ``fps`` and ``seed``."""
-        return {"id": self.id, "object": "video", "model": self.model, "status": self.status,
+        """OpenAI's video object, plus omni's ``num_frames``, ``fps``, ``seed`` and ``peak_memory_mb``.
+
+        OpenAI's statuses are queued, in_progress, completed and failed, and clients poll until completed or
+        failed; so a cancelled job (its request aborted, e.g. at shutdown) reads ``failed`` with error code
+        ``cancelled``, which ends every such client's polling."""
+        status, error = self.status, self.error
+        if status == CANCELLED:
+            status, error = FAILED, error or {"code": "cancelled", "message": "the video job was cancelled"}
+        return {"id": self.id, "object": "video", "model": self.model, "status": status,
                 "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": self.expires_at, "prompt": self.prompt, "size": self.size, "seconds": self.seconds,
-                "quality": "standard", "error": self.error, "remixed_from_video_id": None,
-                "num_frames": self.num_frames, "fps": self.fps, "seed": self.seed}
+                "quality": "standard", "error": error, "remixed_from_video_id": None,
+                "num_frames": self.num_frames, "fps": self.fps, "seed": self.seed, "peak_memory_mb": self.peak_memory_mb}
 
 
 class VideoJobs:

@@ -182,9 +182,18 @@ class ModelRunner:
         out.metrics.update(extra)
         out.metrics.setdefault("num_steps", state.step_index)
         out.metrics["seed"] = state.request.seed
+        out.metrics["peak_memory_mb"] = self._peak_memory_mb()
         if self.cache_backend is not None:
             out.metrics.update(self.cache_backend.request_metrics(state))
         return out
+
+    def _peak_memory_mb(self) -> float:
+        from omni_core.platforms import platform_for
+
+        try:
+            return round(platform_for(self.config).peak_memory_bytes(self.device) / 2**20, 1)
+        except Exception:  # noqa: BLE001 - a platform that cannot tell reports 0, never fails a request
+            return 0.0
 
     def begin_request(self, state: StepState) -> None:
         if self.cache_backend is not None:

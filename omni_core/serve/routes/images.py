@@ -1,5 +1,5 @@
-"""``POST /v1/images/generations``: JSON with the images, or (``stream=true``) server-sent events with a
-partial image per denoising step and a completed event per image.
+"""``POST /v1/images/generations`` and ``POST /v1/images/edits``: JSON with the images, or (``stream=true``)
+server-sent events with a partial image per denoising step and a completed event per image.
 
 A client that goes away aborts its request: non-streamed, a task watches for ``http.disconnect`` while the
 result is awaited; streamed, the response stops on disconnect. So the engine never keeps work nobody reads.
@@ -12,14 +12,17 @@ import logging
 import time
 from typing import Any
 
+import attrs
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from omni_core.serve.errors import generation_failed, internal_error
 from omni_core.serve.media import pil_outputs, png_b64, preview_image, size_of
 from omni_core.serve.omni_server import OmniServer, current
-from omni_core.serve.openapi import error_doc, error_docs
-from omni_core.serve.protocol import ImageRequest, image_body_schema, invalid, parse_image_request, parse_json
+from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs
+from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid, parse_edit_request, parse_image_request, parse_json,
+                                      parse_multipart)
+from omni_core.serve.uploads import check_count, read_image
 from omni_core.serve.sse import EventStream, sse
 
 logger = logging.getLogger("omni_core.serve")
@@ -37,6 +40,49 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
 async def generate_images(request: Request):
     server = current(request)
     req = parse_image_request(parse_json(await request.body()), model_fields=server.model_info.sampling_fields)
+    return await answer_images(request, server, req)
+
+
+@v1.post("/images/edits", responses={
+    200: {"description": "the edited images (JSON), or with stream=true Server-Sent Events",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}},
+    **error_docs(400, 404, 413, 429, 500, 503)},
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": edit_form_schema(())}}}})  # + the served model's fields: openapi.py
+async def edit_images(request: Request):
+    """OpenAI's image edit: a multipart form with the input image(s) (``image`` or ``image[]``), the prompt and
+    the generation fields; answered as generations are (JSON, or events with ``stream=true``)."""
+    server = current(request)
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise invalid("POST /v1/images/edits takes a multipart/form-data body (the image files, the prompt and the "
+                      "fields), as OpenAI's API does", None, code="invalid_body")
+    fields, files = parse_multipart(await request.body(), content_type)
+    for name in (*EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD):
+        if name in fields:
+            raise invalid(f"'{name}' must be an image file (a multipart file part with a filename), got a text "
+                          f"field", "image" if name != EDIT_MASK_FIELD else name, code="invalid_image")
+    unknown_files = sorted(set(files) - {*EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD})
+    if unknown_files:
+        raise invalid(f"unexpected file field '{unknown_files[0]}'; an edit takes 'image' (or 'image[]') and "
+                      f"optionally 'mask'", unknown_files[0], code="unknown_parameter")
+    req = parse_edit_request(fields, model_fields=server.model_info.sampling_fields)
+    server.check_model(req.model)
+    if EDIT_MASK_FIELD in files:
+        raise invalid(f"'mask' is not supported by model {server.model_name!r}: it edits the whole image from the "
+                      f"prompt (no inpainting mask); leave 'mask' out", EDIT_MASK_FIELD, code="unsupported_parameter")
+    parts = [data for name in EDIT_IMAGE_FIELDS for data in files.get(name, [])]
+    if server.image_input is None:
+        raise invalid(f"model {server.model_name!r} does not edit images (it takes no input image); use "
+                      f"POST /v1/images/generations", "image", code="unsupported_model")
+    check_count(parts, "image", server.image_input, server.model_name)
+    images = [read_image(data, "image", server.max_image_pixels) for data in parts]
+    return await answer_images(request, server, attrs.evolve(req, images=tuple(images)))
+
+
+async def answer_images(request: Request, server: OmniServer, req: ImageRequest):
+    """Run an image request (generation or edit) and answer it: JSON, or events when ``req.stream``."""
     server.check_model(req.model)
     if server.is_video:
         raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",
@@ -45,14 +91,14 @@ async def generate_images(request: Request):
         raise invalid("stream=true needs a server that runs its engine with streaming output (omni serve does "
                       "unless started with --no-stream-previews; the pipeline must support step execution)",
                       "stream", code="unsupported_value")
-    handle = server.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.stream)
+    handle = server.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.stream,
+                           images=list(req.images))
     rid = handle.request_id
     server.track(rid)
     if req.stream:
         state = {"finished": False}
         # the request as the engine completed it (model defaults such as the size filled in)
-        req = ImageRequest(prompt=req.prompt, negative_prompt=req.negative_prompt,
-                           params=handle.request.sampling_params, model=req.model, stream=True)
+        req = attrs.evolve(req, params=handle.request.sampling_params, images=())
 
         def on_close() -> None:
             server.untrack(rid)
@@ -62,15 +108,9 @@ async def generate_images(request: Request):
                 handle.abort()
 
         return EventStream(image_events(server, req, handle, state), on_close)
-    try:
-        out = await server.final_output(request, handle)
-    finally:
-        server.untrack(rid)
+    out = await server.run_to_end(request, handle)
     if out is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    if out.status != "completed":
-        raise generation_failed(out, server.engine.is_dead)
-    server.metrics.observe_generation("image", out.metrics)
     return JSONResponse(await asyncio.to_thread(image_payload, out))
 
 
@@ -79,7 +119,14 @@ def image_payload(out: Any) -> dict[str, Any]:
     return {"created": int(time.time()), "data": [{"b64_json": png_b64(im), "revised_prompt": None}
                                                   for im in images],
             "output_format": "png", "size": size_of(images[0]) if images else None,
-            "seed": out.metrics.get("seed")}
+            "seed": out.metrics.get("seed"), "usage": usage(out)}
+
+
+def usage(out: Any) -> dict[str, Any]:
+    """OpenAI's token usage (zero: no tokens are billed here) and the worker's peak memory, where vLLM-Omni puts it."""
+    return {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+            "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+            "peak_memory_mb": out.metrics.get("peak_memory_mb", 0.0)}
 
 
 async def image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict):
@@ -123,7 +170,5 @@ async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, stat
             yield sse("image_generation.completed", {
                 "type": "image_generation.completed", "b64_json": b64, "index": k,
                 "seed": out.metrics.get("seed"), "created_at": int(time.time()),
-                "size": size_of(images[k]), **common,
-                "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
-                          "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}})
+                "size": size_of(images[k]), **common, "usage": usage(out)})
         return

@@ -1,4 +1,6 @@
-"""``/v1/videos``: create a job (JSON or multipart form), list, get, download the MP4, delete (cancels it).
+"""``/v1/videos``: create a job (JSON, a multipart form, or a url-encoded form as aiohttp sends one), list, get,
+download the MP4, delete (cancels it). An image-to-video model takes its input image as ``input_reference`` (a
+file part, or a base64 data URL).
 
 A job follows its engine request on a task of the server's loop and writes the MP4 when it completes;
 the engine's progress callback moves it to ``in_progress`` with a percentage.
@@ -18,8 +20,9 @@ from fastapi.responses import FileResponse
 from omni_core.serve.media import pil_outputs
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import error_doc, error_docs, form_schema
-from omni_core.serve.protocol import (APIError, invalid, parse_form, parse_json, parse_video_request,
-                                      video_body_schema)
+from omni_core.serve.protocol import (INPUT_REFERENCE, APIError, invalid, parse_json, parse_multipart,
+                                      parse_urlencoded, parse_video_request, video_body_schema)
+from omni_core.serve.uploads import check_count, read_data_url, read_image
 from omni_core.serve.videos import CANCELLED, COMPLETED, FAILED, VideoJob
 
 logger = logging.getLogger("omni_core.serve")
@@ -35,16 +38,38 @@ async def create_video(request: Request):
     server = current(request)
     content_type = request.headers.get("content-type", "")
     frame_multiple, model_fields = server.model_info.frame_multiple, server.model_info.sampling_fields
+    reference: Any = None  # the input image: a file part, or a data URL in a text field
     if content_type.startswith("multipart/form-data"):
-        body = parse_form(await request.body(), content_type)
+        body, files = parse_multipart(await request.body(), content_type)
+        unknown = sorted(set(files) - {INPUT_REFERENCE})
+        if unknown:
+            raise invalid(f"unexpected file field '{unknown[0]}'; a video job takes one file, 'input_reference'",
+                          unknown[0], code="unknown_parameter")
+        if len(files.get(INPUT_REFERENCE, [])) > 1:
+            raise invalid("'input_reference' takes one image", INPUT_REFERENCE, code="invalid_image_count")
+        reference = files[INPUT_REFERENCE][0] if INPUT_REFERENCE in files else body.pop(INPUT_REFERENCE, None)
+        req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
+    elif content_type.startswith("application/x-www-form-urlencoded"):  # aiohttp's form without files
+        body = parse_urlencoded(await request.body())
+        reference = body.pop(INPUT_REFERENCE, None)
         req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
     else:
-        req = parse_video_request(parse_json(await request.body()), frame_multiple=frame_multiple,
-                                  model_fields=model_fields)
+        body = parse_json(await request.body())
+        if isinstance(body, dict) and INPUT_REFERENCE in body:
+            body = dict(body)
+            reference = body.pop(INPUT_REFERENCE)
+        req = parse_video_request(body, frame_multiple=frame_multiple, model_fields=model_fields)
     server.check_model(req.model)
     if not server.is_video:
         raise invalid(f"model {server.model_name!r} makes images, not videos; use POST /v1/images/generations",
                       "model", code="unsupported_model")
+    images = [] if reference in (None, "") else [reference]
+    if images and server.image_input is None:
+        raise invalid(f"model {server.model_name!r} makes videos from text alone (it takes no input image); "
+                      f"remove 'input_reference'", INPUT_REFERENCE, code="unsupported_parameter")
+    check_count(images, INPUT_REFERENCE, server.image_input, server.model_name)
+    images = [read_image(ref, INPUT_REFERENCE, server.max_image_pixels) if isinstance(ref, (bytes, bytearray))
+              else read_data_url(ref, INPUT_REFERENCE, server.max_image_pixels) for ref in images]
     server.videos.sweep()
     job: VideoJob | None = None
 
@@ -52,7 +77,7 @@ async def create_video(request: Request):
         if job is not None:
             job.on_step(step, total)
 
-    handle = server.submit(req.prompt, req.negative_prompt, req.params, on_progress=on_progress)
+    handle = server.submit(req.prompt, req.negative_prompt, req.params, on_progress=on_progress, images=images)
     params = handle.request.sampling_params
     job = VideoJob(id=server.videos.new_id(), model=server.model_name, prompt=req.prompt,
                    size=f"{params.width}x{params.height}",
@@ -117,6 +142,7 @@ async def run_video_job(server: OmniServer, job: VideoJob, handle: Any) -> None:
             return
         server.metrics.observe_generation("video", out.metrics)
         job.seed = out.metrics.get("seed")
+        job.peak_memory_mb = out.metrics.get("peak_memory_mb", 0.0)
         (frames,) = await asyncio.to_thread(pil_outputs, out)
         if not isinstance(frames, list):  # an image model's output: one frame
             frames = [frames]

@@ -1,0 +1,64 @@
+"""``POST /v1/chat/completions`` for image models: vLLM-Omni's image route, so clients written for it work unchanged.
+
+The last user message is the prompt (a string, or text parts joined by spaces); its ``image_url`` parts (base64
+data URLs) are input images for an edit model. Generation fields (``height``, ``width``, ``num_inference_steps``,
+``negative_prompt``, ``seed``, the model's own fields...) come at the top level or inside ``extra_body`` (a raw
+HTTP client sends that key as is). The reply is a chat completion whose assistant message carries the images as
+``image_url`` parts, with the worker's peak memory in each part, in ``usage`` and in ``metrics`` (where vLLM-Omni's
+benchmark reads it). Video models answer 400: they are served by ``/v1/videos``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from omni_core.serve.media import pil_outputs, png_b64
+from omni_core.serve.omni_server import current
+from omni_core.serve.openapi import error_doc, error_docs
+from omni_core.serve.protocol import invalid, parse_chat_request, parse_json
+from omni_core.serve.uploads import check_count, read_data_url
+
+v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API key")})
+
+
+@v1.post("/chat/completions", responses={200: {"description": "a chat completion whose message holds the images"},
+                                         **error_docs(400, 404, 413, 429, 500, 503)},
+         openapi_extra={"requestBody": {"required": True, "content": {
+             "application/json": {"schema": {"type": "object", "required": ["messages"]}}}}})
+async def chat_completions(request: Request):
+    server = current(request)
+    chat = parse_chat_request(parse_json(await request.body()), model_fields=server.model_info.sampling_fields)
+    req = chat.request
+    server.check_model(req.model)
+    if server.is_video:
+        raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",
+                      code="unsupported_model")
+    check_count(list(chat.image_urls), "messages", server.image_input, server.model_name)
+    images = [read_data_url(url, "messages", server.max_image_pixels) for url in chat.image_urls]
+    handle = server.submit(req.prompt, req.negative_prompt, req.params, images=images)
+    server.track(handle.request_id)
+    out = await server.run_to_end(request, handle)
+    if out is None:
+        return Response(status_code=499)
+    return JSONResponse(await asyncio.to_thread(chat_payload, out, server.model_name))
+
+
+def chat_payload(out: Any, model: str) -> dict[str, Any]:
+    peak = out.metrics.get("peak_memory_mb", 0.0)
+    parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64(im)}"},
+              "peak_memory_mb": peak} for im in pil_outputs(out)]
+    return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": parts}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "peak_memory_mb": peak},
+            "metrics": {"peak_memory_mb": peak, "seed": out.metrics.get("seed"),
+                        "e2e_latency_s": out.metrics.get("e2e_latency_s")}}
+
+
+__all__ = ["chat_payload", "v1"]
