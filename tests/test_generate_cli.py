@@ -60,3 +60,24 @@ def test_no_warmup_skips_a_failing_warmup(omni_env, tiny_model, tmp_path):
     assert not (tmp_path / "x.png").exists()
     assert "wrote x.png" in generate(omni_env, tmp_path, *args, "--no-warmup")
     assert (tmp_path / "x.png").exists()
+
+
+def test_image_input_for_an_edit_model(omni_env, tiny_model, tmp_path):
+    """``--image PATH`` feeds an edit model (the test-only TinyEditTestPipeline); the image changes the result; a
+    missing file or a text model is refused naming the image."""
+    model = tmp_path / "tiny-edit"
+    model.mkdir()
+    shutil.copy(f"{tiny_model}/denoiser.pt", model / "denoiser.pt")
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "TinyEditTestPipeline"}))
+    rng = np.random.default_rng(0)
+    for name in ("a.png", "b.png"):
+        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / name)
+    args = ["generate", "--model", str(model), "--prompt", "edit it", "--seed", "1", "--steps", "2", "--native-size"]
+    generate(omni_env, tmp_path, *args, "--image", "a.png", "--out", "from-a.png")
+    generate(omni_env, tmp_path, *args, "--image", "b.png", "--out", "from-b.png")
+    assert np.abs(pixels(tmp_path / "from-a.png") - pixels(tmp_path / "from-b.png")).max() > 10
+    missing = omni(omni_env, tmp_path, *args, "--image", "nope.png", "--out", "x.png")
+    assert missing.returncode != 0 and "--image 'nope.png': no such file" in missing.stderr
+    text_model = omni(omni_env, tmp_path, "generate", "--model", tiny_model, "--prompt", "x", "--image", "a.png",
+                      "--no-warmup", "--out", "x.png")
+    assert text_model.returncode != 0 and "does not take input images" in text_model.stderr

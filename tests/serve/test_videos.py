@@ -187,3 +187,62 @@ def test_openai_client_video_jobs(video_server, tmp_path):
         with pytest.raises(openai.BadRequestError) as info:
             client.videos.create(prompt="x", seconds="1", size="17x16")
         assert info.value.body["param"] == "size"
+
+
+def test_vllm_omni_video_client_shapes(video_server, tmp_path):
+    """vLLM-Omni's benchmark ``/v1/videos`` backend: a url-encoded form (aiohttp's FormData without files) with
+    separate ``width``/``height``, polled until completed or failed, then the content, then a DELETE; the job
+    carries the peak memory its client reads."""
+    form = {"prompt": "Random prompt 0 for benchmarking diffusion models", "height": "16", "width": "16",
+            "num_frames": "5", "num_inference_steps": "2", "seed": "42", "fps": "8",
+            "negative_prompt": "Negative prompt 0 for benchmarking diffusion models", "model": "default"}
+    with video_server.client() as c:
+        created = c.post("/v1/videos", data=form)  # httpx encodes a dict without files as url-encoded
+        assert created.request.headers["content-type"] == "application/x-www-form-urlencoded"
+        assert created.status_code == 200, created.text
+        job = created.json()
+        assert job["size"] == "16x16" and job["num_frames"] == 5 and job["fps"] == 8
+        done = poll(c, job["id"], until=("completed", "failed"))
+        assert done["status"] == "completed" and done["peak_memory_mb"] > 0
+        content = c.get(f"/v1/videos/{job['id']}/content")
+        assert content.status_code == 200 and len(mp4_frames(content.content, tmp_path)) == 5
+        assert c.delete(f"/v1/videos/{job['id']}").status_code == 200
+
+
+@pytest.mark.parametrize("form, param", [
+    ({"prompt": "x", "width": "16"}, "height"),
+    ({"prompt": "x", "width": "16", "height": "16", "size": "16x16"}, "size"),
+    ({"prompt": "x", "width": "sixteen", "height": "16"}, "width"),
+    ({"prompt": "x", "prompt2": "y"}, "prompt2"),
+])
+def test_bad_form_video_requests(video_server, form, param):
+    with video_server.client() as c:
+        r = c.post("/v1/videos", data=form)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_text_to_video_model_refuses_an_input_reference(video_server):
+    import base64
+
+    with video_server.client() as c:
+        r = c.post("/v1/videos", data={**{k: str(v) for k, v in QUICK.items()}},
+                   files={"input_reference": ("in.png", b"\x89PNG...", "image/png")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
+        assert "takes no input image" in r.json()["error"]["message"]
+        url = "data:image/png;base64," + base64.b64encode(b"x").decode()
+        r = c.post("/v1/videos", json={**QUICK, "input_reference": url})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
+
+
+def test_a_cancelled_job_ends_a_client_polling_for_completed_or_failed(video_server, wait_idle):
+    """A job whose request was aborted (not deleted) reads ``failed`` with error code ``cancelled``: OpenAI's video
+    statuses have no ``cancelled``, and clients that poll for completed/failed would wait forever."""
+    jobs = video_server.app.state.omni.videos
+    with video_server.client() as c:
+        job = c.post("/v1/videos", json={**QUICK, "num_inference_steps": 1000}).json()
+        poll(c, job["id"], until=("in_progress",))
+        video_server.engine.abort(jobs.get(job["id"]).request_id)
+        ended = poll(c, job["id"], until=("completed", "failed"))
+        assert ended["status"] == "failed" and ended["error"]["code"] == "cancelled"
+        c.delete(f"/v1/videos/{job['id']}")
+    wait_idle(video_server.engine)

@@ -21,7 +21,7 @@ from omni_core.serve.media import pil_outputs, png_b64, preview_image, size_of
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs
 from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid, parse_edit_request, parse_image_request, parse_json,
-                                      parse_multipart)
+                                      parse_multipart, parse_urlencoded)
 from omni_core.serve.uploads import check_count, read_image
 from omni_core.serve.sse import EventStream, sse
 
@@ -55,10 +55,13 @@ async def edit_images(request: Request):
     the generation fields; answered as generations are (JSON, or events with ``stream=true``)."""
     server = current(request)
     content_type = request.headers.get("content-type", "")
-    if not content_type.startswith("multipart/form-data"):
+    if content_type.startswith("multipart/form-data"):
+        fields, files = parse_multipart(await request.body(), content_type)
+    elif content_type.startswith("application/x-www-form-urlencoded"):  # a form without files (then refused)
+        fields, files = parse_urlencoded(await request.body()), {}
+    else:
         raise invalid("POST /v1/images/edits takes a multipart/form-data body (the image files, the prompt and the "
                       "fields), as OpenAI's API does", None, code="invalid_body")
-    fields, files = parse_multipart(await request.body(), content_type)
     for name in (*EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD):
         if name in fields:
             raise invalid(f"'{name}' must be an image file (a multipart file part with a filename), got a text "

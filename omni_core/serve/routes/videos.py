@@ -33,7 +33,8 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
 @v1.post("/videos", responses={200: {"description": "the video job"}, **error_docs(400, 404, 413, 429, 503)},
          openapi_extra={"requestBody": {"required": True, "content": {
              "application/json": {"schema": video_body_schema(())},  # + the served model's fields: openapi.py
-             "multipart/form-data": {"schema": form_schema(video_body_schema(()))}}}})
+             "multipart/form-data": {"schema": form_schema(video_body_schema(()))},
+             "application/x-www-form-urlencoded": {"schema": form_schema(video_body_schema(()))}}}})
 async def create_video(request: Request):
     server = current(request)
     content_type = request.headers.get("content-type", "")
