@@ -235,7 +235,8 @@ def test_openapi_documents_bodies_and_the_statuses_really_returned(server):
     assert {"prompt", "n", "size", "stream", "seed", "extra_args"} <= set(image_body["properties"])
     assert image_body["properties"]["n"]["type"] == ["integer", "null"]
     videos = paths["/v1/videos"]["post"]
-    assert set(videos["requestBody"]["content"]) == {"application/json", "multipart/form-data"}
+    assert set(videos["requestBody"]["content"]) == {"application/json", "multipart/form-data",
+                                                     "application/x-www-form-urlencoded"}
     assert {"400", "401", "404", "413", "429", "503"} <= set(images["responses"])
     assert {"400", "401", "404", "413", "429", "503"} <= set(videos["responses"])
     assert "text/event-stream" in images["responses"]["200"]["content"]
