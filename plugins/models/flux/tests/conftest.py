@@ -8,6 +8,20 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+#: torch threads of these tests (in-process pipelines and the engines they start, ``cpu_threads``): the tiny
+#: model's kernels are microseconds long, so on a shared 2-core machine a second spinning thread costs ~10x
+TEST_THREADS = 1
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(TEST_THREADS)
+    yield
+    torch.set_num_threads(before)
+
 
 def _load_omni(path: str):
     """Omni's pipeline through the real path: entry-point discovery, ``resolve_model``, ``load_pipeline``."""

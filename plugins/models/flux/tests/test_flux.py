@@ -270,7 +270,8 @@ def test_engine_matches_diffusers(flux_dir, diffusers_flux, step_execution):
     from omni_core import Omni
 
     prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
-    with Omni(flux_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution) as omni:
+    with Omni(flux_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution,
+              cpu_threads=1) as omni:  # as conftest.TEST_THREADS
         outs = omni.generate(prompts, seed=21, height=16, width=16, num_inference_steps=STEPS, true_cfg_scale=4.0,
                              max_sequence_length=MSL, use_tqdm=False)
     for p, out in zip(prompts, outs):
