@@ -1,0 +1,18 @@
+"""Entry-point module: registers ``FluxPipeline``. Imports nothing heavy."""
+
+from omni_core import hookimpl
+from omni_core.plugins.types import PipelineSpec
+from omni_model_flux.fields import SAMPLING_FIELDS
+
+
+@hookimpl
+def omni_register_pipelines():
+    return [PipelineSpec(
+        name="FluxPipeline",
+        impl="omni_model_flux.pipeline:FluxPipeline",
+        requires=("torch", "diffusers", "transformers"),
+        supported_parallel=("ulysses", "ring", "cfg"),
+        description="FLUX.1 text-to-image (dev: embedded guidance; schnell; true CFG); request batching and "
+                    "step-wise",
+        sampling_fields=SAMPLING_FIELDS,
+    )]

@@ -1,0 +1,372 @@
+"""Omni's FluxPipeline against diffusers' own, on tiny random FLUX.1-dev and schnell folders (float32, CPU).
+
+Parity: each Omni image equals the image diffusers makes for the same prompt alone with
+``generator=torch.Generator("cpu").manual_seed(seed)`` -- at most one level of 255 apart per value -- and the
+final packed latents agree to 5e-5 (batching changes float summation order only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core.config import OmniDiffusionConfig, SamplingParams
+from omni_core.errors import ConfigError
+from omni_core.pipelines import StepState, load_pipeline, resolve_model
+from omni_core.request import OmniDiffusionRequest
+
+STEPS = 3
+MSL = 64  # T5 tokens (one per character with the tiny tokenizer): no prompt below is truncated
+NEG = "blurry, low quality, watermark, jpeg artifacts"
+PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn", "a cat",
+           "an astronaut riding a green horse on the moon"]
+
+_REFERENCES: dict = {}
+
+
+def reference(pipe, prompt, seed, *, negative=None, cfg=1.0, guidance=3.5, height=16, width=16, n=1):
+    """diffusers' image ``[n, 3, H, W]`` and its final packed latents (memoised for the session)."""
+    key = (id(pipe), prompt, seed, negative, cfg, guidance, height, width, n)
+    if key not in _REFERENCES:
+        final = {}
+
+        def keep(_pipe, _i, _t, kwargs):
+            final["latents"] = kwargs["latents"]
+            return kwargs
+
+        images = pipe(prompt, negative_prompt=negative, true_cfg_scale=cfg, guidance_scale=guidance, height=height,
+                      width=width, num_inference_steps=STEPS, num_images_per_prompt=n, max_sequence_length=MSL,
+                      output_type="pt", generator=torch.Generator("cpu").manual_seed(seed),
+                      callback_on_step_end=keep).images
+        _REFERENCES[key] = images, final["latents"]
+    return _REFERENCES[key]
+
+
+def make_state(model_dir, prompt, seed, *, negative=None, cfg=1.0, guidance=3.5, height=16, width=16, n=1):
+    from omni_model_flux.pipeline import FluxPipeline
+
+    params = FluxPipeline.check_sampling_params(
+        SamplingParams(height=height, width=width, num_inference_steps=STEPS, true_cfg_scale=cfg, seed=seed,
+                       guidance_scale=guidance, num_outputs_per_prompt=n, max_sequence_length=MSL), model_dir)
+    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
+    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
+
+
+def levels(a, b):
+    return ((a * 255).round() - (b * 255).round()).abs().max().item()
+
+
+def assert_parity(state, output, ref):
+    ref_images, ref_latents = ref
+    assert output.tensor.shape == ref_images.shape
+    assert levels(output.tensor, ref_images) <= 1, "more than one level of 255 apart from diffusers"
+    torch.testing.assert_close(state.latents, ref_latents, atol=5e-5, rtol=0)
+
+
+def test_registered_through_entry_point(flux_dir, schnell_dir):
+    from omni_core.plugins.manager import get_plugin_manager
+
+    spec = get_plugin_manager().get_component("pipeline", "FluxPipeline")
+    assert spec.provider == "omni-model-flux" and spec.supported_parallel == ("ulysses", "ring", "cfg")
+    assert resolve_model(flux_dir).spec.name == resolve_model(schnell_dir).spec.name == "FluxPipeline"
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["cfg-off", "cfg-on"])
+def test_request_batch_three_prompts_of_different_lengths(flux_dir, omni_flux, diffusers_flux, cfg):
+    negative = NEG if cfg > 1 else None
+    states = [make_state(flux_dir, p, 10 + i, negative=negative, cfg=cfg) for i, p in enumerate(PROMPTS)]
+    outs = omni_flux.forward(states)
+    assert all(s.prompt_embeds.shape[1] == MSL for s in states)  # T5 padded to max_sequence_length: no mask
+    for i, (state, out) in enumerate(zip(states, outs)):
+        assert out.finished and out.status == "completed" and out.num_steps == STEPS
+        assert_parity(state, out, reference(diffusers_flux, PROMPTS[i], 10 + i, negative=negative, cfg=cfg))
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["cfg-off", "cfg-on"])
+def test_schnell_has_no_guidance_input_and_matches_diffusers(schnell_dir, omni_schnell, diffusers_schnell, cfg):
+    assert not omni_schnell.transformer.config.guidance_embeds
+    negative = NEG if cfg > 1 else None
+    states = [make_state(schnell_dir, p, 20 + i, negative=negative, cfg=cfg) for i, p in enumerate(PROMPTS[:2])]
+    seen = []
+    hook = omni_schnell.transformer.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs["guidance"]), with_kwargs=True)
+    try:
+        outs = omni_schnell.forward(states)
+    finally:
+        hook.remove()
+    assert seen == [None] * STEPS
+    for i, (state, out) in enumerate(zip(states, outs)):
+        assert_parity(state, out, reference(diffusers_schnell, PROMPTS[i], 20 + i, negative=negative, cfg=cfg))
+
+
+def test_embedded_guidance_is_per_row(flux_dir, omni_flux, diffusers_flux):
+    """dev: requests with different guidance scales share one call (one guidance value per row)."""
+    cases = [dict(prompt=PROMPTS[1], seed=5, guidance=1.5), dict(prompt=PROMPTS[1], seed=5, guidance=7.0),
+             dict(prompt=PROMPTS[2], seed=6, guidance=3.5, negative=NEG, cfg=2.5)]
+    states = [make_state(flux_dir, **c) for c in cases]
+    outs = omni_flux.forward(states)
+    for c, state, out in zip(cases, states, outs):
+        c = dict(c)
+        assert_parity(state, out, reference(diffusers_flux, c.pop("prompt"), c.pop("seed"), **c))
+    assert levels(outs[0].tensor, outs[1].tensor) > 1  # guidance really reaches the transformer
+
+
+def test_step_batch_requests_admitted_at_different_steps(flux_dir, omni_flux, diffusers_flux):
+    from omni_core.testing.driver import run_step_batch
+
+    cases = [dict(prompt=PROMPTS[0], seed=1, negative=NEG, cfg=4.0),
+             dict(prompt=PROMPTS[1], seed=2),
+             dict(prompt=PROMPTS[2], seed=3, negative=NEG, cfg=3.0, width=24)]  # a different size joins too
+    states = [make_state(flux_dir, **c) for c in cases]
+    seen_steps = []
+    denoise = omni_flux.denoise_step
+
+    def spy(batch):
+        seen_steps.append(sorted(s.step_index for s in batch))
+        return denoise(batch)
+
+    omni_flux.denoise_step = spy
+    try:
+        outs = run_step_batch(omni_flux, states, admit_at=[0, 1, 2])
+    finally:
+        del omni_flux.denoise_step
+    assert [0, 1, 2] in seen_steps  # one denoise_step held all three at different steps
+    for c, state, out in zip(cases, states, outs):
+        c = dict(c)
+        assert_parity(state, out, reference(diffusers_flux, c.pop("prompt"), c.pop("seed"), **c))
+
+
+def test_non_square_and_several_outputs_per_prompt(flux_dir, omni_flux, diffusers_flux):
+    state = make_state(flux_dir, PROMPTS[2], 5, height=24, width=16, n=2, negative=NEG, cfg=4.0)
+    (out,) = omni_flux.forward([state])
+    assert out.tensor.shape == (2, 3, 24, 16)
+    assert_parity(state, out, reference(diffusers_flux, PROMPTS[2], 5, height=24, width=16, n=2, negative=NEG,
+                                        cfg=4.0))
+
+
+def test_parity_check_has_teeth(flux_dir, omni_flux, diffusers_flux, monkeypatch):
+    """The negative branch with the prompt's pooled CLIP projection, the embedded guidance left out, or another
+    seed each move the result far outside the parity tolerance."""
+    import omni_model_flux.pipeline as mod
+
+    ref = reference(diffusers_flux, PROMPTS[1], 11, negative=NEG, cfg=4.0)
+    state = make_state(flux_dir, PROMPTS[1], 11, negative=NEG, cfg=4.0)
+    omni_flux.prepare_encode(state)
+    state.extra["negative_pooled"] = state.extra["pooled"]
+    monkeypatch.setattr(omni_flux, "prepare_encode", lambda s: s)
+    (out,) = omni_flux.forward([state])
+    monkeypatch.undo()
+    assert levels(out.tensor, ref[0]) > 5
+
+    call = mod.FluxPipeline.call_denoiser
+    monkeypatch.setattr(mod.FluxPipeline, "call_denoiser",
+                        lambda self, *a, **kw: call(self, *a, **{**kw, "guidance": kw["guidance"] * 0 + 3.5}))
+    (out,) = omni_flux.forward([make_state(flux_dir, PROMPTS[1], 11, negative=NEG, cfg=4.0, guidance=7.0)])
+    monkeypatch.undo()
+    assert levels(out.tensor, reference(diffusers_flux, PROMPTS[1], 11, negative=NEG, cfg=4.0, guidance=7.0)[0]) > 1
+
+    (out,) = omni_flux.forward([make_state(flux_dir, PROMPTS[1], 12, negative=NEG, cfg=4.0)])
+    assert levels(out.tensor, ref[0]) > 10
+
+
+def test_bad_sizes_and_lengths_are_refused_naming_the_field(flux_dir, schnell_dir):
+    from omni_model_flux.pipeline import FluxPipeline
+
+    with pytest.raises(ConfigError, match=r"height=17 .*a multiple of 2 .*e\.g\. 16 or 18") as err:
+        FluxPipeline.check_sampling_params(SamplingParams(height=17, width=16), flux_dir)  # tiny VAE: 1 x 2
+    assert err.value.field == "height"
+    with pytest.raises(ConfigError, match=r"width=1000 .*a multiple of 16 .*e\.g\. 992 or 1008") as err:
+        FluxPipeline.check_sampling_params(SamplingParams(height=1024, width=1000))  # FLUX.1: 8 x 2
+    assert err.value.field == "width"
+    with pytest.raises(ConfigError, match="max_sequence_length=513 .*at most 512") as err:
+        FluxPipeline.check_sampling_params(SamplingParams(max_sequence_length=513), flux_dir)
+    assert err.value.field == "max_sequence_length"
+    with pytest.raises(ConfigError, match="num_frames=5") as err:
+        FluxPipeline.check_sampling_params(SamplingParams(num_frames=5), flux_dir)
+    dev = FluxPipeline.check_sampling_params(SamplingParams(), flux_dir)
+    assert (dev.height, dev.width, dev.num_inference_steps, dev.guidance_scale, dev.max_sequence_length,
+            dev.true_cfg_scale) == (128, 128, 28, 3.5, 512, 1.0)
+    schnell = FluxPipeline.check_sampling_params(SamplingParams(), schnell_dir)
+    assert (schnell.num_inference_steps, schnell.guidance_scale, schnell.max_sequence_length) == (4, None, 256)
+    default = FluxPipeline.check_sampling_params(SamplingParams())
+    assert (default.height, default.width) == (1024, 1024)
+
+
+def test_true_cfg_scale_is_declared_on_the_record_and_splits_waves(flux_dir):
+    from omni_core.plugins import get_plugin_manager
+    from omni_core.sched import RequestScheduler, StepScheduler
+    from omni_model_flux.fields import SAMPLING_FIELDS
+    from omni_model_flux.pipeline import FluxPipeline
+
+    assert get_plugin_manager().get_component("pipeline", "FluxPipeline").sampling_fields == SAMPLING_FIELDS
+    assert FluxPipeline.sampling_fields is SAMPLING_FIELDS
+
+    def req(rid, **kw):
+        params = FluxPipeline.check_sampling_params(SamplingParams(height=16, width=16, **kw), flux_dir)
+        return OmniDiffusionRequest(prompt=rid, request_id=rid, negative_prompt=NEG, sampling_params=params)
+
+    for sched in (RequestScheduler(), StepScheduler()):
+        assert sched.batch_key(req("a")) == sched.batch_key(req("b", true_cfg_scale=1.0))  # 1.0: FLUX's default
+        assert sched.batch_key(req("a")) != sched.batch_key(req("c", true_cfg_scale=2.0))
+    from omni_core.config import registered_sampling_fields
+
+    if "guidance_scale_2" in registered_sampling_fields():  # Wan installed too: this pipeline's own refusal
+        with pytest.raises(ConfigError, match="guidance_scale_2 is not used by FluxPipeline .*; use guidance_scale"
+                           ) as err:
+            FluxPipeline.check_sampling_params(SamplingParams(guidance_scale_2=2.0), flux_dir)
+    else:  # installed alone: no model declares it, so SamplingParams itself refuses it
+        with pytest.raises(ConfigError, match="unknown field 'guidance_scale_2'") as err:
+            SamplingParams(guidance_scale_2=2.0)
+    assert err.value.field == "guidance_scale_2"
+
+
+def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(flux_dir):
+    from omni_model_flux.attention import OmniFluxAttnProcessor
+
+    config = OmniDiffusionConfig(model=flux_dir, dtype="float32",
+                                 attention_config={"per_role": {"joint": "TORCH_SDPA"}})
+    pipe = load_pipeline(resolve_model(flux_dir), config, "cpu", torch.float32)
+    layers = pipe.attention_layers
+    t = pipe.transformer
+    assert len(layers) == t.config.num_layers + t.config.num_single_layers  # double- and single-stream blocks
+    assert all(isinstance(p, OmniFluxAttnProcessor) for p in t.attn_processors.values())
+    for layer in layers:
+        assert (layer.role, layer.role_category, layer.backend_name) == ("joint", "self", "TORCH_SDPA")
+        assert layer.selection.source == "per_role['joint']"
+    calls = []
+    hooks = [layer.register_forward_hook(lambda mod, args, kwargs, out: calls.append(args[0].shape), with_kwargs=True)
+             for layer in layers]
+    try:
+        pipe.forward([make_state(flux_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(flux_dir, PROMPTS[1], 2)])
+    finally:
+        for h in hooks:
+            h.remove()
+    # per step and layer: ONE call over both requests' cond rows and the CFG one's uncond row, [text; image]
+    assert calls == [torch.Size([3, MSL + 64, 2, 16])] * (len(layers) * STEPS)
+
+    category = OmniDiffusionConfig(model=flux_dir, attention_config={"per_role": {"self": "TORCH_SDPA"}})
+    pipe = load_pipeline(resolve_model(flux_dir), category, "cpu", torch.float32)
+    assert {layer.selection.source for layer in pipe.attention_layers} == {"per_role['self'] (role category)"}
+
+
+def test_preview_and_pil_output(flux_dir, omni_flux):
+    from omni_model_flux.pipeline import FluxPipeline
+
+    state = make_state(flux_dir, PROMPTS[1], 3, width=24)
+    omni_flux.prepare_encode(state)
+    preview = omni_flux.preview(state)
+    assert preview.shape == (3, 16, 24) and 0 <= preview.min() and preview.max() <= 1
+    (out,) = omni_flux.forward([make_state(flux_dir, PROMPTS[1], 3, width=24)])
+    out = FluxPipeline.post_process(out, make_state(flux_dir, PROMPTS[1], 3).request)
+    assert out.images[0].size == (24, 16) and out.images[0].mode == "RGB"
+
+
+@pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
+def test_engine_matches_diffusers(flux_dir, diffusers_flux, step_execution):
+    """``Omni(model=<folder>)`` end to end: three prompts batched, PIL images equal to diffusers' within 1 level."""
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+
+    from omni_core import Omni
+
+    prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
+    with Omni(flux_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution,
+              cpu_threads=1) as omni:  # as conftest.TEST_THREADS
+        outs = omni.generate(prompts, seed=21, height=16, width=16, num_inference_steps=STEPS, true_cfg_scale=4.0,
+                             max_sequence_length=MSL, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        p = p if isinstance(p, dict) else {"prompt": p}
+        ref = reference(diffusers_flux, p["prompt"], 21, negative=p.get("negative_prompt"), cfg=4.0)[0][0]
+        ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0], dtype=np.int16)
+        assert np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max() <= 1
+
+
+def test_denoiser_spec_matches_the_transformer(flux_dir, omni_flux):
+    """The declared spec is what accelerators rely on: both block lists with one signature, the forward's
+    parameters, heads, the SP plan, TeaCache's signal (one row per batch row) and defaults."""
+    import inspect
+
+    from omni_core.attention.parallel import SequenceParallelPlan
+    from omni_core.pipelines.denoiser import denoisers_of
+
+    (spec,) = denoisers_of(omni_flux)
+    t = omni_flux.transformer
+    assert spec.name == "transformer" and spec.module is t
+    assert spec.blocks == [*t.transformer_blocks, *t.single_transformer_blocks]
+    spec.check_block_signature("test")
+    assert set(spec.batch_args) <= set(inspect.signature(t.forward).parameters)
+    assert spec.num_heads == t.config.num_attention_heads == 2
+    plan = spec.sp_plan
+    assert isinstance(plan, SequenceParallelPlan) and plan.joint_text_input == "encoder_hidden_states"
+    assert plan.shard_inputs == {"hidden_states": 1, "img_ids": 0}
+    defaults = spec.defaults_for("tea_cache")
+    assert defaults["rel_l1_thresh"] == 0.4 and defaults["coefficients"][0] == pytest.approx(498.651651)
+
+    seen = {}
+
+    def grab(block, args, kwargs):
+        seen.setdefault("signal", spec.modulated_input(t, block, {**dict(zip(spec.block_params, args)), **kwargs}))
+
+    hook = spec.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        omni_flux.forward([make_state(flux_dir, PROMPTS[0], 1), make_state(flux_dir, PROMPTS[1], 2, n=2)])
+    finally:
+        hook.remove()
+    assert seen["signal"].shape == (3, 64, t.inner_dim)  # one row per image of the call
+
+
+def test_blocks_run_in_sequence_reproduce_the_forward(flux_dir, omni_flux):
+    """What caches assume of a tuple ``blocks_attr``: the module's output is the blocks of both lists applied in
+    order to the carried streams, with nothing in between (so a reused residual stands for all of them)."""
+    from omni_core.pipelines.denoiser import denoisers_of
+
+    (spec,) = denoisers_of(omni_flux)
+    t = omni_flux.transformer
+    first, last = {}, {}
+    hooks = [spec.blocks[0].register_forward_pre_hook(lambda m, a, kw: first.update(kw), with_kwargs=True),
+             spec.blocks[-1].register_forward_hook(lambda m, a, out: last.update(out=out))]
+    state = make_state(flux_dir, PROMPTS[0], 1)
+    omni_flux.prepare_encode(state)
+    try:
+        with torch.no_grad():
+            (pred,) = omni_flux.denoise_step([state])
+    finally:
+        for h in hooks:
+            h.remove()
+    streams = {k: first[k] for k in spec.carried}
+    with torch.no_grad():
+        for block in spec.blocks:
+            out = block(**{**first, **streams})
+            streams = dict(zip(spec.block_outputs, out))
+        torch.testing.assert_close(streams["hidden_states"], last["out"][1], atol=0, rtol=0)
+        head = t.proj_out(t.norm_out(streams["hidden_states"], first["temb"]))
+    torch.testing.assert_close(head, pred, atol=1e-6, rtol=0)
+
+
+def test_every_transformer_call_carries_the_typed_context(flux_dir, omni_flux):
+    """Each call says which requests its rows belong to, the CFG branch and the expert; no text mask (T5 is
+    padded to one length)."""
+    from omni_core.forward_context import forward_context
+
+    calls = []
+    hook = omni_flux.transformer.register_forward_pre_hook(
+        lambda mod, args, kwargs: calls.append((forward_context().call, kwargs["hidden_states"].shape[0])),
+        with_kwargs=True)
+    states = [make_state(flux_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(flux_dir, PROMPTS[1], 2, n=2)]
+    try:
+        omni_flux.forward(states)
+    finally:
+        hook.remove()
+    assert len(calls) == STEPS  # the CFG branches are folded into one call per step
+    for call, batch in calls:
+        assert call.expert == "transformer" and call.covers(batch) and call.text_mask is None
+    assert [(g.state, g.rows, g.branch) for g in calls[0][0].groups] == [
+        (states[0], 1, "cond"), (states[1], 2, "cond"), (states[0], 1, "uncond")]
+
+
+def test_ulysses_degree_must_divide_the_heads_before_workers(flux_dir):
+    from omni_model_flux.pipeline import FluxPipeline
+
+    FluxPipeline.check_parallel_config({"ulysses_degree": 2}, flux_dir)
+    with pytest.raises(ConfigError, match="ulysses_degree=4"):
+        FluxPipeline.check_parallel_config({"ulysses_degree": 4}, flux_dir)  # 2 heads in the tiny folder
