@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+
+import attrs
 import time
 
 from omni_core.cli.options import add_engine_options, engine_options
@@ -51,8 +53,12 @@ def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, s
     added = []
     for name, decls in registered_sampling_fields().items():
         field = decls[0][1]
-        owners = ", ".join(pipeline for pipeline, _ in decls)
-        default = "" if field.default is None else f", default {field.default}"
+        # each owner with its own default (FLUX's true_cfg_scale defaults to 1.0, Qwen-Image's to 4.0)
+        owners = "; ".join(pipeline + ("" if f.default is None else f": default {f.default}") for pipeline, f in decls)
+        default = ""
+        helps = {f.help for _, f in decls}
+        if len(helps) > 1:  # declared by several models in their own words
+            field = attrs.evolve(field, help=f"a sampling field of several models: {' / '.join(sorted(h for h in helps if h))}")
         if field.type == "bool":
             extra: dict = {"action": argparse.BooleanOptionalAction}
         elif field.type == "choice":
