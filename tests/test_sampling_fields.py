@@ -119,7 +119,7 @@ def test_generate_gets_a_flag_per_declared_field(tiny_dit_model, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--context-scale FLOAT tiny DiT: scale of the text context its blocks attend to (OmniTinyDiTPipeline, " \
+    assert "--context-scale FLOAT tiny DiT: scale of the text context its blocks attend to (OmniTinyDiTPipeline: " \
            "default 1.0)" in help_text
 
 
