@@ -1,7 +1,7 @@
 """Omni vs diffusers on the same tiny model: one request's latency, and throughput for 8 concurrent requests.
 
-    .venv/bin/python bench/vs_diffusers.py                    # Qwen-Image and Wan 2.2, tiny random folders
-    .venv/bin/python bench/vs_diffusers.py --model wan --steps 8 --repeats 5
+    .venv/bin/python bench/vs_diffusers.py                    # every family, tiny random folders
+    .venv/bin/python bench/vs_diffusers.py --model wan flux --steps 8 --repeats 5
     .venv/bin/python bench/vs_diffusers.py --folder /models/Qwen-Image --height 512 --width 512
 
 For each model it prints, side by side:
@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+import attrs
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest", "a cat", "an astronaut riding a horse on the moon",
@@ -33,22 +35,51 @@ PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest", "a cat", "an a
 NEG = "blurry, low quality"
 
 
-def build_folder(kind: str, root: str) -> str:
-    if kind == "qwen":
-        from omni_model_qwen_image.testing import build_tiny_qwen_image
+@attrs.frozen
+class Family:
+    """One model family as the bench runs it: its tiny folder builder, its size, and the keyword arguments both
+    ``Omni.generate`` and diffusers' pipeline take (CFG on, as each family turns it on)."""
 
-        return build_tiny_qwen_image(os.path.join(root, "tiny-qwen-image"))
-    from omni_model_wan.testing import build_tiny_wan
+    label: str
+    pipeline: str  # the diffusers class name of its folders (``--folder`` picks the family by it)
+    builder: str  # "module:function(path, **builder_kwargs) -> folder"
+    size: int
+    call: dict
+    builder_kwargs: dict = attrs.field(factory=dict)
+    video: bool = False
+    #: the family takes an input image (edit, image-to-video): both sides get the same PIL image
+    image: bool = False
 
-    return build_tiny_wan(os.path.join(root, "tiny-wan22"), two_experts=True)
+
+FAMILIES = {
+    "qwen": Family("Qwen-Image (tiny)", "QwenImagePipeline", "omni_model_qwen_image.testing:build_tiny_qwen_image",
+                   64, {"true_cfg_scale": 4.0}),
+    "wan": Family("Wan 2.2 2-expert (tiny)", "WanPipeline", "omni_model_wan.testing:build_tiny_wan", 32,
+                  {"guidance_scale": 5.0}, {"two_experts": True}, video=True),
+    "flux": Family("FLUX.1-dev (tiny)", "FluxPipeline", "omni_model_flux.testing:build_tiny_flux", 64,
+                   {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "max_sequence_length": 64}),
+}
 
 
-def call_kwargs(kind: str, args: argparse.Namespace) -> dict:
+def build_folder(family: Family, root: str) -> str:
+    import importlib
+
+    module, func = family.builder.split(":")
+    return getattr(importlib.import_module(module), func)(os.path.join(root, func), **family.builder_kwargs)
+
+
+def call_kwargs(family: Family, args: argparse.Namespace) -> dict:
     """Keyword arguments valid for both ``Omni.generate`` and the diffusers pipeline."""
-    common = {"height": args.height, "width": args.width, "num_inference_steps": args.steps}
-    if kind == "qwen":
-        return {**common, "true_cfg_scale": 4.0}
-    return {**common, "num_frames": args.frames, "guidance_scale": 5.0}
+    common = {"height": args.height, "width": args.width, "num_inference_steps": args.steps, **family.call}
+    return {**common, "num_frames": args.frames} if family.video else common
+
+
+def input_image(size: int):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
 def timed(fn) -> float:
@@ -57,12 +88,13 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench(kind: str, folder: str, args: argparse.Namespace) -> list[tuple[str, float, float, str]]:
+def bench(family: Family, folder: str, args: argparse.Namespace) -> list[tuple[str, float, float, str]]:
     import torch
 
     from omni_core import Omni
 
-    kwargs = call_kwargs(kind, args)
+    kwargs = call_kwargs(family, args)
+    image = {"image": input_image(args.height)} if family.image else {}
 
     from diffusers import DiffusionPipeline
 
@@ -71,13 +103,13 @@ def bench(kind: str, folder: str, args: argparse.Namespace) -> list[tuple[str, f
 
     def run_diffusers(prompt: str, seed: int):
         ref(prompt, negative_prompt=NEG, generator=torch.Generator(args.device).manual_seed(seed),
-            output_type="pil", **kwargs)
+            output_type="pil", **image, **kwargs)
 
     n = len(PROMPTS)
     with Omni(folder, dtype="float32", warmup=False, max_num_seqs=n, step_execution=args.mode == "step") as omni:
         def run_omni(prompts: list[str], seed: int):
-            omni.generate([{"prompt": p, "negative_prompt": NEG} for p in prompts], seed=seed, use_tqdm=False,
-                          **kwargs)
+            omni.generate([{"prompt": p, "negative_prompt": NEG, **image} for p in prompts], seed=seed,
+                          use_tqdm=False, **kwargs)
 
         run_omni(PROMPTS[:1], 0)  # warm both sides up (first-call allocations, lazy imports)
         run_omni(PROMPTS, 0)
@@ -96,10 +128,11 @@ def bench(kind: str, folder: str, args: argparse.Namespace) -> list[tuple[str, f
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("qwen", "wan", "both"), default="both")
+    parser.add_argument("--model", nargs="+", choices=(*FAMILIES, "all"), default=["all"],
+                        help="families to run (default: all)")
     parser.add_argument("--folder", help="benchmark this diffusers folder instead of a tiny random one")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--height", type=int, default=None, help="default: 64 (Qwen-Image), 32 (Wan)")
+    parser.add_argument("--height", type=int, default=None, help="default: the family's (64 for images, 32 for video)")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=7)
@@ -116,18 +149,20 @@ def main(argv: list[str] | None = None) -> int:
           f"interleaved, Omni in {args.mode} mode; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min)")
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        kinds = ["qwen", "wan"] if args.model == "both" else [args.model]
+        kinds = list(FAMILIES) if "all" in args.model else list(dict.fromkeys(args.model))
         if args.folder is not None:
             from omni_core.pipelines.base import read_model_index
 
-            kinds = ["wan" if (read_model_index(args.folder) or {}).get("_class_name") == "WanPipeline" else "qwen"]
+            name = (read_model_index(args.folder) or {}).get("_class_name")
+            kinds = [next((k for k, f in FAMILIES.items() if f.pipeline == name), "qwen")]
         for kind in kinds:
-            folder = args.folder or build_folder(kind, root)
-            size = 64 if kind == "qwen" else 32
-            a = argparse.Namespace(**{**vars(args), "height": args.height or size, "width": args.width or size})
-            name = args.folder or {"qwen": "Qwen-Image (tiny)", "wan": "Wan 2.2 2-expert (tiny)"}[kind]
-            shape = f"{a.height}x{a.width}" + ("" if kind == "qwen" else f"x{a.frames}f")
-            for metric, omni, diff, ratio in bench(kind, folder, a):
+            family = FAMILIES[kind]
+            folder = args.folder or build_folder(family, root)
+            a = argparse.Namespace(**{**vars(args), "height": args.height or family.size,
+                                      "width": args.width or family.size})
+            name = args.folder or family.label
+            shape = f"{a.height}x{a.width}" + (f"x{a.frames}f" if family.video else "")
+            for metric, omni, diff, ratio in bench(family, folder, a):
                 rows.append((f"{name} {shape}", metric, omni, diff, ratio))
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min)")
