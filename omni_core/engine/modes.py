@@ -44,6 +44,10 @@ class ExecutionStrategy:
         """``denoise_steps`` a finished wave counts."""
         raise NotImplementedError
 
+    def pipeline_depth(self, executor: Any) -> int:
+        """How many waves may be in flight at once (1: each wave's result is applied before the next is sent)."""
+        return 1
+
 
 class RequestBatchMode(ExecutionStrategy):
     """Whole compatible requests run to completion together (``pipeline.forward``)."""
@@ -90,6 +94,11 @@ class StepBatchMode(ExecutionStrategy):
 
     def wave_steps(self, sched: DiffusionSchedulerOutput) -> int:
         return len(sched.scheduled_ids)
+
+    def pipeline_depth(self, executor: Any) -> int:
+        """Step waves are small and many: an executor that queues them (``step_pipeline_depth``, ``mp``) gets the
+        next one before the current one's result, hiding the round trip (``DiffusionEngine._pipelined_loop``)."""
+        return max(1, int(getattr(executor, "step_pipeline_depth", 1)))
 
 
 def mode_for(config: Any, pipeline_cls: Any, pipeline_name: str) -> ExecutionStrategy:

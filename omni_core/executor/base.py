@@ -33,6 +33,18 @@ class DiffusionExecutor:
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         raise NotImplementedError
 
+    #: step waves that may be queued at once (``send_step`` / ``recv_step``); 1: only ``execute_step`` is used
+    step_pipeline_depth: int = 1
+
+    def send_step(self, sched: DiffusionSchedulerOutput) -> None:
+        """Queue a step wave without waiting for it (when ``step_pipeline_depth > 1``); results come back in order
+        from ``recv_step``."""
+        raise NotImplementedError
+
+    def recv_step(self) -> RunnerOutput:
+        """The result of the oldest wave sent with ``send_step``."""
+        raise NotImplementedError
+
     def abort(self, request_ids: list[str]) -> None:
         raise NotImplementedError
 

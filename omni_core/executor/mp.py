@@ -177,9 +177,13 @@ class MultiProcExecutor(DiffusionExecutor):
     def _run(self, kind: str, parts: dict[int, Any]) -> RunnerOutput:
         for replica, payload in parts.items():
             self._send(replica, (kind, payload))
+        return self._collect(len(parts))
+
+    def _collect(self, n_parts: int) -> RunnerOutput:
+        """The next ``n_parts`` results (one wave's parts) merged."""
         merged = RunnerOutput()
         timings = []
-        for _ in parts:
+        for _ in range(n_parts):
             out = self._wait_result()
             merged.outputs.update(out.outputs)
             merged.held_ids |= out.held_ids
@@ -234,6 +238,18 @@ class MultiProcExecutor(DiffusionExecutor):
 
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         return self._run("step", self._split(sched))
+
+    @property
+    def step_pipeline_depth(self) -> int:
+        """Two step waves in flight with one replica (a worker runs its queue in order; the next wave waits
+        in the pipe while the current one runs); data-parallel replicas answer in any order: one."""
+        return 2 if len(self.replicas) == 1 else 1
+
+    def send_step(self, sched: DiffusionSchedulerOutput) -> None:
+        self._send(0, ("step", sched))
+
+    def recv_step(self) -> RunnerOutput:
+        return self._collect(1)
 
     def abort(self, request_ids: list[str]) -> None:
         if self._dead:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Iterable
+from typing import Collection, Iterable
 
 from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
@@ -93,27 +93,31 @@ class BaseScheduler:
         return ids
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self) -> DiffusionSchedulerOutput:
+    def schedule(self, finishing: Collection[str] = ()) -> DiffusionSchedulerOutput:
+        """The next wave. ``finishing``: running requests whose last step is in a wave already sent (the
+        engine's pipelined step loop); they stay running until their result comes, but are left out of this
+        wave and their slots are offered to waiting requests."""
         # requests aborted while running leave at this boundary
         for rid in [r for r in self._running if self._states[r].abort_pending]:
             self._finish(rid, S.FINISHED_ABORTED)
-        new = self._admit()
+        finishing = [r for r in self._running if r in finishing] if finishing else []
+        new = self._admit(len(finishing))
         for rid in new:
             self._waiting.remove(rid)
             self._states[rid].status = S.RUNNING
             self._running.append(rid)
         out = DiffusionSchedulerOutput(
             new_requests=[self._states[r].request for r in new],
-            scheduled_ids=list(self._running),
+            scheduled_ids=[r for r in self._running if r not in finishing] if finishing else list(self._running),
             finished_ids=self._finished_since_last,
             batch_key=self._states[self._running[0]].batch_key if self._running else None,
         )
         self._finished_since_last = []
         return out
 
-    def _admit(self) -> list[str]:
-        """Ids of waiting requests to admit into this wave."""
-        free = self.max_num_running_reqs - len(self._running)
+    def _admit(self, leaving: int = 0) -> list[str]:
+        """Ids of waiting requests to admit into this wave (``leaving``: running ones about to finish)."""
+        free = self.max_num_running_reqs - len(self._running) + leaving
         if free <= 0 or not self._waiting:
             return []
         if self._running:
