@@ -9,6 +9,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_configure(config):
+    # the tiny model's ops are far too small to gain from a second thread, and on a shared machine two
+    # threads per op wait on each other (measured 5-10x slower under load); results do not depend on it
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def zimage_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from omni_model_z_image.testing import build_tiny_z_image
