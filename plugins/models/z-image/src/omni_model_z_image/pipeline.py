@@ -55,6 +55,17 @@ def modulated_input(module: Any, block: Any, a: dict) -> torch.Tensor:
     return block.attention_norm1(a["x"]) * (1.0 + scale_msa)
 
 
+def sp_plan(num_layers: int, final_layer: str) -> dict:
+    """Sequence parallelism over the main layers: each row's unified ``[image, text]`` sequence (padded to the
+    call's longest, masked) is sharded on its token dim where block 0 takes it, and the final layer's output
+    is gathered. The forward builds the rotary table and the mask inline and hands the same full tensors to
+    every block, so each block's ``freqs_cis`` and ``attn_mask`` are sharded at its own call (the plan has no
+    "every block of a list" form). The refiners before block 0 run on whole sequences on every rank."""
+    side = {"attn_mask": 1, "freqs_cis": 1}
+    shard = {f"transformer.layers.{i}": ({"x": 1, **side} if i == 0 else side) for i in range(num_layers)}
+    return {"shard_before": shard, "gather_after": {final_layer: 1}, "gather_output": None}
+
+
 class ZImageDenoiser(torch.nn.Module):
     """The transformer as accelerators see a denoiser: diffusers' ``ZImageTransformer2DModel`` takes and returns
     lists of per-sample tensors (it pads and masks inside); this calls it the way diffusers' pipeline does
@@ -165,11 +176,7 @@ class ZImagePipeline(DiffusersStepPipeline):
             batch_args=("hidden_states", "timestep", "cap_feats"),
             modulated_input=modulated_input,
             num_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads,
-            # the main layers see one [image, text] sequence per row (padded to the call's longest, masked):
-            # shard all of it, with its rotary table and mask, where block 0 takes it; gather the final layer's
-            # output. The refiners before it run on whole sequences on every rank.
-            sp_plan={"shard_before": {"transformer.layers.0": {"x": 1, "attn_mask": 1, "freqs_cis": 1}},
-                     "gather_after": {final: 1}, "gather_output": None},
+            sp_plan=sp_plan(len(t.layers), final),
             # no TeaCache coefficients are published for Z-Image: tea_cache uses the raw relative change
             # unless cache_config gives some (or `omni cache calibrate --write` ships them in the folder)
             cache_defaults={})]
