@@ -167,16 +167,25 @@ SP_REQUESTS = [
 
 
 def engine_run(folder: str, parallel_config: dict | None = None, **engine) -> list:
+    """Submit every request of ``SP_REQUESTS`` to one engine at once; their final outputs, in order."""
     from omni_core import Omni
 
-    outs = []
+    # one torch thread per model process: tiny ops, and the uni engine would otherwise set this process's count
     with Omni(folder, dtype="float32", warmup=False, max_num_seqs=4, parallel_config=parallel_config or {},
-              **engine) as omni:
-        for spec in SP_REQUESTS:  # separate generate calls: the two sizes could not share a wave anyway
+              cpu_threads=1, **engine) as omni:
+        streams = []
+        for spec in SP_REQUESTS:
             spec = dict(spec)
-            prompt = {"prompt": spec.pop("prompt"), "negative_prompt": spec.pop("negative_prompt", None)}
-            outs += omni.generate([prompt], seed=5, num_inference_steps=2, max_sequence_length=64,
-                                  output_type="pt", use_tqdm=False, **spec)
+            prompt, negative = spec.pop("prompt"), spec.pop("negative_prompt", None)
+            params = SamplingParams(output_type="pt", seed=5, num_inference_steps=2, max_sequence_length=64, **spec)
+            streams += omni.engine.submit([OmniDiffusionRequest(prompt=prompt, negative_prompt=negative,
+                                                                sampling_params=params)])
+        outs = []
+        for stream in streams:
+            while not (out := stream.get(timeout=300)).finished:
+                pass
+            outs.append(out)
+    assert not [o.error for o in outs if o.status == "error"]
     return outs
 
 

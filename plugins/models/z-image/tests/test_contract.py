@@ -14,3 +14,5 @@ class TestZImagePipelineContract(PipelineContract):
     #: tests hold batched latents to 5e-5 of diffusers' single-prompt run)
     batch_atol = 1e-4
     abort_steps = 20
+    #: one torch thread: the tiny model's ops gain nothing from two (see conftest)
+    engine_kwargs = {"warmup": False, "cpu_threads": 1}

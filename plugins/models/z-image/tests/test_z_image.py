@@ -242,7 +242,8 @@ def test_engine_matches_diffusers(zimage_dir, diffusers_zimage, step_execution):
     from omni_core import Omni
 
     prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
-    with Omni(zimage_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution) as omni:
+    with Omni(zimage_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution,
+              cpu_threads=1) as omni:
         outs = omni.generate(prompts, seed=21, height=32, width=32, num_inference_steps=STEPS, guidance_scale=3.0,
                              max_sequence_length=MSL, use_tqdm=False)
     for p, out in zip(prompts, outs):
