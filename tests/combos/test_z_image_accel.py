@@ -1,6 +1,6 @@
-"""tea_cache, cache_dit and Ulysses-2 / Ring-2 on tiny Z-Image, by its DenoiserSpec alone (no change to those
-plugins or the core): the caches compute fewer denoiser evaluations at >= 30 dB PSNR against no cache and decide
-per request inside a batch; sequence parallelism over two gloo processes equals one process.
+"""tea_cache and cache_dit on tiny Z-Image, by its DenoiserSpec alone (no change to those plugins or the core):
+fewer denoiser evaluations at >= 30 dB PSNR against no cache, decided per request inside a batch. (Ulysses-2 /
+Ring-2: ``tests/parallel/test_z_image_parallel.py``, apart because each mp engine start takes ~35 s here.)
 
 Z-Image ships no TeaCache coefficients, so tea_cache runs on the raw relative change unless the user gives
 coefficients or ``omni cache calibrate --write`` ships fitted ones in the folder; all three paths run here.
@@ -152,55 +152,3 @@ def test_cache_dit_skips_and_a_batch_matches_each_alone(zi, zi_dir, plain):
             torch.testing.assert_close(alone, outs[i], atol=1e-3, rtol=0)
             assert (backend.request_metrics(alone_state)["cache_branches"]
                     == backend.request_metrics(sts[i])["cache_branches"])
-
-
-# ---------------------------------------------------------------------------------------------- SP
-#: tiny Z-Image: VAE factor 2 and 2x2 patches, so 24x40 has 6 x 10 = 60 image tokens (64 after the transformer's
-#: own padding) and each row's unified sequence also holds its text (padded to 32s); texts of different lengths
-#: make the per-row key-padding mask
-SP_REQUESTS = [
-    {"prompt": PROMPTS[0], "negative_prompt": "blurry", "guidance_scale": 3.0, "height": 24, "width": 40},
-    {"prompt": PROMPTS[1], "negative_prompt": "low quality, watermark, jpeg artifacts, noise, grain, ugly",
-     "guidance_scale": 3.0, "height": 24, "width": 40},
-    {"prompt": PROMPTS[2], "guidance_scale": 0.0, "height": 32, "width": 32},
-]
-
-
-def engine_run(folder: str, parallel_config: dict | None = None, **engine) -> list:
-    """Submit every request of ``SP_REQUESTS`` to one engine at once; their final outputs, in order."""
-    from omni_core import Omni
-
-    # one torch thread per model process: tiny ops, and the uni engine would otherwise set this process's count
-    with Omni(folder, dtype="float32", warmup=False, max_num_seqs=4, parallel_config=parallel_config or {},
-              cpu_threads=1, **engine) as omni:
-        streams = []
-        for spec in SP_REQUESTS:
-            spec = dict(spec)
-            prompt, negative = spec.pop("prompt"), spec.pop("negative_prompt", None)
-            params = SamplingParams(output_type="pt", seed=5, num_inference_steps=2, max_sequence_length=64, **spec)
-            streams += omni.engine.submit([OmniDiffusionRequest(prompt=prompt, negative_prompt=negative,
-                                                                sampling_params=params)])
-        outs = []
-        for stream in streams:
-            while not (out := stream.get(timeout=300)).finished:
-                pass
-            outs.append(out)
-    assert not [o.error for o in outs if o.status == "error"]
-    return outs
-
-
-@pytest.fixture(scope="module")
-def one_process(zi_dir):
-    return engine_run(zi_dir)
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("parallel_config,engine", [({"ulysses_degree": 2}, {}),
-                                                    ({"ring_degree": 2}, {"step_execution": True})],
-                         ids=["ulysses2", "ring2"])
-def test_sequence_parallel_equals_one_process(zi_dir, one_process, parallel_config, engine):
-    outs = engine_run(zi_dir, parallel_config, executor="mp", **engine)
-    for ref, out in zip(one_process, outs):
-        diff = (out.images[0] - ref.images[0]).abs().max().item()
-        assert diff <= 1e-5, f"{parallel_config}: max abs diff {diff:.2e}"
-        assert out.metrics["communication_bytes"] > 0  # the ranks really split the tokens
