@@ -305,3 +305,20 @@ def test_every_transformer_call_carries_the_typed_context(zimage_dir, omni_zimag
         assert call.expert == "transformer" and call.covers(batch)
     assert [(g.state, g.rows, g.branch) for g in calls[0][0].groups] == [
         (states[0], 1, "cond"), (states[1], 2, "cond"), (states[0], 1, "uncond")]
+
+
+def test_renormalization_on_a_cfg_parallel_rank_without_the_cond_branch(zimage_dir, omni_zimage):
+    """A cfg-parallel rank that ran only the uncond rows recovers the cond prediction from the guided one and
+    caps the norm exactly as the rank that has it."""
+    state = make_state(zimage_dir, PROMPTS[1], 1, cfg=4.0, cfg_normalization=1.0)
+    omni_zimage.prepare_encode(state)
+    g = torch.Generator().manual_seed(0)
+    pos, neg = torch.randn(2, 16, 1, 16, 16, generator=g), torch.randn(2, 16, 1, 16, 16, generator=g)
+    pred = pos + 4.0 * (pos - neg)
+    state.extra.update(pred_cond=pos, pred_uncond=neg)
+    full = omni_zimage._renormalize(state, pred)
+    del state.extra["pred_cond"]
+    recovered = omni_zimage._renormalize(state, pred)
+    torch.testing.assert_close(recovered, full, atol=1e-5, rtol=0)
+    norms = torch.linalg.vector_norm(full.flatten(1), dim=1)
+    torch.testing.assert_close(norms, torch.linalg.vector_norm(pos.flatten(1), dim=1))  # capped at 1.0 x |pos|
