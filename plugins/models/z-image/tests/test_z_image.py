@@ -176,6 +176,20 @@ def test_sizes_and_lengths_the_model_cannot_take_name_the_field(zimage_dir):
     assert (default.height, default.width, default.max_sequence_length) == (1024, 1024, 512)
 
 
+def test_cfg_fields_are_declared_on_the_record_and_other_models_fields_refused(zimage_dir):
+    from omni_core.config import registered_sampling_fields
+    from omni_core.plugins import get_plugin_manager
+    from omni_model_z_image.fields import SAMPLING_FIELDS
+    from omni_model_z_image.pipeline import ZImagePipeline
+
+    assert get_plugin_manager().get_component("pipeline", "ZImagePipeline").sampling_fields == SAMPLING_FIELDS
+    assert ZImagePipeline.sampling_fields is SAMPLING_FIELDS
+    if "true_cfg_scale" in registered_sampling_fields():  # Qwen-Image installed too
+        with pytest.raises(ConfigError, match="true_cfg_scale is not used by ZImagePipeline .*guidance_scale") as err:
+            ZImagePipeline.check_sampling_params(SamplingParams(height=32, width=32, true_cfg_scale=2.0), zimage_dir)
+        assert err.value.field == "true_cfg_scale"
+
+
 def test_turbo_folders_default_to_few_steps_without_cfg(tmp_path):
     from omni_model_z_image.pipeline import ZImagePipeline, is_turbo
 

@@ -103,6 +103,7 @@ class ZImagePipeline(DiffusersStepPipeline):
     default_guidance_scale = 5.0
     #: ``cfg_normalization`` and ``cfg_truncation``, also on the record
     sampling_fields = SAMPLING_FIELDS
+    undeclared_field_hint = "Z-Image's CFG is guidance_scale (on whenever > 0) with negative_prompt"
     default_limits: ClassVar[dict] = {"max_pixels": 2048 * 2048}
 
     # ------------------------------------------------------------------ engine process
