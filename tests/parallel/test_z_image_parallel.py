@@ -1,7 +1,8 @@
-"""Ulysses-2 and Ring-2 (two gloo processes, ``executor="mp"``) on tiny Z-Image equal one process, by the
+"""Ulysses-2, Ring-2 and CFG-2 (two gloo processes, ``executor="mp"``) on tiny Z-Image equal one process, by the
 DenoiserSpec's ``sp_plan`` alone: every main block's unified [image, text] sequence, rotary table and key-padding
 mask sharded on the token dim, the final layer's output gathered (a CFG pair with texts of different lengths, so
-the mask is sharded too, and a request without CFG at another size)."""
+the mask is sharded too, one of them renormalized, and a request without CFG at another size). CFG parallel:
+the base class's branch exchange, and the renormalization on the rank that ran only the uncond rows."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def zi_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 #: own padding) and each row's unified sequence also holds its text (padded to 32s); texts of different lengths
 #: make the per-row key-padding mask
 SP_REQUESTS = [
-    {"prompt": PROMPTS[0], "negative_prompt": "blurry", "guidance_scale": 3.0, "height": 24, "width": 40},
+    {"prompt": PROMPTS[0], "negative_prompt": "blurry", "guidance_scale": 3.0, "height": 24, "width": 40,
+     "cfg_normalization": 1.0},
     {"prompt": PROMPTS[1], "negative_prompt": "low quality, watermark, jpeg artifacts, noise, grain, ugly",
      "guidance_scale": 3.0, "height": 24, "width": 40},
     {"prompt": PROMPTS[2], "guidance_scale": 0.0, "height": 32, "width": 32},
@@ -66,12 +68,15 @@ def one_process(zi_dir):
 
 
 @pytest.mark.parametrize("parallel_config,engine", [({"ulysses_degree": 2}, {}),
-                                                    ({"ring_degree": 2}, {"step_execution": True})],
-                         ids=["ulysses2", "ring2"])
+                                                    ({"ring_degree": 2}, {"step_execution": True}),
+                                                    # a third engine start (~45 s here): -m "not slow" skips it
+                                                    pytest.param({"cfg_parallel_size": 2}, {}, marks=pytest.mark.slow)],
+                         ids=["ulysses2", "ring2", "cfg2"])
 def test_sequence_parallel_equals_one_process(zi_dir, one_process, parallel_config, engine):
     outs = engine_run(zi_dir, parallel_config, executor="mp", **engine)
-    for ref, out in zip(one_process, outs):
+    for i, (ref, out) in enumerate(zip(one_process, outs)):
         diff = (out.images[0] - ref.images[0]).abs().max().item()
         assert diff <= 1e-5, f"{parallel_config}: max abs diff {diff:.2e}"
         print(f"{parallel_config}: max abs diff {diff:.2e}")
-        assert out.metrics["communication_bytes"] > 0  # the ranks really split the tokens
+        # SP ranks split every wave's tokens; cfg ranks exchange only the guided requests' branches
+        assert out.metrics["communication_bytes"] > 0 or ("cfg_parallel_size" in parallel_config and i == 2)
