@@ -24,7 +24,9 @@ def t5_tokenizer():
 def tiny_wan_transformer(seed: int = 0, num_layers: int = 2, num_heads: int = 2, in_channels: int = 16,
                          image_dim: int | None = None):
     """``num_heads`` (2 as in diffusers' tests) must be divisible by a Ulysses degree (4 serves 2 and 4);
-    image-to-video: ``in_channels=36`` (noise + mask + condition), Wan 2.1's ``image_dim``."""
+    image-to-video: ``in_channels=36`` (noise + mask + condition), Wan 2.1's ``image_dim``, with the image
+    cross-attention projections (``added_kv_proj_dim``) a released Wan 2.1 I2V has (diffusers' test leaves them
+    out, so its image tokens join the text ones)."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -32,7 +34,8 @@ def tiny_wan_transformer(seed: int = 0, num_layers: int = 2, num_heads: int = 2,
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=num_heads, attention_head_dim=12, in_channels=in_channels,
         out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=num_layers, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=image_dim)
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=image_dim,
+        added_kv_proj_dim=None if image_dim is None else num_heads * 12)
 
 
 def tiny_wan_components(two_experts: bool = False, boundary_ratio: float = 0.875, num_heads: int = 2) -> dict:
@@ -67,14 +70,15 @@ def build_tiny_wan(path: str | os.PathLike, two_experts: bool = False, boundary_
 
 
 def tiny_clip_image_encoder():
-    """diffusers' test config: a 4-wide CLIP vision tower over 32x32 images (1025 tokens)."""
+    """diffusers' test config (a 4-wide CLIP vision tower over 32x32 images) with 8x8 patches: 17 image tokens
+    instead of its 1025, so tests stay fast."""
     import torch
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
     torch.manual_seed(0)
     return CLIPVisionModelWithProjection(CLIPVisionConfig(
         hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-        intermediate_size=16, patch_size=1))
+        intermediate_size=16, patch_size=8))
 
 
 def clip_image_processor(**kwargs):
