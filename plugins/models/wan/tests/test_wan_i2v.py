@@ -8,6 +8,8 @@ latents within 5e-5.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,9 @@ from omni_core.errors import ConfigError
 from omni_core.images import to_tensor
 from omni_core.pipelines import StepState, resolve_model
 from omni_core.request import OmniDiffusionRequest
+
+#: as the plugin conftest: an in-process engine would otherwise set 2 threads
+TEST_THREADS = int(os.environ.get("OMNI_TEST_THREADS", "1"))
 
 #: with shift=7 the 4 timesteps are [1000, 934, 781, 47]: Wan 2.2's boundary 875 gives two steps per expert
 STEPS = 4
@@ -108,22 +113,30 @@ def test_registered_and_resolved(i2v21_dir, i2v21):
     assert {layer.role for layer in omni.attention_layers} == {"self", "cross", "cross_image"}
 
 
-@pytest.mark.parametrize("g", [1.0, 6.0], ids=["cfg-off", "cfg-on"])
-def test_wan21_request_batch_three_prompts(i2v21_dir, i2v21, g):
-    """Three prompts of different lengths with three different images in one wave: one transformer call per
-    step holding every row (and the image embeddings of each row)."""
+#: CFG on, off, on (one wave holds both kinds); also the first three requests of the wan21 step batch
+WAN21_CASES = [dict(prompt=PROMPTS[0], image_index=0, seed=10, negative=NEG, g=6.0),
+               dict(prompt=PROMPTS[1], image_index=1, seed=11, g=1.0),
+               dict(prompt=PROMPTS[2], image_index=2, seed=12, negative=NEG, g=6.0)]
+
+
+def ref_of(pipe, case):
+    case = dict(case)
+    return reference(pipe, case.pop("prompt"), case.pop("image_index"), case.pop("seed"), **case)
+
+
+def test_wan21_request_batch_three_prompts(i2v21_dir, i2v21):
+    """Three prompts of different lengths with three different images, CFG on and off, in one wave: one
+    transformer call per step holding every row (3 cond + 2 uncond), each with its image embeddings."""
     ref_pipe, omni = i2v21
-    negative = NEG if g > 1 else None
-    states = [make_state(i2v21_dir, p, i, 10 + i, negative=negative, g=g) for i, p in enumerate(PROMPTS)]
+    states = [make_state(i2v21_dir, **c) for c in WAN21_CASES]
     with CallCounter(omni) as counter:
         outs = omni.forward(states)
     calls = counter.calls["transformer"]
-    rows = 6 if g > 1 else 3
     assert len(calls) == STEPS
-    assert all(kw["hidden_states"].shape[:2] == (rows, 36) and kw["encoder_hidden_states_image"].shape[0] == rows
+    assert all(kw["hidden_states"].shape[:2] == (5, 36) and kw["encoder_hidden_states_image"].shape[0] == 5
                for kw in calls)
-    for i, (state, out) in enumerate(zip(states, outs)):
-        assert_parity(state, out, reference(ref_pipe, PROMPTS[i], i, 10 + i, negative=negative, g=g))
+    for case, state, out in zip(WAN21_CASES, states, outs):
+        assert_parity(state, out, ref_of(ref_pipe, case))
 
 
 def test_wan22_two_experts_request_batch(i2v22_dir, i2v22):
@@ -148,10 +161,8 @@ def test_step_batch_requests_admitted_at_different_steps(layout, request):
 
     model_dir = request.getfixturevalue(f"i2v{layout[3:]}_dir")
     ref_pipe, omni = request.getfixturevalue(f"i2v{layout[3:]}")
-    if layout == "wan21":  # the first three as in the request-batch tests (their diffusers runs are reused)
-        cases = [dict(prompt=PROMPTS[0], image_index=0, seed=10, negative=NEG, g=6.0),
-                 dict(prompt=PROMPTS[1], image_index=1, seed=11, g=1.0),
-                 dict(prompt=PROMPTS[2], image_index=2, seed=12, negative=NEG, g=6.0)]
+    if layout == "wan21":  # as in the request-batch test (its diffusers runs are reused)
+        cases = list(WAN21_CASES)
     else:
         cases = [dict(prompt=PROMPTS[0], image_index=0, seed=20, negative=NEG, g=5.0, g2=2.0),
                  dict(prompt=PROMPTS[1], image_index=1, seed=2, g=1.0),
@@ -174,8 +185,7 @@ def test_step_batch_requests_admitted_at_different_steps(layout, request):
     if layout == "wan22":
         assert any({e for _, e in w} == {"transformer", "transformer_2"} for w in waves)
     for c, state, out in zip(cases, states, outs):
-        c = dict(c)
-        assert_parity(state, out, reference(ref_pipe, c.pop("prompt"), c.pop("image_index"), c.pop("seed"), **c))
+        assert_parity(state, out, ref_of(ref_pipe, c))
 
 
 def test_expand_timesteps_layout(ti2v_dir, ti2v):
@@ -225,7 +235,7 @@ def test_request_without_image_refused_before_any_work(i2v22_dir, i2v22, monkeyp
 
     encoded = []
     monkeypatch.setattr(WanImageToVideoPipeline, "prepare_encode", lambda self, s: encoded.append(s))
-    with Omni(i2v22_dir, dtype="float32", warmup=False) as engine:
+    with Omni(i2v22_dir, dtype="float32", warmup=False, cpu_threads=TEST_THREADS) as engine:
         with pytest.raises(ConfigError, match=r"needs the first frame of the video: give 'image'") as err:
             engine.generate("a cat", height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=STEPS,
                             use_tqdm=False)
@@ -251,9 +261,9 @@ def test_wan21_max_sequence_length_must_be_512(i2v21_dir, i2v22_dir):
     assert ok.max_sequence_length == 64  # Wan 2.2 I2V has no image tokens: any length
 
 
-@pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
-def test_engine_matches_diffusers(i2v21_dir, i2v21, step_execution):
-    """``Omni(model=<folder>)`` end to end with ``{"prompt", "image"}`` prompts: PIL frames within one level."""
+def test_engine_matches_diffusers(i2v21_dir, i2v21):
+    """``Omni(model=<folder>, step_execution=True)`` end to end with ``{"prompt", "image"}`` and vLLM-Omni's
+    ``multi_modal_data`` prompts: PIL frames within one level (the request path is ``forward``, tested above)."""
     from diffusers.image_processor import VaeImageProcessor
 
     from omni_core import Omni
@@ -261,7 +271,8 @@ def test_engine_matches_diffusers(i2v21_dir, i2v21, step_execution):
     ref_pipe, _ = i2v21
     prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG, "image": IMAGES[0]},
                {"prompt": PROMPTS[1], "multi_modal_data": {"image": IMAGES[2]}}]
-    with Omni(i2v21_dir, dtype="float32", warmup=False, max_num_seqs=2, step_execution=step_execution) as omni:
+    with Omni(i2v21_dir, dtype="float32", warmup=False, max_num_seqs=2, step_execution=True,
+              cpu_threads=TEST_THREADS) as omni:
         outs = omni.generate(prompts, seed=10, height=SIZE, width=SIZE, num_frames=FRAMES,
                              num_inference_steps=STEPS, guidance_scale=6.0, use_tqdm=False)
     for (p, i, neg), out in zip([(PROMPTS[0], 0, NEG), (PROMPTS[1], 2, None)], outs):
