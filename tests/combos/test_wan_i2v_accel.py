@@ -31,6 +31,17 @@ IMAGES = [Image.fromarray((np.random.RandomState(i).rand(20 + 4 * i, 24, 3) * 25
           for i in range(2)]
 
 
+#: torch threads (``OMNI_TEST_THREADS``, default 1): two OpenMP threads of tiny ops spin against the other jobs
+#: of a shared 2-core machine (20x slower at load average 7); both sides of a comparison use the same count
+TEST_THREADS = int(os.environ.get("OMNI_TEST_THREADS", "1"))
+
+
+@pytest.fixture(autouse=True)
+def _test_threads():
+    if torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
+
+
 @pytest.fixture(scope="module")
 def i2v21_dir(tmp_path_factory):
     from omni_model_wan.testing import build_tiny_wan_i2v
@@ -101,7 +112,8 @@ def engine_videos(model_dir, parallel_config=None, width=32, g2=None):
     from omni_core import Omni
 
     prompts = [{"prompt": p, "negative_prompt": NEG, "image": im} for p, im in zip(PROMPTS, IMAGES)]
-    with Omni(model_dir, dtype="float32", warmup=False, max_num_seqs=2, parallel_config=parallel_config or {}) as omni:
+    with Omni(model_dir, dtype="float32", warmup=False, max_num_seqs=2, parallel_config=parallel_config or {},
+              cpu_threads=TEST_THREADS) as omni:
         outs = omni.generate(prompts, seed=3, height=16, width=width, num_frames=5, num_inference_steps=4,
                              guidance_scale=5.0, **({"guidance_scale_2": g2} if g2 else {}),
                              output_type="latent", use_tqdm=False)
