@@ -140,8 +140,7 @@ class WanPipeline(DiffusersStepPipeline):
 
     # -- step-wise protocol
     def prepare_encode(self, state: StepState) -> StepState:
-        pipe, sp, req = self.pipe, state.sampling_params, state.request
-        n = sp.num_outputs_per_prompt
+        sp, req = state.sampling_params, state.request
         guidance_scale = sp.guidance_scale if sp.guidance_scale is not None else self.default_guidance_scale
         guidance_scale_2 = sp.guidance_scale_2
         if self.boundary_timestep is not None and guidance_scale_2 is None:
