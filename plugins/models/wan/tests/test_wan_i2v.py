@@ -249,6 +249,25 @@ def test_request_without_image_refused_before_any_work(i2v22_dir, i2v22, monkeyp
     assert err.value.field == "image"
 
 
+def test_folder_naming_the_pil_image_processor_loads(i2v21_dir, tmp_path):
+    """Saved without torchvision, diffusers names ``CLIPImageProcessorPil`` in model_index.json; released
+    folders name ``CLIPImageProcessor`` (the fixture's folder): both load."""
+    import json
+    import shutil
+
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.pipelines import load_pipeline
+
+    folder = shutil.copytree(i2v21_dir, tmp_path / "pil")
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["image_processor"] == ["transformers", "CLIPImageProcessor"]
+    index["image_processor"][1] = "CLIPImageProcessorPil"
+    (folder / "model_index.json").write_text(json.dumps(index))
+    pipe = load_pipeline(resolve_model(str(folder)), OmniDiffusionConfig(model=str(folder), dtype="float32"), "cpu",
+                         torch.float32)
+    assert type(pipe.pipe.image_processor).__name__.startswith("CLIPImageProcessor")
+
+
 def test_wan21_max_sequence_length_must_be_512(i2v21_dir, i2v22_dir):
     from omni_model_wan.i2v import WanImageToVideoPipeline
 
@@ -270,12 +289,13 @@ def test_engine_matches_diffusers(i2v21_dir, i2v21):
 
     ref_pipe, _ = i2v21
     prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG, "image": IMAGES[0]},
-               {"prompt": PROMPTS[1], "multi_modal_data": {"image": IMAGES[2]}}]
+               {"prompt": PROMPTS[1], "negative_prompt": NEG, "multi_modal_data": {"image": IMAGES[2]}}]
     with Omni(i2v21_dir, dtype="float32", warmup=False, max_num_seqs=2, step_execution=True,
               cpu_threads=TEST_THREADS) as omni:
         outs = omni.generate(prompts, seed=10, height=SIZE, width=SIZE, num_frames=FRAMES,
                              num_inference_steps=STEPS, guidance_scale=6.0, use_tqdm=False)
-    for (p, i, neg), out in zip([(PROMPTS[0], 0, NEG), (PROMPTS[1], 2, None)], outs):
+    assert [o.metrics["batch_size"] for o in outs] == [2, 2]  # images of different sizes share the wave
+    for (p, i, neg), out in zip([(PROMPTS[0], 0, NEG), (PROMPTS[1], 2, NEG)], outs):
         video = reference(ref_pipe, p, i, 10, negative=neg, g=6.0)[0][0]
         ref = VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(video))
         frames = out.images[0]
