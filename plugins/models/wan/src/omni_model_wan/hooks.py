@@ -1,4 +1,4 @@
-"""Entry-point module: registers ``WanPipeline``. Imports nothing heavy."""
+"""Entry-point module: registers ``WanPipeline`` and ``WanImageToVideoPipeline``. Imports nothing heavy."""
 
 from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
@@ -13,5 +13,13 @@ def omni_register_pipelines():
         requires=("torch", "diffusers", "transformers"),
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Wan 2.1 / 2.2 (two experts) text-to-video; request batching and step-wise",
+        sampling_fields=SAMPLING_FIELDS,
+    ), PipelineSpec(
+        name="WanImageToVideoPipeline",
+        impl="omni_model_wan.i2v:WanImageToVideoPipeline",
+        # ftfy: diffusers' image-to-video prompt cleaning calls it unconditionally
+        requires=("torch", "diffusers", "transformers", "ftfy"),
+        supported_parallel=("ulysses", "ring", "cfg"),
+        description="Wan 2.1 / 2.2 (two experts, TI2V) image-to-video; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
     )]

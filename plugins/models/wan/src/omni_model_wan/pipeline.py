@@ -140,8 +140,7 @@ class WanPipeline(DiffusersStepPipeline):
 
     # -- step-wise protocol
     def prepare_encode(self, state: StepState) -> StepState:
-        pipe, sp, req = self.pipe, state.sampling_params, state.request
-        n = sp.num_outputs_per_prompt
+        sp, req = state.sampling_params, state.request
         guidance_scale = sp.guidance_scale if sp.guidance_scale is not None else self.default_guidance_scale
         guidance_scale_2 = sp.guidance_scale_2
         if self.boundary_timestep is not None and guidance_scale_2 is None:
@@ -157,10 +156,15 @@ class WanPipeline(DiffusersStepPipeline):
         scheduler.set_timesteps(sp.num_inference_steps, device=self.device)
         self.start_schedule(state, scheduler, scheduler.timesteps)
         self.seed_generator(state)
-        state.latents = pipe.prepare_latents(n, self.in_channels, sp.height, sp.width, sp.num_frames, torch.float32,
-                                             self.device, state.generator)
+        self.prepare_latents(state)
         state.extra.update(do_cfg=do_cfg, cfg_scale=guidance_scale, cfg_scale_2=guidance_scale_2)
         return state
+
+    def prepare_latents(self, state: StepState) -> None:
+        """The request's initial noise, drawn by diffusers' ``prepare_latents`` from its generator."""
+        sp = state.sampling_params
+        state.latents = self.pipe.prepare_latents(sp.num_outputs_per_prompt, self.in_channels, sp.height, sp.width,
+                                                  sp.num_frames, torch.float32, self.device, state.generator)
 
     def _guided(self, state: StepState) -> bool:
         sp = state.sampling_params
@@ -232,20 +236,32 @@ class WanPipeline(DiffusersStepPipeline):
         for Wan 2.2 TI2V)."""
         states = [s for s, _ in segments]
         rows = [s.latents.shape[0] for s in states]
-        latents = (states[0].latents if len(states) == 1 else torch.cat([s.latents for s in states]))
-        latents = latents.to(self.transformer_dtype)
+        inputs = [self.model_input(s) for s in states]
+        latents = (inputs[0] if len(inputs) == 1 else torch.cat(inputs)).to(self.transformer_dtype)
         # each embedding is already zero-padded to its request's max_sequence_length, as diffusers does: the
         # mask hides only the extra positions of the shorter ones
         text, text_mask = self.segment_text_batch(segments)
         timestep = torch.stack([s.timesteps[s.step_index] for s in states])
         if len(set(rows)) != 1 or rows[0] != 1:
             timestep = timestep.repeat_interleave(torch.tensor(rows, device=timestep.device))
-        if self.expand_timesteps:  # Wan 2.2 TI2V: one timestep per latent token (all equal for text-to-video)
-            _, _, f, h, w = latents.shape
-            seq = f * (h // self.patch_size[1]) * (w // self.patch_size[2])
-            timestep = timestep[:, None].expand(-1, seq)
+        if self.expand_timesteps:  # Wan 2.2 TI2V: one timestep per latent token
+            timestep = self.token_timesteps(states, timestep, latents)
         return self.call_denoiser(expert, segments, text_mask, hidden_states=latents, timestep=timestep,
-                                  encoder_hidden_states=text, attention_kwargs=None)
+                                  encoder_hidden_states=text, attention_kwargs=None,
+                                  **self.extra_inputs(segments))
+
+    def model_input(self, state: StepState) -> torch.Tensor:
+        """The transformer's ``hidden_states`` rows of ``state`` (image-to-video adds its condition)."""
+        return state.latents
+
+    def token_timesteps(self, states: list[StepState], timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """``[rows]`` timesteps -> ``[rows, tokens]`` (all equal for text-to-video)."""
+        _, _, f, h, w = latents.shape
+        return timestep[:, None].expand(-1, f * (h // self.patch_size[1]) * (w // self.patch_size[2]))
+
+    def extra_inputs(self, segments: list[tuple[StepState, str]]) -> dict:
+        """More transformer arguments for one call (image-to-video: the image embeddings)."""
+        return {}
 
     def segment_text(self, state: StepState, branch: str) -> tuple[torch.Tensor, None]:
         return (state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds), None
