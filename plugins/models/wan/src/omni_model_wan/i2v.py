@@ -46,14 +46,6 @@ class WanImageToVideoPipeline(WanPipeline):
                               f"tokens after the image tokens; use {TEXT_CONTEXT_LENGTH}", field="max_sequence_length")
         return params
 
-    @classmethod
-    def check_images(cls, request: Any, limits: Any) -> Any:
-        """The core's check, made idempotent: ``Omni.generate`` prepares each request and ``engine.submit``
-        prepares it again, when its images are already checked ``uint8`` tensors (see CORE_CHANGES.md)."""
-        if request.images and all(isinstance(image, torch.Tensor) for image in request.images):
-            return request
-        return super().check_images(request, limits)
-
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
         super().__init__(pipe, device, dtype, layers)
         transformer = pipe.transformer
