@@ -246,3 +246,55 @@ def test_a_cancelled_job_ends_a_client_polling_for_completed_or_failed(video_ser
         assert ended["status"] == "failed" and ended["error"]["code"] == "cancelled"
         c.delete(f"/v1/videos/{job['id']}")
     wait_idle(video_server.engine)
+
+
+@pytest.fixture(scope="module")
+def i2v_server(start_server, tmp_path_factory):
+    from omni_model_wan.testing import build_tiny_wan_i2v
+
+    folder = build_tiny_wan_i2v(tmp_path_factory.mktemp("tiny-wan-i2v"), wan22=True)
+    return start_server(folder, {"streaming_output": True, "warmup": False, "max_num_seqs": 2},
+                        served_model_name="tiny-wan-i2v", video_dir=str(tmp_path_factory.mktemp("i2v-videos")))
+
+
+def test_image_to_video_jobs_take_input_reference(i2v_server, tmp_path, monkeypatch):
+    """The image reaches the engine as the uploaded pixels, as a multipart file part (the openai client's form) or
+    as a data URL in JSON, and both give the same video; a job without the image is a 400 naming input_reference.
+    (The tiny VAE maps different inputs to nearly the same frames; the plugin's tests check the image's effect on
+    the latents.)"""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    picture = np.random.default_rng(1).integers(0, 256, (24, 20, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(picture).save(buf, "PNG")
+    png = buf.getvalue()
+    engine = i2v_server.engine
+    received = []
+    submit = engine.submit
+
+    def spy(requests, **kwargs):  # the real submit runs; this only records what it was given
+        handles = submit(requests, **kwargs)
+        received.extend(h.request.images for h in handles)
+        return handles
+
+    monkeypatch.setattr(engine, "submit", spy)
+    fields = {k: str(v) for k, v in QUICK.items()}
+    with i2v_server.client() as c:
+        jobs = [c.post("/v1/videos", data=fields, files={"input_reference": ("in.png", png, "image/png")}),
+                c.post("/v1/videos", json={**QUICK, "input_reference": "data:image/png;base64,"
+                                           + base64.b64encode(png).decode()})]
+        assert all(r.status_code == 200 for r in jobs), [r.text for r in jobs]
+        videos = []
+        for r in jobs:
+            assert poll(c, r.json()["id"], until=("completed", "failed"))["status"] == "completed"
+            videos.append(np.stack(mp4_frames(c.get(f"/v1/videos/{r.json()['id']}/content").content, tmp_path)))
+        assert np.array_equal(videos[0], videos[1]), "a file part and a data URL are the same input"
+        assert len(received) == 2
+        for (image,) in received:  # the checked uint8 tensor [3, H, W] holds exactly the uploaded pixels
+            assert np.array_equal(image.permute(1, 2, 0).numpy(), picture)
+        missing = c.post("/v1/videos", json=QUICK)
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "input_reference", missing.text
