@@ -71,6 +71,14 @@ class QwenImageEditPipeline(QwenImagePipeline):
             kwargs["processor"] = load_processor(model_path)
         return super().load(model_path, attrs.evolve(config, model_kwargs=kwargs), device, dtype)
 
+    @classmethod
+    def check_images(cls, request: Any, limits: Any) -> Any:
+        """The core's check, once: ``Omni.generate`` prepares each request and ``engine.submit`` prepares it
+        again, when its images are already ``uint8`` tensors (see CORE_CHANGES.md)."""
+        if request.images and all(hasattr(im, "dtype") and hasattr(im, "shape") for im in request.images):
+            return request
+        return super().check_images(request, limits)
+
     # -- the input image
     def condition(self, state: StepState) -> Condition:
         """The request's input image resized as diffusers does (computed once per request)."""

@@ -91,12 +91,16 @@ def tiny_qwen_vl_processor(max_pixels: int = 56 * 56):
     return processor_class()(image_processor=image_processor, tokenizer=qwen_vl_tokenizer())
 
 
-def tiny_qwen_image_edit_components(num_layers: int = 2, sharpen: float = 4.0, num_heads: int = 3) -> dict:
+def tiny_qwen_image_edit_components(num_layers: int = 2, sharpen: float = 4.0, num_heads: int = 3,
+                                    condition_gain: float = 20.0) -> dict:
     """Qwen-Image-Edit components: the Qwen-Image transformer and text encoder of
     :func:`tiny_qwen_image_components` (the text encoder's vision ids point at :data:`VISION_TOKENS`), a VAE
-    with 16x downsampling, and the processor. diffusers always encodes the input at ~1024x1024; the x16 VAE
-    (4 levels, 4 base channels) keeps that at 32x32 = 1024 condition tokens and about a second per encode
-    here, where diffusers' own test VAE (x4) would give 16384 tokens."""
+    with 16x downsampling, and the processor. diffusers always encodes the input at ~1024x1024; this VAE (4
+    downsampling levels of 4 channels, no encoder res-blocks: diffusers' 3-D convolutions at full resolution
+    cost seconds each on CPU) keeps that at ~1000 condition tokens and under a second of CPU per encode,
+    where diffusers' own test VAE (x4) would give 16384 tokens. ``condition_gain`` scales the encoder's
+    output conv: the random encoder gives latents of std ~0.05, with which the input image moved the edit by
+    a few levels only; x20 makes it move the image by many, so parity tests see the condition path."""
     import torch
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -106,8 +110,11 @@ def tiny_qwen_image_edit_components(num_layers: int = 2, sharpen: float = 4.0, n
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     torch.manual_seed(0)
     components["vae"] = AutoencoderKLQwenImage(
-        base_dim=4, z_dim=4, dim_mult=[1, 1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True, True],
+        base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=0, temperal_downsample=[False, True, True, True],
         latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    with torch.no_grad():
+        components["vae"].quant_conv.weight.mul_(condition_gain)
+        components["vae"].quant_conv.bias.mul_(condition_gain)
     torch.manual_seed(0)
     components["text_encoder"] = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -123,7 +130,7 @@ def tiny_qwen_image_edit_components(num_layers: int = 2, sharpen: float = 4.0, n
 
 
 def build_tiny_qwen_image_edit(path: str | os.PathLike, num_layers: int = 2, sharpen: float = 4.0,
-                               num_heads: int = 3, plus: bool = False) -> str:
+                               num_heads: int = 3, plus: bool = False, condition_gain: float = 20.0) -> str:
     """Save a tiny random Qwen-Image-Edit pipeline (``QwenImageEditPlusPipeline`` with ``plus``) into
     ``path``; returns the folder. The processor is recorded as transformers' ``Qwen2VLProcessor``, as in
     released folders, whichever class built it."""
@@ -133,6 +140,6 @@ def build_tiny_qwen_image_edit(path: str | os.PathLike, num_layers: int = 2, sha
 
     path = os.fspath(path)
     cls = getattr(diffusers, "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline")
-    cls(**tiny_qwen_image_edit_components(num_layers, sharpen, num_heads)).save_pretrained(path, safe_serialization=True)
+    cls(**tiny_qwen_image_edit_components(num_layers, sharpen, num_heads, condition_gain)).save_pretrained(path, safe_serialization=True)
     record_as_qwen2vl_processor(path)
     return path
