@@ -69,28 +69,46 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(10 * torch.log10(1 / ((a - b) ** 2).mean().clamp_min(1e-12)))
 
 
+STEPS = 6
+
+
+def count_block_rows(pipeline):
+    """Rows through the second block's MLP (it runs only when a step is computed); returns (rows, handle)."""
+    rows: list[int] = []
+    hook = pipeline.transformer.transformer_blocks[1].img_mlp.register_forward_pre_hook(
+        lambda m, a: rows.append(a[0].shape[0]))
+    return rows, hook
+
+
+@pytest.fixture(scope="module")
+def no_cache(edit, edit_dir, edit_image):
+    """The outputs without a cache and the rows the second block computed for them."""
+    rows, hook = count_block_rows(edit)
+    try:
+        with torch.inference_mode():
+            outs = [o.tensor for o in edit.forward(states(edit, edit_dir, edit_image, STEPS))]
+    finally:
+        hook.remove()
+    return outs, sum(rows)
+
+
 @pytest.mark.parametrize("backend, config", [
     ("tea_cache", {"rel_l1_thresh": 0.6}),
     ("cache_dit", {"residual_diff_threshold": 0.6, "max_warmup_steps": 2, "max_continuous_cached_steps": -1}),
 ], ids=["tea_cache", "cache_dit"])
-def test_cache_skips_evaluations_and_stays_close(edit, edit_dir, edit_image, backend, config):
+def test_cache_skips_evaluations_and_stays_close(edit, edit_dir, edit_image, no_cache, backend, config):
     from omni_core.testing.driver import enabled_cache_backend, run_request_batch
 
-    steps = 8
-    rows = []
-    hook = edit.transformer.transformer_blocks[1].img_mlp.register_forward_pre_hook(
-        lambda m, a: rows.append(a[0].shape[0]))
+    base, base_rows = no_cache
+    rows, hook = count_block_rows(edit)
     try:
-        with torch.inference_mode():
-            base = [o.tensor for o in edit.forward(states(edit, edit_dir, edit_image, steps))]
-        base_rows, rows[:] = sum(rows), []
         with enabled_cache_backend(backend, edit, **config) as cache, torch.inference_mode():
-            cached_states = states(edit, edit_dir, edit_image, steps)
+            cached_states = states(edit, edit_dir, edit_image, STEPS)
             cached = [o.tensor for o in run_request_batch(edit, cached_states, cache_backend=cache)]
             reused = sum(cache.request_metrics(s)["steps_reused"] for s in cached_states)
     finally:
         hook.remove()
-    assert base_rows == 3 * steps  # 2 cond rows + 1 uncond row per step
+    assert base_rows == 3 * STEPS  # 2 cond rows + 1 uncond row per step
     assert reused > 0 and sum(rows) == base_rows - reused
     quality = [psnr(a, b) for a, b in zip(base, cached)]
     print(f"{backend}: {reused} of {base_rows} evaluations reused, PSNR {[f'{q:.1f}' for q in quality]} dB")
