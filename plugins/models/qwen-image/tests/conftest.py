@@ -80,3 +80,32 @@ def omni_edit(edit_dir: str):
 
     return load_pipeline(resolve_model(edit_dir), OmniDiffusionConfig(model=edit_dir, dtype="float32"), "cpu",
                          torch.float32)
+
+
+@pytest.fixture(scope="session")
+def plus_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from omni_model_qwen_image.testing import build_tiny_qwen_image_edit
+
+    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny-qwen-image-edit-plus"), plus=True)
+
+
+@pytest.fixture(scope="session")
+def diffusers_plus(plus_dir: str):
+    from diffusers import DiffusionPipeline
+
+    from omni_model_qwen_image.processor import load_processor
+
+    pipe = DiffusionPipeline.from_pretrained(plus_dir, processor=load_processor(plus_dir), use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def omni_plus(plus_dir: str):
+    import torch
+
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.pipelines import load_pipeline, resolve_model
+
+    return load_pipeline(resolve_model(plus_dir), OmniDiffusionConfig(model=plus_dir, dtype="float32"), "cpu",
+                         torch.float32)

@@ -1,4 +1,5 @@
-"""Omni's ``QwenImageEditPipeline``: Qwen-Image-Edit (one input image + an instruction), on QwenImagePipeline.
+"""Omni's ``QwenImageEditPipeline`` (one input image + an instruction) and ``QwenImageEditPlusPipeline`` (1-3
+images), on QwenImagePipeline.
 
 What differs from text-to-image, all as diffusers' ``QwenImageEditPipeline`` computes it:
 
@@ -36,20 +37,22 @@ WARMUP_PREFIX = "warmup-"
 
 @dataclasses.dataclass(frozen=True)
 class TextImageKey:
-    """One (text, image) encoding: equal when the text and the image's pixels are."""
+    """One (text, images) encoding: equal when the text and the input images' pixels are."""
 
     text: str
     digest: str
-    image: Any = dataclasses.field(compare=False, repr=False)
+    images: Any = dataclasses.field(compare=False, repr=False)
 
 
 @dataclasses.dataclass
 class Condition:
-    """A request's input image as diffusers prepares it: resized PIL (for the VL encoder), its size, digest."""
+    """A request's input images as diffusers prepares them: what the VL encoder sees (``vl_images``), the VAE
+    inputs ``[1, 3, 1, H, W]`` and their sizes, the default output size, and a digest of the pixels."""
 
-    image: Any
-    height: int
-    width: int
+    vl_images: Any
+    vae_images: list
+    vae_sizes: list
+    size: tuple[int, int]
     digest: str
 
 
@@ -85,40 +88,54 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     # -- the input image
     def condition(self, state: StepState) -> Condition:
-        """The request's input image resized as diffusers does (computed once per request)."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
+        """The request's input images prepared as diffusers does (once per request)."""
         cond = state.extra.get("condition")
         if cond is None:
-            images = state.request.images
+            images = list(state.request.images)
             if not images and str(state.request.request_id).startswith(WARMUP_PREFIX):
                 images = [torch.zeros(3, state.sampling_params.height, state.sampling_params.width, dtype=torch.uint8)]
-            if len(images) != 1:
-                raise ConfigError(f"{type(self).__name__} needs exactly one input image in 'image' (got "
-                                  f"{len(images)})", field="image")
-            pil = to_pil(images[0])
-            width, height, _ = calculate_dimensions(CONDITION_AREA, pil.width / pil.height)
-            digest = hashlib.blake2b(images[0].cpu().numpy().tobytes(), digest_size=16).hexdigest()
-            digest += f":{tuple(images[0].shape)}"
-            cond = Condition(self.pipe.image_processor.resize(pil, height, width), height, width, digest)
-            state.extra["condition"] = cond
+            spec = self.image_input
+            if not spec.min_images <= len(images) <= spec.max_images:
+                raise ConfigError(f"{type(self).__name__} takes {spec.min_images} to {spec.max_images} input images "
+                                  f"in 'image' (got {len(images)})", field="image")
+            digest = hashlib.blake2b(digest_size=16)
+            for im in images:
+                digest.update(repr(tuple(im.shape)).encode())
+                digest.update(im.cpu().numpy().tobytes())
+            cond = state.extra["condition"] = self.prepare_condition([to_pil(im) for im in images], digest.hexdigest())
         return cond
+
+    def prepare_condition(self, images: list, digest: str) -> Condition:
+        """diffusers' edit ``__call__``: the image resized to ~1 MP; the VL encoder gets that PIL image, the VAE
+        its ``preprocess`` tensor."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        width, height, _ = calculate_dimensions(CONDITION_AREA, images[0].width / images[0].height)
+        resized = self.pipe.image_processor.resize(images[0], height, width)
+        vae = self.pipe.image_processor.preprocess(resized, height, width).unsqueeze(2)
+        return Condition(resized, [vae], [(height, width)], (height, width), digest)
+
+    def vae_input(self, cond: Condition) -> Any:
+        """What diffusers' ``prepare_latents`` takes as the image (the edit pipeline: one tensor)."""
+        return cond.vae_images[0]
 
     def output_size(self, state: StepState) -> tuple[int, int]:
         """The requested size, else the condition's (diffusers' default), floored to the packing multiple."""
-        sp, cond = state.sampling_params, self.condition(state)
+        sp, (height, width) = state.sampling_params, self.condition(state).size
         multiple = self.pipe.vae_scale_factor * 2
-        return ((sp.height or cond.height) // multiple * multiple, (sp.width or cond.width) // multiple * multiple)
+        return (sp.height or height) // multiple * multiple, (sp.width or width) // multiple * multiple
 
     def initial_latents(self, state: StepState, height: int, width: int) -> torch.Tensor:
-        """The noise, and the image's packed VAE latents (``state.extra["image_latents"]``, one row per output)."""
+        """The noise, and the images' packed VAE latents (``state.extra["image_latents"]``, one row per output,
+        the images one after the other along the sequence)."""
         cond = self.condition(state)
-        image = self.pipe.image_processor.preprocess(cond.image, cond.height, cond.width).unsqueeze(2)
         latents, image_latents = self.pipe.prepare_latents(
-            image, state.sampling_params.num_outputs_per_prompt, self.transformer.config.in_channels // 4, height,
-            width, state.prompt_embeds.dtype, self.device, state.generator)
+            self.vae_input(cond), state.sampling_params.num_outputs_per_prompt,
+            self.transformer.config.in_channels // 4, height, width, state.prompt_embeds.dtype, self.device,
+            state.generator)
         vsf = self.pipe.vae_scale_factor
-        state.extra.update(image_latents=image_latents, image_shape=(1, cond.height // vsf // 2, cond.width // vsf // 2))
+        state.extra.update(image_latents=image_latents,
+                           image_shapes=[(1, h // vsf // 2, w // vsf // 2) for h, w in cond.vae_sizes])
         return latents
 
     # -- text: encoded with the image
@@ -130,10 +147,10 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def text_key(self, state: StepState, text: str) -> TextImageKey:
         cond = self.condition(state)
-        return TextImageKey(text, cond.digest, cond.image)
+        return TextImageKey(text, cond.digest, cond.vl_images)
 
     def embed_texts(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pipe._get_qwen_prompt_embeds([k.text for k in keys], [k.image for k in keys], self.device)
+        return self.pipe._get_qwen_prompt_embeds([k.text for k in keys], [k.images for k in keys], self.device)
 
     # -- the denoiser call
     def batch_key(self, state: StepState) -> tuple:
@@ -141,12 +158,43 @@ class QwenImageEditPipeline(QwenImagePipeline):
         return (*super().batch_key(state), tuple(tuple(im.shape) for im in state.request.images))
 
     def image_tokens(self, states: list[StepState], latents: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """[noisy latents, condition latents] per row; ``img_shapes`` lists both layouts."""
+        """[noisy latents, condition latents] per row; ``img_shapes`` lists every layout."""
         _, shapes = super().image_tokens(states, latents)
         cond = torch.cat([s.extra["image_latents"] for s in states]) if len(states) > 1 else states[0].extra["image_latents"]
-        image_shape = states[0].extra["image_shape"]
-        return torch.cat([latents, cond], dim=1), [[*shape, image_shape] for shape in shapes]
+        image_shapes = states[0].extra["image_shapes"]
+        return torch.cat([latents, cond], dim=1), [[*shape, *image_shapes] for shape in shapes]
 
     def noise_predictions(self, preds: list[torch.Tensor], states: list[StepState]) -> list[torch.Tensor]:
         """The first ``S`` tokens of each output (the rest predicts the condition tokens, unused)."""
         return [p[:, :s.latents.shape[1]] for p, s in zip(preds, states)]
+
+
+class QwenImageEditPlusPipeline(QwenImageEditPipeline):
+    """Qwen-Image-Edit-2509 and later: 1 to 3 input images (diffusers ``QwenImageEditPlusPipeline``). Each
+    image is seen by the VL encoder at ~384x384 ("Picture i:" in the prompt) and by the VAE at ~1 MP; the
+    condition is all images' latents in order; the output size defaults to the last image's ~1 MP size."""
+
+    diffusers_class = "QwenImageEditPlusPipeline"
+    image_input = ImageInput(min_images=1, max_images=3, size_splits_batch=True, role="the images to edit")
+
+    def prepare_condition(self, images: list, digest: str) -> Condition:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+            CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE, calculate_dimensions)
+
+        vl, vae, sizes = [], [], []
+        for image in images:
+            cw, ch = calculate_dimensions(CONDITION_IMAGE_SIZE, image.width / image.height)
+            vw, vh = calculate_dimensions(VAE_IMAGE_SIZE, image.width / image.height)
+            vl.append(self.pipe.image_processor.resize(image, ch, cw))
+            vae.append(self.pipe.image_processor.preprocess(image, vh, vw).unsqueeze(2))
+            sizes.append((vh, vw))
+        return Condition(vl, vae, sizes, sizes[-1], digest)
+
+    def vae_input(self, cond: Condition) -> Any:
+        return cond.vae_images
+
+    def encode_prompts(self, keys: list) -> dict:
+        """One VL call per (text, images): diffusers' Plus template numbers the images of ONE prompt, so its
+        ``_get_qwen_prompt_embeds`` takes one prompt at a time (as its ``__call__`` does)."""
+        with torch.no_grad():
+            return {key: self.pipe._get_qwen_prompt_embeds([key.text], key.images, self.device)[0] for key in keys}

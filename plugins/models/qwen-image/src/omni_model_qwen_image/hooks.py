@@ -1,4 +1,4 @@
-"""Entry-point module: registers ``QwenImagePipeline`` and ``QwenImageEditPipeline``. Imports nothing heavy."""
+"""Entry-point module: registers ``QwenImagePipeline``, ``QwenImageEditPipeline`` and ``QwenImageEditPlusPipeline``. Imports nothing heavy."""
 
 from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
@@ -21,5 +21,12 @@ def omni_register_pipelines():
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Qwen-Image-Edit: one input image + instruction (VL-encoded with the image, VAE condition "
                     "tokens); request batching and step-wise",
+        sampling_fields=SAMPLING_FIELDS,
+    ), PipelineSpec(
+        name="QwenImageEditPlusPipeline",
+        impl="omni_model_qwen_image.edit:QwenImageEditPlusPipeline",
+        requires=("torch", "diffusers", "transformers", "PIL"),
+        supported_parallel=("ulysses", "ring", "cfg"),
+        description="Qwen-Image-Edit-2509+: 1 to 3 input images + instruction; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
     )]
