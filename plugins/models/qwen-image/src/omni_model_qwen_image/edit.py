@@ -70,12 +70,14 @@ class QwenImageEditPipeline(QwenImagePipeline):
         import attrs
 
         from omni_core.config import OmniDiffusionConfig
+        from omni_core.pipelines.diffusers_folder import check_model_index
         from omni_model_qwen_image.processor import load_processor
 
+        check_model_index(model_path, cls.diffusers_class)  # a wrong folder is refused before anything is read
         config = config if config is not None else OmniDiffusionConfig(model=model_path)
         kwargs = dict(config.model_kwargs or {})
-        if "processor" not in kwargs:
-            kwargs["processor"] = load_processor(model_path)
+        if "processor" not in kwargs and (processor := load_processor(model_path)) is not None:
+            kwargs["processor"] = processor
         return super().load(model_path, attrs.evolve(config, model_kwargs=kwargs), device, dtype)
 
     @classmethod
