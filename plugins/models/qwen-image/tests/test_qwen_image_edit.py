@@ -205,3 +205,23 @@ def test_input_sizes_split_batches_and_set_the_default_output_size(edit_dir, edi
     s_small.extra.update(height=64, width=64)
     s_big.extra.update(height=64, width=64)
     assert omni_edit.batch_key(s_small) != omni_edit.batch_key(s_big)
+
+
+def test_tiny_folder_names_the_released_processor_and_reloads_offline(edit_dir, edit_image, diffusers_edit):
+    """The folder says ``transformers`` / ``Qwen2VLProcessor`` as released folders do; it reloads without a
+    download (and without torchvision, as the image-only stand-in), and its processor expands the image pad
+    into the vision tower's merged patch tokens."""
+    import json
+    import os
+
+    from omni_model_qwen_image.processor import has_torchvision, load_processor
+
+    with open(os.path.join(edit_dir, "model_index.json")) as f:
+        assert json.load(f)["processor"] == ["transformers", "Qwen2VLProcessor"]
+    processor = load_processor(edit_dir)
+    assert type(processor).__name__ == ("Qwen2VLProcessor" if has_torchvision() else "ImageOnlyQwen2VLProcessor")
+    inputs = processor(text=["<|vision_start|><|image_pad|><|vision_end|>x"], images=[edit_image], return_tensors="pt")
+    grid = inputs["image_grid_thw"][0]
+    pad_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((inputs["input_ids"] == pad_id).sum()) == int(grid.prod()) // 4 > 1
+    assert diffusers_edit.text_encoder.config.image_token_id == pad_id

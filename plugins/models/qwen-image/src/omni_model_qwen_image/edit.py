@@ -137,7 +137,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
             state.generator)
         vsf = self.pipe.vae_scale_factor
         state.extra.update(image_latents=image_latents,
-                           image_shapes=[(1, h // vsf // 2, w // vsf // 2) for h, w in cond.vae_sizes])
+                           image_shapes=[(1, h // vsf // 2, w // vsf // 2) for h, w in cond.vae_sizes],
+                           condition=dataclasses.replace(cond, vl_images=None, vae_images=[]))  # ~1 MP copies: free
         return latents
 
     # -- text: encoded with the image
