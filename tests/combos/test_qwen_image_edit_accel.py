@@ -4,7 +4,8 @@ image tokens appended to the noisy ones in ``hidden_states``, so the SP plan sha
 image stream (and the image half of the rotary table), and caches see them in block 0's modulated input.
 
 * tea_cache and cache_dit: fewer evaluations of the second block, PSNR >= 30 dB against no cache;
-* Ulysses-2 and Ring-2 over ``mp`` gloo workers: max abs diff <= 1e-5 against one process.
+* Ulysses-2 and Ring-2 over ``mp`` gloo workers (``Omni``): max abs diff <= 1e-5 against the same wave in
+  one process.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def edit(edit_dir: str):
                          torch.float32)
 
 
-def states(pipeline, edit_dir, image, steps):
+def states(pipeline, edit_dir, image, steps, seed=None):
     from omni_core.config import SamplingParams
     from omni_core.images import to_tensor
     from omni_core.pipelines import StepState
@@ -57,11 +58,12 @@ def states(pipeline, edit_dir, image, steps):
 
     out = []
     for i, (prompt, negative) in enumerate(PROMPTS):
+        s = i if seed is None else seed
         params = type(pipeline).check_sampling_params(
-            SamplingParams(height=SIZE, width=SIZE, num_inference_steps=steps, seed=i, true_cfg_scale=4.0), edit_dir)
+            SamplingParams(height=SIZE, width=SIZE, num_inference_steps=steps, seed=s, true_cfg_scale=4.0), edit_dir)
         req = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
         req.images = [to_tensor(image)]
-        out.append(StepState(request=req, generator=torch.Generator().manual_seed(i)))
+        out.append(StepState(request=req, generator=torch.Generator().manual_seed(s)))
     return out
 
 
@@ -128,10 +130,11 @@ def engine_images(edit_dir, image, parallel_config=None, **options):
 
 
 @pytest.fixture(scope="module")
-def one_process(edit_dir, edit_image):
-    images, _, executor = engine_images(edit_dir, edit_image)
-    assert executor == "UniProcExecutor"
-    return images
+def one_process(edit, edit_dir, edit_image):
+    """The same two requests as one wave in this process (what the single-process engine runs)."""
+    sts = states(edit, edit_dir, edit_image, 2, seed=5)
+    with torch.inference_mode():
+        return [o.tensor.float() for o in edit.forward(sts)]
 
 
 @pytest.mark.dist
