@@ -1,4 +1,4 @@
-"""Entry-point module: registers ``QwenImagePipeline``. Imports nothing heavy."""
+"""Entry-point module: registers ``QwenImagePipeline``, ``QwenImageEditPipeline`` and ``QwenImageEditPlusPipeline``. Imports nothing heavy."""
 
 from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
@@ -13,5 +13,20 @@ def omni_register_pipelines():
         requires=("torch", "diffusers", "transformers"),
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Qwen-Image text-to-image (true CFG with norm rescale); request batching and step-wise",
+        sampling_fields=SAMPLING_FIELDS,
+    ), PipelineSpec(
+        name="QwenImageEditPipeline",
+        impl="omni_model_qwen_image.edit:QwenImageEditPipeline",
+        requires=("torch", "diffusers", "transformers", "PIL"),
+        supported_parallel=("ulysses", "ring", "cfg"),
+        description="Qwen-Image-Edit: one input image + instruction (VL-encoded with the image, VAE condition "
+                    "tokens); request batching and step-wise",
+        sampling_fields=SAMPLING_FIELDS,
+    ), PipelineSpec(
+        name="QwenImageEditPlusPipeline",
+        impl="omni_model_qwen_image.edit:QwenImageEditPlusPipeline",
+        requires=("torch", "diffusers", "transformers", "PIL"),
+        supported_parallel=("ulysses", "ring", "cfg"),
+        description="Qwen-Image-Edit-2509+: 1 to 3 input images + instruction; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
     )]

@@ -68,6 +68,9 @@ class QwenImagePipeline(DiffusersStepPipeline):
     #: Qwen-Image's published sizes reach 1664x928 / 1328x1328 (1.8 MP); 2048x2048 (4x the default area) leaves
     #: headroom without letting one request take minutes per step
     default_limits: ClassVar[dict] = {"max_pixels": 2048 * 2048}
+    #: height/width default to diffusers' 1024x1024 here; an edit pipeline leaves them unset in the engine and
+    #: derives them from the input image in the worker (as diffusers does)
+    size_from_input: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ engine process
     @classmethod
@@ -77,12 +80,12 @@ class QwenImagePipeline(DiffusersStepPipeline):
         vsf = vae_scale_factor(model_path)
         multiple = vsf * 2
         default_size = DEFAULT_SAMPLE_SIZE * vsf  # diffusers: default_sample_size * vae_scale_factor (1024)
-        params = fill_defaults(params, height=default_size, width=default_size,
-                               num_inference_steps=cls.default_num_inference_steps,
+        sizes = {} if cls.size_from_input else {"height": default_size, "width": default_size}
+        params = fill_defaults(params, **sizes, num_inference_steps=cls.default_num_inference_steps,
                                max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH)
         for name in ("height", "width"):
             value = getattr(params, name)
-            if value % multiple:
+            if value is not None and value % multiple:
                 lo, hi = value // multiple * multiple, (value // multiple + 1) * multiple
                 raise ConfigError(
                     f"{name}={value} is not allowed for {cls.__name__}: height and width must each be a multiple of "
@@ -149,18 +152,15 @@ class QwenImagePipeline(DiffusersStepPipeline):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
         pipe, sp, req = self.pipe, state.sampling_params, state.request
-        n = sp.num_outputs_per_prompt
         true_cfg = sp.true_cfg_scale if sp.true_cfg_scale is not None else TRUE_CFG_SCALE.default
-        msl = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         do_cfg = self._do_cfg(state)
         with torch.no_grad():
-            state.prompt_embeds, state.prompt_mask = self._encode(req.prompt, msl)
+            state.prompt_embeds, state.prompt_mask = self._encode(state, req.prompt)
             if do_cfg:
-                state.negative_prompt_embeds, state.negative_prompt_mask = self._encode(req.negative_prompt, msl)
-        self.seed_generator(state)
-        height, width = sp.height, sp.width
-        state.latents = pipe.prepare_latents(n, self.transformer.config.in_channels // 4, height, width,
-                                             state.prompt_embeds.dtype, self.device, state.generator)
+                state.negative_prompt_embeds, state.negative_prompt_mask = self._encode(state, req.negative_prompt)
+            self.seed_generator(state)
+            height, width = self.output_size(state)
+            state.latents = self.initial_latents(state, height, width)
         steps = sp.num_inference_steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         cfg = pipe.scheduler.config
@@ -170,8 +170,18 @@ class QwenImagePipeline(DiffusersStepPipeline):
         scheduler = self.new_scheduler()
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         self.start_schedule(state, scheduler, timesteps)
-        state.extra.update(do_cfg=do_cfg, cfg_scale=true_cfg, height=height, width=width, rows=n)
+        state.extra.update(do_cfg=do_cfg, cfg_scale=true_cfg, height=height, width=width,
+                           rows=sp.num_outputs_per_prompt)
         return state
+
+    def output_size(self, state: StepState) -> tuple[int, int]:
+        return state.sampling_params.height, state.sampling_params.width
+
+    def initial_latents(self, state: StepState, height: int, width: int) -> torch.Tensor:
+        """The request's packed noise ``[n, S, C]`` (diffusers' ``prepare_latents``, the request's generator)."""
+        return self.pipe.prepare_latents(state.sampling_params.num_outputs_per_prompt,
+                                         self.transformer.config.in_channels // 4, height, width,
+                                         state.prompt_embeds.dtype, self.device, state.generator)
 
     @staticmethod
     def _do_cfg(state: StepState) -> bool:
@@ -179,26 +189,35 @@ class QwenImagePipeline(DiffusersStepPipeline):
         true_cfg = sp.true_cfg_scale if sp.true_cfg_scale is not None else TRUE_CFG_SCALE.default
         return true_cfg > 1 and state.request.negative_prompt is not None
 
-    def _encode(self, text: str, msl: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """diffusers' ``encode_prompt([text])``: ``[1, L, D]`` embeddings cut to ``msl`` and no mask (one
-        prompt has no padding); from the wave's batched encoding when there is one."""
+    def _encode(self, state: StepState, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """diffusers' ``encode_prompt([text])``: ``[1, L, D]`` embeddings cut to ``max_sequence_length`` and no
+        mask (one prompt has no padding); from the wave's batched encoding when there is one."""
+        msl = state.sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        key = self.text_key(state, text)
         memo = self._text_memo
-        if memo is not None and text in memo:
-            return memo[text][:, :msl], None
-        return self.pipe.encode_prompt(prompt=[text], device=self.device, num_images_per_prompt=1,
-                                       max_sequence_length=msl)
+        embeds = memo[key] if memo is not None and key in memo else self.encode_prompts([key])[key]
+        return embeds[:, :msl], None
+
+    def text_key(self, state: StepState, text: str) -> Any:
+        """What identifies one text encoding (the text itself; an edit model adds its input image)."""
+        return text
 
     def text_keys(self, state: StepState) -> list:
         req = state.request
-        return [req.prompt, req.negative_prompt] if self._do_cfg(state) else [req.prompt]
+        texts = [req.prompt, req.negative_prompt] if self._do_cfg(state) else [req.prompt]
+        return [self.text_key(state, t) for t in texts]
 
     def encode_prompts(self, keys: list) -> dict:
         """Every distinct prompt of the wave through the text encoder in one call (padded to the longest,
         with the attention mask, as diffusers encodes a list of prompts); each cut back to its own tokens."""
         with torch.no_grad():
-            embeds, mask = self.pipe._get_qwen_prompt_embeds(list(keys), self.device)
+            embeds, mask = self.embed_texts(list(keys))
         lengths = mask.sum(dim=1).tolist()
         return {key: embeds[i:i + 1, :n] for i, (key, n) in enumerate(zip(keys, lengths))}
+
+    def embed_texts(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """diffusers' ``_get_qwen_prompt_embeds`` over the keys: padded ``[N, L, D]`` and the ``[N, L]`` mask."""
+        return self.pipe._get_qwen_prompt_embeds(keys, self.device)
 
     def batch_key(self, state: StepState) -> tuple:
         """Same image size (the transformer takes one ``img_shapes`` layout per call) and dtype."""
@@ -219,12 +238,22 @@ class QwenImagePipeline(DiffusersStepPipeline):
         if self.transformer.config.guidance_embeds:
             guidance = torch.tensor([s.sampling_params.guidance_scale for s, r in zip(states, rows) for _ in range(r)],
                                     device=self.device, dtype=torch.float32)
+        hidden_states, img_shapes = self.image_tokens(states, latents)
+        preds = self.call_denoiser(expert, segments, text_mask, hidden_states=hidden_states, timestep=timestep / 1000,
+                                   guidance=guidance, encoder_hidden_states_mask=text_mask,
+                                   encoder_hidden_states=text, img_shapes=img_shapes, attention_kwargs={})
+        return self.noise_predictions(preds, states)
+
+    def image_tokens(self, states: list[StepState], latents: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The transformer's image stream for stacked ``latents`` of ``states`` and its ``img_shapes`` (one
+        ``(frames, h, w)`` layout per part of the stream, per row)."""
         vsf = self.pipe.vae_scale_factor
         height, width = states[0].extra["height"], states[0].extra["width"]
-        img_shapes = [[(1, height // vsf // 2, width // vsf // 2)]] * latents.shape[0]
-        return self.call_denoiser(expert, segments, text_mask, hidden_states=latents, timestep=timestep / 1000,
-                                  guidance=guidance, encoder_hidden_states_mask=text_mask,
-                                  encoder_hidden_states=text, img_shapes=img_shapes, attention_kwargs={})
+        return latents, [[(1, height // vsf // 2, width // vsf // 2)]] * latents.shape[0]
+
+    def noise_predictions(self, preds: list[torch.Tensor], states: list[StepState]) -> list[torch.Tensor]:
+        """The part of each segment's output that predicts its latents (all of it here)."""
+        return preds
 
     def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         pipe = self.pipe
