@@ -220,3 +220,21 @@ def test_openapi_documents_the_new_routes(edit_server):
         warnings.simplefilter("ignore")
         videos = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
     assert "application/x-www-form-urlencoded" in videos
+
+
+def test_openai_client_edits_with_a_tiny_qwen_image_edit(start_server, tmp_path_factory, decode_png):
+    """The bar of the issue with a real model: ``client.images.edit`` against ``omni serve``'s app with a tiny
+    random Qwen-Image-Edit folder (start-up warm-up included: it edits a grey image) gets the n images it asks for;
+    a model-level refusal (a size the model cannot make) is a 400 naming the field."""
+    pytest.importorskip("omni_model_qwen_image")
+    from omni_model_qwen_image.testing import build_tiny_qwen_image_edit
+
+    folder = build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny-qwen-edit"))
+    live = start_server(folder, {"streaming_output": True, "max_num_seqs": 2}, served_model_name="qwen-edit")
+    client = openai_client(live)
+    result = client.images.edit(model="qwen-edit", image=("cat.png", png(40, 30, seed=5), "image/png"),
+                                prompt="make the cat red", n=2, size="64x64",
+                                extra_body={"num_inference_steps": 2, "seed": 1, "negative_prompt": "blurry"})
+    assert len(result.data) == 2 and decode_png(result.data[0].b64_json).shape == (64, 64, 3)
+    r = post_edit(live, [("image", ("x.png", png(), "image/png"))], size="40x40")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text

@@ -29,10 +29,6 @@ from omni_model_qwen_image.pipeline import QwenImagePipeline
 
 #: diffusers resizes the input to this area (keeping the aspect ratio) for both the VL encoder and the VAE
 CONDITION_AREA = 1024 * 1024
-#: the engine's start-up warmup request (``omni_core.engine``: ``warmup-<hex>``) carries no image; it edits a
-#: black one of its output size. Every other request without one is refused in the engine (``image_input``).
-#: Remove once the core's warmup brings an image (CORE_CHANGES.md).
-WARMUP_PREFIX = "warmup-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,22 +76,12 @@ class QwenImageEditPipeline(QwenImagePipeline):
             kwargs["processor"] = processor
         return super().load(model_path, attrs.evolve(config, model_kwargs=kwargs), device, dtype)
 
-    @classmethod
-    def check_images(cls, request: Any, limits: Any) -> Any:
-        """The core's check, once: ``Omni.generate`` prepares each request and ``engine.submit`` prepares it
-        again, when its images are already ``uint8`` tensors (see CORE_CHANGES.md)."""
-        if request.images and all(hasattr(im, "dtype") and hasattr(im, "shape") for im in request.images):
-            return request
-        return super().check_images(request, limits)
-
     # -- the input image
     def condition(self, state: StepState) -> Condition:
         """The request's input images prepared as diffusers does (once per request)."""
         cond = state.extra.get("condition")
         if cond is None:
             images = list(state.request.images)
-            if not images and str(state.request.request_id).startswith(WARMUP_PREFIX):
-                images = [torch.zeros(3, state.sampling_params.height, state.sampling_params.width, dtype=torch.uint8)]
             spec = self.image_input
             if not spec.min_images <= len(images) <= spec.max_images:
                 raise ConfigError(f"{type(self).__name__} takes {spec.min_images} to {spec.max_images} input images "
