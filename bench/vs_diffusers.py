@@ -49,6 +49,8 @@ class Family:
     video: bool = False
     #: the family takes an input image (edit, image-to-video): both sides get the same PIL image
     image: bool = False
+    #: "module:function(folder) -> dict" of extra ``from_pretrained`` kwargs for diffusers' side
+    reference_kwargs: str | None = None
 
 
 FAMILIES = {
@@ -58,14 +60,26 @@ FAMILIES = {
                   {"guidance_scale": 5.0}, {"two_experts": True}, video=True),
     "flux": Family("FLUX.1-dev (tiny)", "FluxPipeline", "omni_model_flux.testing:build_tiny_flux", 64,
                    {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "max_sequence_length": 64}),
+    "z-image": Family("Z-Image (tiny)", "ZImagePipeline", "omni_model_z_image.testing:build_tiny_z_image", 64,
+                      {"guidance_scale": 5.0, "max_sequence_length": 128}),
+    "qwen-edit": Family("Qwen-Image-Edit (tiny)", "QwenImageEditPipeline",
+                        "omni_model_qwen_image.testing:build_tiny_qwen_image_edit", 64, {"true_cfg_scale": 4.0},
+                        image=True, reference_kwargs="omni_model_qwen_image.testing:diffusers_reference_kwargs"),
+    "wan-i2v": Family("Wan 2.2 I2V 2-expert (tiny)", "WanImageToVideoPipeline",
+                      "omni_model_wan.testing:build_tiny_wan_i2v", 32, {"guidance_scale": 5.0}, {"wan22": True},
+                      video=True, image=True),
 }
 
 
-def build_folder(family: Family, root: str) -> str:
+def load(ref: str):
     import importlib
 
-    module, func = family.builder.split(":")
-    return getattr(importlib.import_module(module), func)(os.path.join(root, func), **family.builder_kwargs)
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_folder(family: Family, root: str) -> str:
+    return load(family.builder)(os.path.join(root, family.builder.split(":")[1]), **family.builder_kwargs)
 
 
 def call_kwargs(family: Family, args: argparse.Namespace) -> dict:
@@ -98,7 +112,8 @@ def bench(family: Family, folder: str, args: argparse.Namespace) -> list[tuple[s
 
     from diffusers import DiffusionPipeline
 
-    ref = DiffusionPipeline.from_pretrained(folder, use_safetensors=True).to(args.device)
+    extra = load(family.reference_kwargs)(folder) if family.reference_kwargs else {}
+    ref = DiffusionPipeline.from_pretrained(folder, use_safetensors=True, **extra).to(args.device)
     ref.set_progress_bar_config(disable=True)
 
     def run_diffusers(prompt: str, seed: int):

@@ -143,3 +143,11 @@ def build_tiny_qwen_image_edit(path: str | os.PathLike, num_layers: int = 2, sha
     cls(**tiny_qwen_image_edit_components(num_layers, sharpen, num_heads, condition_gain)).save_pretrained(path, safe_serialization=True)
     record_as_qwen2vl_processor(path)
     return path
+
+
+def diffusers_reference_kwargs(folder: str) -> dict:
+    """What diffusers' own ``DiffusionPipeline.from_pretrained`` needs for an edit folder here: the processor,
+    handed in because transformers cannot load ``Qwen2VLProcessor`` without torchvision (``processor.py``)."""
+    from omni_model_qwen_image.processor import load_processor
+
+    return {"processor": load_processor(folder)}
