@@ -117,7 +117,7 @@ def bench(family: Family, folder: str, args: argparse.Namespace) -> list[tuple[s
     ref.set_progress_bar_config(disable=True)
 
     def run_diffusers(prompt: str, seed: int):
-        ref(prompt, negative_prompt=NEG, generator=torch.Generator(args.device).manual_seed(seed),
+        ref(prompt=prompt, negative_prompt=NEG, generator=torch.Generator(args.device).manual_seed(seed),
             output_type="pil", **image, **kwargs)
 
     n = len(PROMPTS)
