@@ -74,7 +74,7 @@ def test_plugins_list_shows_model_short_names(run_omni):
     row = next(line for line in proc.stdout.splitlines() if line.startswith("model-shapes"))
     assert row.split()[2:] == ["active", "pipeline", "ShapesPipeline", "(model=shapes)"]
     wan = next(line for line in proc.stdout.splitlines() if line.startswith("model-wan"))
-    assert wan.split()[-1] == "WanPipeline"  # registers no short name: folders only
+    assert wan.split()[4:] == ["WanPipeline,", "WanImageToVideoPipeline"]  # no short names: folders only
     assert "or a diffusers folder whose model_index.json names a pipeline" in proc.stdout
     rows = json.loads(run_omni("plugins", "list", "--json", "--kind", "pipeline").stdout)
     validate(rows, SCHEMA)

@@ -37,7 +37,7 @@ def test_mapping_goes_through_from_kwargs():
      "parallel_config must be a dict or ParallelConfig, got 'ulysses=2'"),
     (RequestLimits.coerce, 5, "limits",
      "limits must be a dict such as {'max_steps': 200} or RequestLimits, got 5; fields: max_pixels, max_frames, "
-     "max_steps, max_outputs, max_prompt_chars"),
+     "max_steps, max_outputs, max_prompt_chars, max_image_pixels"),
 ])
 def test_anything_else_is_refused_naming_the_field(coerce, value, field, message):
     with pytest.raises(ConfigError) as err:
