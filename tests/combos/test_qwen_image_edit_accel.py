@@ -1,4 +1,4 @@
-"""Accelerators on tiny Qwen-Image-Edit with no change to them or the core: the DenoiserSpec the edit pipeline
+"""Accelerators on tiny Qwen-Image-Edit (and its multi-image Plus variant) with no change to them or the core: the DenoiserSpec the edit pipeline
 inherits from Qwen-Image is the whole integration. The condition tokens (the input image's VAE latents) are
 image tokens appended to the noisy ones in ``hidden_states``, so the SP plan shards them with the rest of the
 image stream (and the image half of the rotary table), and caches see them in block 0's modulated input.
@@ -22,11 +22,13 @@ NEG = "blurry, low quality"
 PROMPTS = [("make the sky red and add a small boat on the lake", NEG), ("make it night", None)]
 
 
-@pytest.fixture(scope="module")
-def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+@pytest.fixture(scope="module", params=[False, True], ids=["edit", "edit-plus"])
+def edit_dir(request, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny QwenImageEditPipeline folder, then a QwenImageEditPlusPipeline one (every test runs on both)."""
     from omni_model_qwen_image.testing import build_tiny_qwen_image_edit
 
-    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("accel-qwen-image-edit"), num_heads=4)  # Ulysses-2
+    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("accel-qwen-image-edit"), num_heads=4,  # Ulysses-2
+                                      plus=request.param)
 
 
 @pytest.fixture(scope="module")
