@@ -386,8 +386,10 @@ class DiffusionEngine:
                 if rid in self._records:
                     self._finalize(rid, DiffusionOutput(request_id=rid, status="error",
                                                         error="the runner returned no output for this request"))
-            # counted before the lock is released, so whoever reads a delivered output sees its wave counted
-            self._count_wave(time.perf_counter() - t0, result.metrics)
+            # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
+            # wave that only releases ended requests (the pipelined loop sends those as waves) is no step wave
+            if sched.scheduled_ids:
+                self._count_wave(time.perf_counter() - t0, result.metrics)
 
     def _last_step(self, record: RequestRecord, out: DiffusionOutput) -> None:
         """The step that finished a request counts like the others: progress, and (streaming) its preview
