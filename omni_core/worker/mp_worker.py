@@ -27,6 +27,10 @@ def _drain(q: Any) -> list[str]:
             return ids
 
 
+#: a worker sends the request path's progress events at most this often (and at the end of every wave), as
+#: tqdm refreshes a bar: a message per step cost ~0.3 ms of the engine's time per step on 2 cores
+PROGRESS_INTERVAL_S = 0.1
+
 #: tracebacks sent to the engine are cut to this many characters: a put blocks until the engine reads it,
 #: and a message must fit the pipe when nobody is reading (a start-up failure)
 MAX_TRACEBACK_CHARS = 16000
@@ -89,7 +93,8 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         runner = ModelRunner(config, resolved, device=device, dtype=torch_dtype(config, platform), rank=rank,
                              world_size=world_size, on_progress=progress,
                              poll_aborts=(lambda: _drain(abort_q)) if is_leader else None,
-                             stop_group=(replica_group, replica_ranks[0], len(replica_ranks)))
+                             stop_group=(replica_group, replica_ranks[0], len(replica_ranks)),
+                             progress_interval_s=PROGRESS_INTERVAL_S)
         runner.load_model()
         result_q.put(("ready", rank))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine

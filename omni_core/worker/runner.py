@@ -68,7 +68,7 @@ class _Control:
         self.runner = runner
 
     def stopped(self, request_ids: list[str]) -> set[str]:
-        self.runner.flush_progress()  # the previous step's events, sent once for the whole batch
+        self.runner.flush_progress(due_only=True)  # earlier steps' events, one message for the whole batch
         return lane_clock(self.runner.clock).excluded(self.runner.agree_stopped, request_ids)
 
     def on_encoded(self, state: StepState) -> None:
@@ -83,21 +83,24 @@ class _Control:
 class ModelRunner:
     def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
                  world_size: int = 1, on_progress: Callable[[list[tuple[str, int, int]]], None] | None = None,
-                 poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None
-                 ) -> None:
+                 poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None,
+                 progress_interval_s: float = 0.0) -> None:
         self.config = config
         self.resolved = resolved
         self.device = device
         self.dtype = dtype
         self.rank = rank
         self.world_size = world_size
-        #: request path: called once per denoising step with that step's ``(request_id, step, num_steps)``
-        #: events for the whole batch (one message per step, not one per request, from a worker)
+        #: request path: called with the ``(request_id, step, num_steps)`` events of the whole batch since the
+        #: last call: after every step, or at most every ``progress_interval_s`` (and at the end of the wave)
+        #: where each call is a message to another process
         self.on_progress = on_progress
+        self.progress_interval_s = progress_interval_s
         self.progress: list[tuple[str, int, int]] = []
         self.progress_lock = threading.Lock()
         #: held while a flush is delivered, so lanes' events reach listeners in step order
         self._flush_lock = threading.Lock()
+        self._last_flush = 0.0
         #: how a wave of several requests is split across the CPU cores (set up in ``load_model``)
         self.lanes = CpuLanes(1, enabled=False)
         self.poll_aborts = poll_aborts
@@ -248,11 +251,17 @@ class ModelRunner:
             self.flush_progress()  # the last step's events, before the outputs
         return [self._finish_output(s, o, {}) for s, o in zip(states, outs)]
 
-    def flush_progress(self) -> None:
+    def flush_progress(self, due_only: bool = False) -> None:
+        """Send the queued progress events; with ``due_only``, only once ``progress_interval_s`` has passed
+        since the last send (the end of a wave always sends)."""
         with self._flush_lock:
+            now = time.monotonic()
+            if due_only and now - self._last_flush < self.progress_interval_s:
+                return
             with self.progress_lock:
                 events, self.progress = self.progress, []
             if events:
+                self._last_flush = now
                 lane_clock(self.clock).excluded(self.on_progress, events)
 
     # ------------------------------------------------------------------ step path

@@ -93,6 +93,28 @@ def test_on_progress_given_at_submit_sees_every_step_from_the_first(omni):
     assert seen == [(1, 3), (2, 3), (3, 3)]
 
 
+def test_progress_is_sent_at_most_once_per_interval_and_always_at_the_end(tiny_model, monkeypatch):
+    """Where each progress delivery is a message (a worker process), the request path's runner batches the
+    events of the steps run since the last one; the wave's end sends the rest: nothing lost, none late."""
+    with Omni(tiny_model, warmup=False) as omni:  # request mode (streaming would mean step mode)
+        runner = omni.engine.executor.runner
+        calls = []
+        deliver = runner.on_progress
+        monkeypatch.setattr(runner, "on_progress", lambda events: (calls.append([e[1] for e in events]),
+                                                                    deliver(events)))
+        monkeypatch.setattr(runner, "progress_interval_s", 3600.0)
+        seen = []
+        (handle,) = omni.engine.submit([req(num_inference_steps=4)], on_progress=lambda rid, s, t: seen.append(s))
+        assert handle.result(timeout=60).status == "completed"
+        assert calls == [[1], [2, 3, 4]]  # the first at once, the rest at the wave's end
+        assert seen == [1, 2, 3, 4]
+        calls.clear()
+        monkeypatch.setattr(runner, "progress_interval_s", 0.0)  # in-process (uni): after every step
+        (handle,) = omni.engine.submit([req(num_inference_steps=3)])
+        assert handle.result(timeout=60).status == "completed"
+        assert calls == [[1], [2], [3]]
+
+
 def test_a_handle_submitted_on_a_thread_is_read_from_asyncio_and_vice_versa(omni):
     (handle,) = omni.engine.submit([req(num_inference_steps=2)])  # no loop here
 

@@ -72,7 +72,7 @@ def test_abort_reaches_the_worker_mid_request(tiny_model):
     with Omni(tiny_model, executor="mp", warmup=False) as omni:
         engine = omni.engine
         req = OmniDiffusionRequest(prompt="slow", sampling_params=SamplingParams(
-            num_inference_steps=60, extra_args={"sleep_per_step": 0.05}))
+            num_inference_steps=60, extra_args={"sleep_per_step": 0.15}))  # > the progress interval
         seen = []
         (stream,) = engine.submit([req], on_progress=lambda rid, step, total: seen.append(step))
         deadline = time.monotonic() + 60
@@ -84,6 +84,36 @@ def test_abort_reaches_the_worker_mid_request(tiny_model):
         out = final(stream)
         assert out.status == "aborted" and out.metrics["steps_run"] <= at_abort + 2
         assert omni.stats()["tracked_requests"] == []
+
+
+def test_progress_from_a_worker_reports_every_step_in_fewer_messages(tiny_model):
+    """A worker batches a request's progress events (at most one message per ``PROGRESS_INTERVAL_S``, as
+    tqdm refreshes; how often depends on the step time, see ``test_handles``): the listener still sees every
+    step, in order, and no event is lost or repeated."""
+    from omni_core.worker.mp_worker import PROGRESS_INTERVAL_S
+
+    with Omni(tiny_model, executor="mp", warmup=False) as omni:
+        engine = omni.engine
+        executor = engine.executor
+        messages = []
+        get_result = executor._get_result
+
+        def counting(timeout):
+            msg = get_result(timeout)
+            if msg[0] == "progress":
+                messages.append(len(msg[1]))
+            return msg
+
+        executor._get_result = counting
+        steps = 12
+        req = OmniDiffusionRequest(prompt="p", sampling_params=SamplingParams(
+            num_inference_steps=steps, extra_args={"sleep_per_step": PROGRESS_INTERVAL_S / 4}))
+        seen = []
+        (stream,) = engine.submit([req], on_progress=lambda rid, step, total: seen.append((step, total)))
+        out = final(stream)
+    assert out.status == "completed"
+    assert seen == [(s, steps) for s in range(1, steps + 1)]
+    assert sum(messages) == steps and len(messages) <= steps, messages
 
 
 def test_killed_worker_fails_every_request_quickly_and_leaves_no_process(tiny_model):
