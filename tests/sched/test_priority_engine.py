@@ -151,3 +151,18 @@ def test_a_request_past_its_timeout_ends_with_a_timeout_error_within_a_step(engi
     assert_nothing_left(engine)
     stats = engine.stats()
     assert stats["requests_timed_out"] - before["requests_timed_out"] == 2
+
+
+def test_a_timeout_in_request_mode_stops_the_running_request_within_a_step(tiny_model):
+    with Omni(tiny_model, max_num_seqs=1, warmup=False, cpu_threads=1) as omni:
+        engine = omni.engine
+        slow, queued = req("slow", 0, 60, 1, timeout=0.3), req("queued", 0, 4, 2, timeout=0.3)
+        h_slow, h_queued = engine.submit([slow, queued])  # capacity 1: queued waits behind slow
+        out_slow, out_queued = h_slow.result(timeout=60), h_queued.result(timeout=60)
+        assert out_slow.status == out_queued.status == "error"
+        assert out_slow.metrics["timed_out"] and out_queued.metrics["timed_out"]
+        assert out_slow.metrics["steps_run"] <= 0.3 / STEP_S + 2
+        assert_nothing_left(engine)
+        with pytest.raises(Exception, match="timed out"):  # Omni.generate raises RequestFailedError
+            omni.generate("late", seed=0, num_inference_steps=60, timeout=0.2, extra_args={"sleep_per_step": STEP_S},
+                          use_tqdm=False)
