@@ -22,6 +22,7 @@ from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs
 from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid, parse_edit_request, parse_image_request, parse_json,
                                       parse_multipart, parse_urlencoded)
+from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_image
 from omni_core.serve.sse import EventStream, sse
 
@@ -87,6 +88,7 @@ async def edit_images(request: Request):
 async def answer_images(request: Request, server: OmniServer, req: ImageRequest):
     """Run an image request (generation or edit) and answer it: JSON, or events when ``req.stream``."""
     server.check_model(req.model)
+    req = attrs.evolve(req, params=with_timeout_header(req.params, request.headers))
     if server.is_video:
         raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",
                       code="unsupported_model")
