@@ -3,10 +3,11 @@
 The load (the same Poisson arrival schedule for every row): 80% low-priority large requests, 20% high-priority
 small ones, in step mode. Each row starts its own engine and replays the schedule; it prints the high-priority
 requests' p50/p99 latency (admission to final output), the low-priority p50, total throughput (requests/s over
-the makespan) and the preemptions, then the ratios against FIFO. The arrival rate is set from a short probe of
+the makespan) and the preemptions, then the ratios against FIFO. FIFO runs again last: how far the two FIFO rows
+differ is how much the machine drifted during the run. The arrival rate is set from a short probe of
 this machine's step cost (``--load`` of its capacity), so the queue is as busy on a fast machine as on a slow one.
 
-    python bench/scheduling.py                      # tiny test pipeline, 60 requests at 80% load
+    python bench/scheduling.py                      # tiny test pipeline, 150 requests at 80% load
     python bench/scheduling.py --requests 120 --load 0.9 --step-budget 0.05
 """
 
@@ -21,7 +22,8 @@ import time
 from _common import engine_config, parser, resolve, thread_header
 
 ROWS = [("FIFO", {"max_preemptions": 0}, False), ("priority, no preemption", {"max_preemptions": 0}, True),
-        ("priority + preemption", {}, True)]
+        ("priority + preemption", {}, True),
+        ("FIFO again (drift check)", {"max_preemptions": 0}, False)]
 
 
 def make_requests(args, n: int, rng: random.Random) -> list[tuple[float, bool]]:
@@ -103,7 +105,7 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--requests", type=int, default=150)
     p.add_argument("--high-fraction", type=float, default=0.2, help="share of high-priority small requests")
     p.add_argument("--load", type=float, default=0.8, help="arrival rate as a share of the probed capacity")
     p.add_argument("--large", type=int, default=64, help="side of the low-priority requests")
