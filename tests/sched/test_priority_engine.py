@@ -78,8 +78,9 @@ def test_an_urgent_request_preempts_the_least_urgent_and_it_resumes_bit_identica
     (h,) = ev.submit(engine, h=req("h", 0, 3, 3))
     out_h, out_a, out_b = results([h, a, b])
     assert out_h.status == out_a.status == out_b.status == "completed"
-    # the urgent request started within one step of the running wave (two with mp's pipelined waves, one of
-    # which was already queued when it arrived)
+    # the urgent request is in the wave after the one running when it arrived (one wave later with mp, whose
+    # pipelined loop had the next wave queued already): before h's first event come a's events up to then, the
+    # running wave's, and a's own in h's first wave
     a_steps_before_h = sum(1 for n, _ in ev.log[:ev.log.index(("h", 1))] if n == "a")
     assert a_steps_before_h <= at_submit + (2 if engine.config.executor == "mp" else 1) + 1, ev.log
     # b (same priority as a, later arrival) made way: it ran no step while h ran, then resumed where it stopped
