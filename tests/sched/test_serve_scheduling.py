@@ -77,3 +77,12 @@ def test_priority_is_a_request_field(live):
     engine, client = live
     r = client.post("/v1/images/generations", json={"prompt": "p", "priority": -3, "num_inference_steps": 2})
     assert r.status_code == 200, r.text
+
+
+def test_openapi_documents_the_fields_and_the_504(live):
+    engine, client = live
+    doc = client.get("/openapi.json").json()
+    op = doc["paths"]["/v1/images/generations"]["post"]
+    assert "504" in op["responses"]
+    props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert {"priority", "timeout"} <= set(props)

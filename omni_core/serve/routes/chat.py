@@ -29,7 +29,8 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
 
 
 @v1.post("/chat/completions", responses={200: {"description": "a chat completion whose message holds the images"},
-                                         **error_docs(400, 404, 413, 429, 500, 503)},
+                                         **error_docs(400, 404, 413, 429, 500, 503),
+    504: error_doc("the request did not finish within its timeout (the 'timeout' field, X-Request-Timeout)")},
          openapi_extra={"requestBody": {"required": True, "content": {
              "application/json": {"schema": {"type": "object", "required": ["messages"]}}}}})
 async def chat_completions(request: Request):

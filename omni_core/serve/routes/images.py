@@ -35,7 +35,8 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
     200: {"description": "the images (JSON), or with stream=true Server-Sent Events",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"schema": {"type": "string"}}}},
-    **error_docs(400, 404, 413, 429, 500, 503)},
+    **error_docs(400, 404, 413, 429, 500, 503),
+    504: error_doc("the request did not finish within its timeout (the 'timeout' field, X-Request-Timeout)")},
     openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": image_body_schema(())}}}})  # + the served model's fields: openapi.py
 async def generate_images(request: Request):
@@ -48,7 +49,8 @@ async def generate_images(request: Request):
     200: {"description": "the edited images (JSON), or with stream=true Server-Sent Events",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"schema": {"type": "string"}}}},
-    **error_docs(400, 404, 413, 429, 500, 503)},
+    **error_docs(400, 404, 413, 429, 500, 503),
+    504: error_doc("the request did not finish within its timeout (the 'timeout' field, X-Request-Timeout)")},
     openapi_extra={"requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": edit_form_schema(())}}}})  # + the served model's fields: openapi.py
 async def edit_images(request: Request):
