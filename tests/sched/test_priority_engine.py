@@ -167,3 +167,22 @@ def test_a_timeout_in_request_mode_stops_the_running_request_within_a_step(tiny_
         with pytest.raises(Exception, match="timed out"):  # Omni.generate raises RequestFailedError
             omni.generate("late", seed=0, num_inference_steps=60, timeout=0.2, extra_args={"sleep_per_step": STEP_S},
                           use_tqdm=False)
+
+
+@pytest.mark.parametrize("budget, batch", [(None, 4), (1e-4, 1)], ids=["no-budget", "tiny-budget"])
+def test_a_step_time_budget_caps_waves_by_the_cost_learned_from_earlier_waves(tiny_model, budget, batch):
+    with Omni(tiny_model, step_execution=True, max_num_seqs=4, warmup=False, cpu_threads=1,
+              step_time_budget_s=budget) as omni:
+        engine = omni.engine
+
+        def run():
+            reqs = [OmniDiffusionRequest(prompt=f"r{i}", sampling_params=SamplingParams(seed=i, num_inference_steps=2))
+                    for i in range(4)]
+            results(engine.submit(reqs))
+            ids = {r.request_id for r in reqs}
+            return [len([rid for rid, _ in call if rid in ids]) for call in engine.executor.runner.pipeline.denoise_log
+                    if any(rid in ids for rid, _ in call)]
+
+        assert run() == [4, 4]  # nothing measured yet: max_num_seqs is the only limit
+        assert set(run()) == {batch}  # one step of this shape costs more than 0.1 ms: one request per wave
+        assert_nothing_left(engine)
