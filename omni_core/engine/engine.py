@@ -52,8 +52,7 @@ class RequestRecord:
     num_steps: int | None = None
     #: step waves holding it that were sent and not yet applied (the pipelined step loop)
     in_flight: int = 0
-    #: ``time.monotonic()`` by which it must have finished (``SamplingParams.timeout``), and whether it did not
-    deadline: float | None = None
+    #: it passed its deadline (``SamplingParams.timeout``): its final output is a timeout error
     timed_out: bool = False
 
 
@@ -207,7 +206,7 @@ class DiffusionEngine:
                                            on_progress=on_progress)
                     timeout = getattr(request.sampling_params, "timeout", None)
                     if timeout is not None:
-                        record.deadline = self._deadlines[request.request_id] = now + timeout
+                        self._deadlines[request.request_id] = now + timeout
                     self.scheduler.add_request(request)
                     self._records[request.request_id] = record
                     handles.append(RequestHandle(request, record.stream, self.abort))
@@ -471,8 +470,8 @@ class DiffusionEngine:
         out.finished = True
         if record.timed_out and out.status != "completed":
             timeout = record.request.sampling_params.timeout
-            out.status, out.error = "error", (f"timed out: the request did not finish within its timeout of {timeout:g} s "
-                                              f"(SamplingParams.timeout, the server's 'timeout' field)")
+            out.status, out.error = "error", (f"timed out: the request did not finish within its timeout of "
+                                              f"{timeout:g} s (SamplingParams.timeout, the server's 'timeout' field)")
             out.metrics["timed_out"] = True
             self.counters["requests_timed_out"] += 1
         now = time.monotonic()
