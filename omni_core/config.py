@@ -431,6 +431,13 @@ class OmniDiffusionConfig(_FromKwargs):
     #: torch threads of each model process, set once at its start; None = this machine's usable CPU cores
     #: divided by the model processes on it (``omni_core.platforms.threads``)
     cpu_threads: int | None = attrs.field(default=None, validator=int_field(min=1, max=4096, optional=True))
+    #: step mode: how many times one request may be preempted by more urgent ones (0: priority without
+    #: preemption); bounds the delay preemption can add to a request (docs/scheduling.md)
+    max_preemptions: int = attrs.field(default=4, validator=int_field(min=0, max=1000))
+    #: seconds one wave's step may take: the scheduler learns each shape's per-step cost online and caps a wave
+    #: to fit (None: no cap, waves are limited by max_num_seqs only; docs/scheduling.md)
+    step_time_budget_s: float | None = attrs.field(default=None, validator=float_field(min=1e-4, max=3600.0,
+                                                                                       optional=True))
 
     def __attrs_post_init__(self) -> None:
         for name in sorted(self.attention_config.backend_names()):
@@ -558,6 +565,10 @@ class SamplingParams(_FromKwargs):
     #: the declarations of the pipeline whose ``check_sampling_params`` produced these params (empty before):
     #: the schedulers key batches on those with ``splits_batch``
     model_field_specs: tuple = attrs.field(default=(), converter=tuple, eq=False)  # bookkeeping, not a value
+    #: scheduling priority: lower runs first (as in vLLM); equal priorities run in arrival order (docs/scheduling.md)
+    priority: int = attrs.field(default=0, validator=int_field(min=-(2**31), max=2**31 - 1))
+    #: seconds from admission after which an unfinished request is aborted with a timeout error (None: no deadline)
+    timeout: float | None = attrs.field(default=None, validator=float_field(min=0.001, max=7 * 86400.0, optional=True))
 
     #: fields set by the core or the pipeline's check, not by callers
     _INTERNAL = ("model_fields", "model_field_specs")

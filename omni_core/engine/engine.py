@@ -52,6 +52,8 @@ class RequestRecord:
     num_steps: int | None = None
     #: step waves holding it that were sent and not yet applied (the pipelined step loop)
     in_flight: int = 0
+    #: it passed its deadline (``SamplingParams.timeout``): its final output is a timeout error
+    timed_out: bool = False
 
 
 class DiffusionEngine:
@@ -76,6 +78,8 @@ class DiffusionEngine:
         self.mode = mode_for(config, self.pipeline_cls, self.resolved.spec.name)
         capacity = self.mode.capacity(self.pipeline_cls, config.max_num_seqs)
         self.scheduler = scheduler or pm.load_component("scheduler", config.scheduler_name)(capacity)
+        if scheduler is None and hasattr(self.scheduler, "configure"):  # the policy knobs (docs/scheduling.md)
+            self.scheduler.configure(config)
         self.executor = executor or pm.load_component("executor", config.executor_name)(
             config, self.resolved, on_progress=self._on_progress)
         self.executor.start()
@@ -90,6 +94,9 @@ class DiffusionEngine:
         self._dead: str | None = None
         self.counters = {"requests_added": 0, "requests_completed": 0, "requests_aborted": 0, "requests_failed": 0,
                          "denoise_steps": 0}
+        self.counters["requests_timed_out"] = 0  # also counted in requests_failed
+        #: request id -> deadline, for the requests that have one (checked between waves and steps)
+        self._deadlines: dict[str, float] = {}
         #: where the busy loop's time went, summed over waves (see ``wave_timing``)
         self.timing = {"waves": 0, "denoise_calls": 0, "wave_s": 0.0, "pipeline_s": 0.0, "denoise_s": 0.0}
         self._delivery = OutputDelivery()
@@ -197,6 +204,9 @@ class DiffusionEngine:
                 for request in requests:
                     record = RequestRecord(request=request, stream=OutputStream(), arrival=now,
                                            on_progress=on_progress)
+                    timeout = getattr(request.sampling_params, "timeout", None)
+                    if timeout is not None:
+                        self._deadlines[request.request_id] = now + timeout
                     self.scheduler.add_request(request)
                     self._records[request.request_id] = record
                     handles.append(RequestHandle(request, record.stream, self.abort))
@@ -204,6 +214,7 @@ class DiffusionEngine:
                 for handle in handles:  # still waiting: the scheduler ends them now (the runner never saw them)
                     self.scheduler.abort_request(handle.request_id)
                     del self._records[handle.request_id]
+                    self._deadlines.pop(handle.request_id, None)
                 self._wake.notify()  # the loop's next round flushes them from the scheduler's finished list
                 raise
             self.counters["requests_added"] += len(handles)
@@ -239,8 +250,11 @@ class DiffusionEngine:
                         self._die(self.executor.death_reason or "the engine is dead: a worker died")
                 if self._closed or self._dead:
                     return
+                expired = self._expire_deadlines()
                 t0 = time.perf_counter()
                 sched = self.scheduler.schedule()
+            if expired:
+                self.mode.stop_running(self.executor, expired)
             try:
                 if sched.is_empty:
                     if sched.finished_ids:  # ended while running: the runner drops them first
@@ -281,6 +295,7 @@ class DiffusionEngine:
                         self._die(self.executor.death_reason or "the engine is dead: a worker died")
                 if self._closed or self._dead:
                     return
+                self._expire_deadlines()  # step mode: the next wave leaves expired running requests out
                 if len(inflight) < depth and self.scheduler.has_work():
                     t0 = time.perf_counter()
                     sched = self.scheduler.schedule(finishing=self._finishing_in_flight())
@@ -389,7 +404,33 @@ class DiffusionEngine:
             # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
             # wave that only releases ended requests (the pipelined loop sends those as waves) is no step wave
             if sched.scheduled_ids:
-                self._count_wave(time.perf_counter() - t0, result.metrics)
+                wall_s = time.perf_counter() - t0
+                self._count_wave(wall_s, result.metrics)
+                observe = getattr(self.scheduler, "observe_wave", None)
+                if observe is not None:  # the scheduler learns each shape's step cost (docs/scheduling.md)
+                    observe(sched, result.metrics.get("denoise_s") or wall_s)
+
+    def _expire_deadlines(self) -> list[str]:
+        """End the requests past their deadline (lock held): a waiting one now, a running one at the next step
+        (the returned ids: request mode must tell the runner, ``mode.stop_running``). Their final output is a
+        timeout error (``_finalize``)."""
+        if not self._deadlines:
+            return []
+        now = time.monotonic()
+        running = []
+        for rid, deadline in list(self._deadlines.items()):
+            record = self._records.get(rid)
+            if deadline > now or record is None or record.timed_out:
+                continue
+            record.timed_out = True
+            status = self.scheduler.abort_request(rid)
+            if status == DiffusionRequestStatus.FINISHED_ABORTED:
+                self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
+            elif status is not None:
+                running.append(rid)
+        if running:
+            self._wake.notify()
+        return running
 
     def _last_step(self, record: RequestRecord, out: DiffusionOutput) -> None:
         """The step that finished a request counts like the others: progress, and (streaming) its preview
@@ -409,6 +450,9 @@ class DiffusionEngine:
             if record is not None:
                 self._notify_progress(record, step, total)
             self.counters["denoise_steps"] += self.mode.steps_per_progress
+            expired = self._expire_deadlines()  # request mode: the busy loop is inside the wave
+        if expired:
+            self.mode.stop_running(self.executor, expired)
 
     @staticmethod
     def _notify_progress(record: RequestRecord, step: int, total: int) -> None:
@@ -422,7 +466,14 @@ class DiffusionEngine:
     def _finalize(self, request_id: str, out: DiffusionOutput) -> None:
         """Deliver the final output and forget the request (lock held)."""
         record = self._records.pop(request_id)
+        self._deadlines.pop(request_id, None)
         out.finished = True
+        if record.timed_out and out.status != "completed":
+            timeout = record.request.sampling_params.timeout
+            out.status, out.error = "error", (f"timed out: the request did not finish within its timeout of "
+                                              f"{timeout:g} s (SamplingParams.timeout, the server's 'timeout' field)")
+            out.metrics["timed_out"] = True
+            self.counters["requests_timed_out"] += 1
         now = time.monotonic()
         out.metrics["e2e_latency_s"] = now - record.arrival
         out.metrics["steps_run"] = max(out.step_index, record.steps)
@@ -485,7 +536,8 @@ class DiffusionEngine:
             tracked = set(self._records) | self.scheduler.tracked_ids() | self._runner_held
             return {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
                     "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
-                    "dead": self._dead, **self.counters, "timing": self.wave_timing()}
+                    "dead": self._dead, **self.counters, "timing": self.wave_timing(),
+                    "requests_preempted": getattr(self.scheduler, "num_preemptions", 0)}
 
     def close(self) -> None:
         """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""

@@ -1,4 +1,5 @@
-"""Shared bookkeeping of every scheduler: request map, waiting queue, running set, terminal states."""
+"""Shared bookkeeping of every scheduler: request map, waiting queue, running set, terminal states, and the
+built-in policy: priorities, preemption between steps, cost-capped waves (docs/scheduling.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Collection, Iterable
 from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest
+from omni_core.sched.cost import StepCostModel, request_tokens
 from omni_core.sched.interface import DiffusionRequestStatus, SchedulerRequestState
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
@@ -18,19 +20,41 @@ class BaseScheduler:
     """Request lifecycle; subclasses decide admission (``_admit``) and what a batch key contains.
 
     Admission avoids head-of-line blocking: an idle scheduler takes the compatibility group of the
-    *oldest* waiting request and fills the wave from that group in arrival order, so an incompatible
-    request never holds back compatible ones behind it, and (being oldest next time) never starves.
+    *first* waiting request (by priority, then arrival) and fills the wave from that group in that order, so
+    an incompatible request never holds back compatible ones behind it, and (being first next time) never
+    starves. With equal priorities "first" is "oldest".
+
+    Priorities (``SamplingParams.priority``, lower first): a more urgent waiting request of another shape stops
+    less urgent ones from joining the running wave, so it drains; where the scheduler ``can_preempt`` (step mode),
+    less urgent running requests are preempted between steps to make room (the whole wave for another shape),
+    each at most ``max_preemptions`` times. A preempted request keeps its step state on the worker and resumes
+    where it stopped. ``step_time_budget_s`` caps a wave at what fits one step of that many seconds, by the
+    per-step cost learned from the waves run so far (:class:`~omni_core.sched.cost.StepCostModel`).
     """
 
     #: core SamplingParams fields that must match for requests to share a wave; a model's own fields join the
     #: key when their declaration says ``splits_batch`` (see :meth:`batch_key`)
     KEY_FIELDS: tuple[str, ...] = ()
+    #: running requests can be set aside between waves (step mode); a request-mode wave runs to completion
+    can_preempt: bool = False
+    #: denoising steps one wave runs per request (step mode: 1; request mode: the whole request)
+    steps_per_wave_is_one: bool = True
 
-    def __init__(self, max_num_seqs: int = 1, *, starvation_limit: int = 16) -> None:
+    def __init__(self, max_num_seqs: int = 1, *, starvation_limit: int = 16, max_preemptions: int = 4,
+                 step_time_budget_s: float | None = None) -> None:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={max_num_seqs} is invalid: must be >= 1", field="max_num_seqs")
         self.max_num_running_reqs = max_num_seqs
         self.starvation_limit = starvation_limit
+        self.max_preemptions = max_preemptions
+        self.step_time_budget_s = step_time_budget_s
+        #: learned seconds per request-step by shape class
+        self.cost = StepCostModel()
+        self._key_tokens: dict[tuple, int] = {}
+        self._seq = 0
+        #: preemptions so far (``engine.stats()["requests_preempted"]``)
+        self.num_preemptions = 0
+        self._finishing: set[str] = set()
         self._states: dict[str, SchedulerRequestState] = {}
         self._waiting: collections.deque[str] = collections.deque()
         self._running: list[str] = []
@@ -51,9 +75,19 @@ class BaseScheduler:
         rid = request.request_id
         if rid in self._states:
             raise ValueError(f"request id {rid!r} is already scheduled")
-        self._states[rid] = SchedulerRequestState(request=request, batch_key=self.batch_key(request))
+        key = self.batch_key(request)
+        self._seq += 1
+        self._states[rid] = SchedulerRequestState(request=request, batch_key=key, seq=self._seq,
+                                                  priority=getattr(request.sampling_params, "priority", 0) or 0)
+        self._key_tokens.setdefault(key, request_tokens(request))
         self._waiting.append(rid)
         return rid
+
+    def configure(self, config: object) -> None:
+        """Take the policy knobs of an engine config (``max_preemptions``, ``step_time_budget_s``); the engine
+        calls this after building the scheduler, so a plugin's constructor needs only the capacity."""
+        self.max_preemptions = getattr(config, "max_preemptions", self.max_preemptions)
+        self.step_time_budget_s = getattr(config, "step_time_budget_s", self.step_time_budget_s)
 
     def abort_request(self, request_id: str) -> DiffusionRequestStatus | None:
         """Abort: a waiting request ends now; a running one ends at the next wave boundary."""
@@ -68,12 +102,15 @@ class BaseScheduler:
         return st.status
 
     def preempt_request(self, request_id: str) -> None:
-        """Move a running request back to the front of the queue (test hook; no engine path uses it)."""
+        """Move a running request back to waiting (``PREEMPTED``); it keeps its place by priority and arrival,
+        and the runner keeps its step state, so it resumes where it stopped."""
         st = self._states[request_id]
         if st.status != S.RUNNING:
             raise ValueError(f"request {request_id!r} is {st.status.name}, not RUNNING")
         self._running.remove(request_id)
         st.status = S.PREEMPTED
+        st.preemptions += 1
+        self.num_preemptions += 1
         self._waiting.appendleft(request_id)
 
     def _finish(self, request_id: str, status: DiffusionRequestStatus, error: str | None = None) -> None:
@@ -81,6 +118,8 @@ class BaseScheduler:
         st.status, st.error = status, error
         if request_id in self._running:
             self._running.remove(request_id)
+        if request_id in self._waiting:  # preempted with a wave still in flight that turned out to be its last
+            self._waiting.remove(request_id)
         self._finished_since_last.append(request_id)
 
     def fail_all(self, error: str) -> list[str]:
@@ -101,43 +140,131 @@ class BaseScheduler:
         for rid in [r for r in self._running if self._states[r].abort_pending]:
             self._finish(rid, S.FINISHED_ABORTED)
         finishing = [r for r in self._running if r in finishing] if finishing else []
+        self._finishing = set(finishing)
+        if self.can_preempt and self.max_preemptions > 0 and self._waiting and self._running:
+            for rid in self._victims():
+                self.preempt_request(rid)
         new = self._admit(len(finishing))
         for rid in new:
             self._waiting.remove(rid)
             self._states[rid].status = S.RUNNING
             self._running.append(rid)
+        resumed = {r for r in new if self._states[r].started}  # the runner holds their state: not encoded again
+        for rid in new:
+            self._states[rid].started = True
+        scheduled = self._active()
+        if scheduled:  # one shape per wave (a request the engine wrongly expected to finish may come back)
+            key = self._states[scheduled[0]].batch_key
+            scheduled = [r for r in scheduled if self._states[r].batch_key == key]
         out = DiffusionSchedulerOutput(
-            new_requests=[self._states[r].request for r in new],
-            scheduled_ids=[r for r in self._running if r not in finishing] if finishing else list(self._running),
+            new_requests=[self._states[r].request for r in new if r not in resumed],
+            scheduled_ids=scheduled,
             finished_ids=self._finished_since_last,
-            batch_key=self._states[self._running[0]].batch_key if self._running else None,
+            batch_key=self._states[scheduled[0]].batch_key if scheduled else None,
         )
         self._finished_since_last = []
         return out
 
+    # ------------------------------------------------------------------ policy
+    def _order(self) -> list[str]:
+        """Waiting ids by priority, then arrival (a preempted request keeps its arrival)."""
+        return sorted(self._waiting, key=lambda r: (self._states[r].priority, self._states[r].seq))
+
+    def _active(self) -> list[str]:
+        """Running ids that the next wave continues (not those whose last step is already in flight)."""
+        return [r for r in self._running if r not in self._finishing]
+
+    def wave_capacity(self, key: tuple) -> int:
+        """How many requests of shape ``key`` one wave may hold: ``max_num_seqs``, or fewer where the learned
+        per-step cost says more would not fit ``step_time_budget_s``."""
+        return self.cost.max_batch(key, self._key_tokens.get(key, 1), self.step_time_budget_s,
+                                   self.max_num_running_reqs)
+
+    def _victims(self) -> list[str]:
+        """Running requests to preempt so more urgent waiting ones start in this wave: for the first waiting
+        request of another shape, the whole wave (only if every one of them is less urgent and may still be
+        preempted); for requests of the wave's shape, the least urgent running ones, one per slot needed."""
+        active = self._active()
+        if not active:
+            return []
+        states = self._states
+        order = self._order()
+        head = states[order[0]]
+        key = states[active[0]].batch_key
+
+        def preemptible(rid: str) -> bool:
+            st = states[rid]
+            return st.preemptions < self.max_preemptions and not st.abort_pending
+
+        if head.batch_key != key:
+            if all(states[r].priority > head.priority and preemptible(r) for r in active):
+                return active
+            return []
+        pool = sorted((r for r in active if preemptible(r)), key=lambda r: (states[r].priority, states[r].seq))
+        room = self.wave_capacity(key) - len(active)
+        victims: list[str] = []
+        for rid in order:
+            w = states[rid]
+            if w.batch_key != key:
+                continue
+            if room > 0:  # admitted without preempting anyone
+                room -= 1
+                continue
+            need = 1 - room
+            if len(pool) >= need and all(states[v].priority > w.priority for v in pool[-need:]):
+                victims += pool[-need:]
+                del pool[-need:]
+                room = 0
+            else:
+                break
+        return victims
+
     def _admit(self, leaving: int = 0) -> list[str]:
         """Ids of waiting requests to admit into this wave (``leaving``: running ones about to finish)."""
-        free = self.max_num_running_reqs - len(self._running) + leaving
-        if free <= 0 or not self._waiting:
+        if not self._waiting:
             return []
-        if self._running:
-            key = self._states[self._running[0]].batch_key
-            oldest = self._states[self._waiting[0]]
-            if oldest.batch_key != key and oldest.skipped >= self.starvation_limit:
-                return []  # let the running wave drain so the oldest request gets its turn
+        states = self._states
+        order = self._order()
+        head = states[order[0]]
+        active = self._active()
+        bar = None  # only requests at least this urgent may join
+        if active:
+            key = states[active[0]].batch_key
+            if head.batch_key != key:
+                if head.skipped >= self.starvation_limit:
+                    return []  # let the running wave drain so the first request gets its turn
+                if head.priority < max(states[r].priority for r in active):
+                    bar = head.priority  # a more urgent request of another shape waits for this wave to drain
         else:
-            key = self._states[self._waiting[0]].batch_key
+            key = head.batch_key
+        free = self.wave_capacity(key) - len(self._running) + leaving
+        if free <= 0:
+            return []
         picked = []
-        for rid in self._waiting:
+        for rid in order:
             if len(picked) == free:
                 break
-            if self._states[rid].batch_key == key:
+            st = states[rid]
+            if st.batch_key == key and (bar is None or st.priority <= bar):
                 picked.append(rid)
         if picked:
             for rid in self._waiting:
-                if self._states[rid].batch_key != key:
-                    self._states[rid].skipped += 1
+                if states[rid].batch_key != key:
+                    states[rid].skipped += 1
         return picked
+
+    def observe_wave(self, sched: DiffusionSchedulerOutput, seconds: float) -> None:
+        """Learn the per-step cost of the wave's shape from one measured wave (the engine calls this with the
+        wave's denoising time, or its wall time)."""
+        if not sched.scheduled_ids or sched.batch_key is None:
+            return
+        steps = 1
+        if not self.steps_per_wave_is_one:
+            st = self._states.get(sched.scheduled_ids[0])
+            req = st.request if st else next((r for r in sched.new_requests), None)
+            steps = max(1, (req.sampling_params.num_inference_steps or 1) if req else 1)
+        key = sched.batch_key
+        self.cost.observe(key, self._key_tokens.get(key, 1), len(sched.scheduled_ids), seconds / steps)
 
     def update_from_output(self, sched_output: DiffusionSchedulerOutput, output: RunnerOutput
                            ) -> dict[str, DiffusionRequestStatus]:
@@ -156,6 +283,7 @@ class BaseScheduler:
             if not out.finished:
                 continue
             status = {"completed": S.FINISHED_COMPLETED, "aborted": S.FINISHED_ABORTED}.get(out.status, S.FINISHED_ERROR)
+            out.metrics["preemptions"] = st.preemptions
             self._finish(rid, status, out.error)
             ended[rid] = status
         return ended

@@ -12,7 +12,8 @@ from omni_core.request import OmniDiffusionRequest
 class DiffusionRequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    #: only reachable through ``BaseScheduler.preempt_request`` (tests and custom policies)
+    #: a running step-mode request moved back to waiting by a more urgent one; its step state stays on the worker
+    #: and it resumes where it stopped (``BaseScheduler.preempt_request``, docs/scheduling.md)
     PREEMPTED = 2
     FINISHED_COMPLETED = 3
     FINISHED_ABORTED = 4
@@ -33,6 +34,14 @@ class SchedulerRequestState:
     skipped: int = 0
     #: set by ``abort_request`` on a running request; finalised at the next boundary
     abort_pending: bool = False
+    #: lower runs first (``SamplingParams.priority``)
+    priority: int = 0
+    #: arrival order (ties between equal priorities)
+    seq: int = 0
+    #: times this request was preempted (bounded by ``max_preemptions``)
+    preemptions: int = 0
+    #: admitted once: the runner holds its step state, so a resumed request is not encoded again
+    started: bool = False
 
     @property
     def request_id(self) -> str:

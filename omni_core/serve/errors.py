@@ -40,9 +40,12 @@ def admission_error(exc: OmniError, retry_after_s: int) -> APIError:
 
 
 def generation_failed(out: Any, engine_is_dead: bool) -> APIError:
-    """A final output that did not complete: the engine died (503), it was aborted (503), or it failed (500)."""
+    """A final output that did not complete: the engine died (503), it timed out (504), it was aborted (503), or it
+    failed (500)."""
     if out.status == "error" and engine_is_dead:
         return engine_dead(out.error)
+    if out.metrics.get("timed_out"):  # its deadline passed (the 'timeout' field, X-Request-Timeout)
+        return APIError(504, str(out.error), code="request_timeout", type="timeout_error")
     if out.status == "aborted":
         return APIError(503, f"the request was aborted: {out.error or 'the server is shutting down'}",
                         code="request_aborted", type="server_error")

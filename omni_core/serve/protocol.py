@@ -589,3 +589,35 @@ def image_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, An
 def video_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
     return body_schema(_with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)[0],
                        accepted_defaults={"quality": ("auto", "standard")}, ignored=("user",))
+
+
+# ------------------------------------------------------------------------------------------ scheduling
+#: what every generation route takes for scheduling (docs/scheduling.md): ``priority`` (lower runs first) and
+#: ``timeout`` (seconds; past it the request ends with a 504); kept apart so other agents' fields are not reordered
+SCHEDULING_FIELDS = {"priority": "int", "timeout": "number"}
+for _fields, _names in ((IMAGE_FIELDS, _IMAGE_SAMPLING), (CHAT_GENERATION_FIELDS, _CHAT_SAMPLING),
+                        (VIDEO_FIELDS, _VIDEO_SAMPLING)):
+    _fields.update(SCHEDULING_FIELDS)
+    _names.update({name: name for name in SCHEDULING_FIELDS})
+#: the request header that sets a deadline too (seconds, as the ``timeout`` field; the smaller of both applies)
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+def with_timeout_header(params: SamplingParams, headers: Mapping[str, str]) -> SamplingParams:
+    """``params`` with the ``X-Request-Timeout`` header's deadline applied (a 400 naming the header if it is not a
+    number of seconds in the field's range); with both the header and the ``timeout`` field, the smaller wins."""
+    raw = headers.get(TIMEOUT_HEADER.lower(), headers.get(TIMEOUT_HEADER))
+    if raw is None:
+        return params
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise invalid(f"the {TIMEOUT_HEADER} header must be a number of seconds, got {raw!r:.40}", TIMEOUT_HEADER)
+    if params.timeout is not None:
+        value = min(value, params.timeout)
+    try:
+        return params.replace(timeout=value)
+    except ConfigError as exc:
+        raise invalid(f"the {TIMEOUT_HEADER} header is invalid: {exc}", TIMEOUT_HEADER) from None

@@ -22,13 +22,15 @@ from omni_core.serve.media import pil_outputs, png_b64
 from omni_core.serve.omni_server import current
 from omni_core.serve.openapi import error_doc, error_docs
 from omni_core.serve.protocol import invalid, parse_chat_request, parse_json
+from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_data_url
 
 v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API key")})
 
 
 @v1.post("/chat/completions", responses={200: {"description": "a chat completion whose message holds the images"},
-                                         **error_docs(400, 404, 413, 429, 500, 503)},
+                                         **error_docs(400, 404, 413, 429, 500, 503),
+    504: error_doc("the request did not finish within its timeout (the 'timeout' field, X-Request-Timeout)")},
          openapi_extra={"requestBody": {"required": True, "content": {
              "application/json": {"schema": {"type": "object", "required": ["messages"]}}}}})
 async def chat_completions(request: Request):
@@ -41,7 +43,8 @@ async def chat_completions(request: Request):
                       code="unsupported_model")
     check_count(list(chat.image_urls), "messages", server.image_input, server.model_name)
     images = [read_data_url(url, "messages", server.max_image_pixels) for url in chat.image_urls]
-    handle = server.submit(req.prompt, req.negative_prompt, req.params, images=images)
+    handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
+                           images=images)
     server.track(handle.request_id)
     out = await server.run_to_end(request, handle)
     if out is None:

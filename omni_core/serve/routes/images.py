@@ -22,6 +22,7 @@ from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs
 from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid, parse_edit_request, parse_image_request, parse_json,
                                       parse_multipart, parse_urlencoded)
+from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_image
 from omni_core.serve.sse import EventStream, sse
 
@@ -34,7 +35,8 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
     200: {"description": "the images (JSON), or with stream=true Server-Sent Events",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"schema": {"type": "string"}}}},
-    **error_docs(400, 404, 413, 429, 500, 503)},
+    **error_docs(400, 404, 413, 429, 500, 503),
+    504: error_doc("the request did not finish within its timeout (the 'timeout' field, X-Request-Timeout)")},
     openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": image_body_schema(())}}}})  # + the served model's fields: openapi.py
 async def generate_images(request: Request):
@@ -47,7 +49,8 @@ async def generate_images(request: Request):
     200: {"description": "the edited images (JSON), or with stream=true Server-Sent Events",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"schema": {"type": "string"}}}},
-    **error_docs(400, 404, 413, 429, 500, 503)},
+    **error_docs(400, 404, 413, 429, 500, 503),
+    504: error_doc("the request did not finish within its timeout (the 'timeout' field, X-Request-Timeout)")},
     openapi_extra={"requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": edit_form_schema(())}}}})  # + the served model's fields: openapi.py
 async def edit_images(request: Request):
@@ -87,6 +90,7 @@ async def edit_images(request: Request):
 async def answer_images(request: Request, server: OmniServer, req: ImageRequest):
     """Run an image request (generation or edit) and answer it: JSON, or events when ``req.stream``."""
     server.check_model(req.model)
+    req = attrs.evolve(req, params=with_timeout_header(req.params, request.headers))
     if server.is_video:
         raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",
                       code="unsupported_model")

@@ -20,6 +20,7 @@ from fastapi.responses import FileResponse
 from omni_core.serve.media import pil_outputs
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import error_doc, error_docs, form_schema
+from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.protocol import (INPUT_REFERENCE, APIError, invalid, parse_json, parse_multipart,
                                       parse_urlencoded, parse_video_request, video_body_schema)
 from omni_core.serve.uploads import check_count, read_data_url, read_image
@@ -78,7 +79,8 @@ async def create_video(request: Request):
         if job is not None:
             job.on_step(step, total)
 
-    handle = server.submit(req.prompt, req.negative_prompt, req.params, on_progress=on_progress, images=images)
+    handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
+                           on_progress=on_progress, images=images)
     params = handle.request.sampling_params
     job = VideoJob(id=server.videos.new_id(), model=server.model_name, prompt=req.prompt,
                    size=f"{params.width}x{params.height}",
