@@ -176,7 +176,7 @@ def test_generate_shows_live_previews_then_the_result_the_prompt_asks_for(page):
     assert "seed: 0" in items.nth(1).inner_text() and "num_inference_steps: 8" in items.nth(1).inner_text()
     target = os.environ.get("OMNI_PLAYGROUND_SCREENSHOT")
     if target:
-        page.screenshot(path=target)
+        page.screenshot(path=target, full_page=True)
 
 
 @needs_browser
