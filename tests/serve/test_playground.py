@@ -163,6 +163,7 @@ def test_generate_shows_live_previews_then_the_result_the_prompt_asks_for(page):
     assert image.shape == (32, 32, 3)
     seen = judge_image(torch.from_numpy(image.copy()).permute(2, 0, 1).float() / 255)
     assert (seen.colour, seen.shape, seen.position) == ("red", "circle", "top left")
+    assert page.get_by_test_id("preview").get_attribute("data-step") == "8"  # the last step's preview
     assert page.get_by_test_id("progress").evaluate("p => [p.value, p.max]") == [8, 8]
     assert page.get_by_test_id("error").is_hidden()
     # a second one: the history lists both, newest first, with their settings
@@ -231,3 +232,55 @@ def test_a_bad_size_shows_the_servers_error_text(page, url):
     error.wait_for(state="visible")
     assert error.inner_text() == expected
     assert page.get_by_test_id("history").locator("li").count() == 0
+
+
+@needs_browser
+def test_an_edit_model_takes_the_input_image_from_the_page(browser, test_pipeline_site, start_server, tmp_path):
+    """An image-input model (the test-only edit pipeline, in-process: the same app ``omni serve`` builds) shows
+    the file field; the page's edit gives the same pixels as the same edit sent to the API directly."""
+    import numpy as np
+    from PIL import Image
+    from omni_test_pipeline.pipeline import TinyEditTestPipeline
+
+    folder = tmp_path / "tiny-edit"
+    TinyEditTestPipeline.save(str(folder))
+    live = start_server(str(folder), {"streaming_output": True, "warmup": False}, served_model_name="tiny-edit",
+                        api_key=None)
+    source = tmp_path / "red.png"
+    Image.fromarray(np.full((16, 16, 3), (220, 30, 30), np.uint8)).save(source)
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(live.url + "/playground")
+        page.wait_for_function("() => document.querySelector('[data-testid=model]').options.length > 0")
+        assert page.get_by_test_id("image").is_visible()  # this model takes an input image
+        page.get_by_test_id("image").set_input_files(str(source))
+        fill(page, "edit", size="16x16", steps=3, seed=4)
+        page.get_by_test_id("generate").click()
+        page.wait_for_function(RESULT_SHOWN, arg="", timeout=60_000)
+        assert page.get_by_test_id("preview").get_attribute("data-step") == "3"
+        shown = png_pixels(page.get_by_test_id("result").get_attribute("src"))
+    finally:
+        context.close()
+    with live.client(key=None) as http:
+        r = http.post("/v1/images/edits", files=[("image", ("red.png", source.read_bytes(), "image/png"))],
+                      data={"prompt": "edit", "size": "16x16", "num_inference_steps": 3, "seed": 4,
+                            "model": "tiny-edit"})
+        (item,) = r.json()["data"]
+    assert np.array_equal(shown, png_pixels("data:image/png;base64," + item["b64_json"]))
+
+
+def test_the_page_ships_in_the_wheel():
+    """Every file of the page matches the package-data patterns of omni-core's pyproject.toml (a wheel
+    install serves the page)."""
+    import fnmatch
+    import tomllib
+
+    from omni_core.serve.routes.playground import ASSETS, FOLDER
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    files = sorted(p.name for p in FOLDER.iterdir())
+    assert files == sorted(ASSETS)
+    for name in files:
+        assert any(fnmatch.fnmatch(f"playground/{name}", pat) for pat in patterns["omni_core.serve"]), name

@@ -81,7 +81,10 @@ function pickModel() {
   const input = m.image_input || null;
   for (const el of document.querySelectorAll(".video-only")) el.hidden = !video;
   for (const el of document.querySelectorAll(".image-only")) el.hidden = !input;
-  if (input) $("image-label").textContent = `Input image (${input.role || "input"})`;
+  if (input) {
+    $("image-label").textContent = `Input image (${input.role || "input"})`;
+    $("image").multiple = input.max_images > 1;
+  }
   const facts = [m.pipeline, m.modality];
   if (m.size_multiple) facts.push(`sizes: multiples of ${m.size_multiple}`);
   if (m.limits && m.limits.max_pixels) facts.push(`at most ${m.limits.max_pixels} pixels`);
@@ -105,10 +108,11 @@ function settings() {
   return s;
 }
 
-function formOf(fields, fileField, file) {
+function formOf(fields, fileField, files) {
   const form = new FormData();
   for (const [k, v] of Object.entries(fields)) form.append(k, String(v));
-  if (file) form.append(fileField, file, file.name);
+  const name = files.length > 1 ? fileField + "[]" : fileField;  // several images: OpenAI's image[]
+  for (const file of files) form.append(name, file, file.name);
   return form;
 }
 
@@ -119,19 +123,16 @@ async function generate(event) {
   if (!state.model) return;
   showError("");
   const s = settings();
-  const file = $("image").files[0] || null;
-  if (state.model.image_input && state.model.image_input.min_images > 0 && !file) {
-    showError(`model ${state.model.id} needs an input image (${state.model.image_input.role || "input"})`);
-    return;
-  }
+  // without an image the request goes to generations: a model that needs one says so (its own words)
+  const files = state.model.image_input ? Array.from($("image").files) : [];
   $("preview").removeAttribute("src");
   setProgress(0, s.num_inference_steps || 1);
   setBusy(true);
   state.controller = new AbortController();
   const started = performance.now();
   try {
-    if (state.model.modality === "video") await runVideo(s, file);
-    else await runImage(s, file);
+    if (state.model.modality === "video") await runVideo(s, files);
+    else await runImage(s, files);
   } catch (e) {
     if (e.name === "AbortError") setStatus("stopped");
     else showError(e.message || String(e));
@@ -143,14 +144,14 @@ async function generate(event) {
   if ($("status").textContent === "done") setStatus(`done in ${((performance.now() - started) / 1000).toFixed(1)} s`);
 }
 
-async function runImage(s, file) {
+async function runImage(s, files) {
   const stream = !!state.model.streaming_previews;
   const body = Object.assign({}, s, { stream });
   const init = { method: "POST", signal: state.controller.signal };
   let url = "/v1/images/generations";
-  if (file) {
+  if (files.length) {
     url = "/v1/images/edits";
-    init.body = formOf(body, "image", file);
+    init.body = formOf(body, "image", files);
     init.headers = headers();
   } else {
     init.body = JSON.stringify(body);
@@ -171,9 +172,9 @@ async function runImage(s, file) {
   for await (const [name, data] of events(response)) {
     if (name === "image_generation.partial_image") {
       $("preview").src = "data:image/png;base64," + data.b64_json;
-      $("preview").dataset.step = String(data.step + 1);
-      setProgress(data.step + 1, data.num_steps);
-      setStatus(`step ${data.step + 1} / ${data.num_steps}`);
+      $("preview").dataset.step = String(data.step);  // 1-based: the i-th preview comes after step i
+      setProgress(data.step, data.num_steps);
+      setStatus(`step ${data.step} / ${data.num_steps}`);
     } else if (name === "image_generation.completed") {
       if (data.index === 0) finishImage(data.b64_json, s, data.seed);
     } else if (name === "error") {
@@ -216,10 +217,10 @@ async function* events(response) {
   }
 }
 
-async function runVideo(s, file) {
+async function runVideo(s, files) {
   const init = { method: "POST", signal: state.controller.signal };
-  if (file) {
-    init.body = formOf(s, "input_reference", file);
+  if (files.length) {
+    init.body = formOf(s, "input_reference", files.slice(0, 1));
     init.headers = headers();
   } else {
     init.body = JSON.stringify(s);
