@@ -284,3 +284,43 @@ def test_the_page_ships_in_the_wheel():
     assert files == sorted(ASSETS)
     for name in files:
         assert any(fnmatch.fnmatch(f"playground/{name}", pat) for pat in patterns["omni_core.serve"]), name
+
+
+@needs_browser
+def test_a_video_model_plays_its_mp4_and_stop_cancels_the_job(browser, start_server, tmp_path):
+    """A video model (tiny random Wan, in-process): the page creates a ``/v1/videos`` job, follows its
+    progress, plays the MP4; Stop during a long job deletes it (its engine request aborted)."""
+    pytest.importorskip("omni_model_wan", reason="the Wan plugin (omni-model-wan) is not installed")
+    from omni_model_wan.testing import build_tiny_wan
+
+    live = start_server(build_tiny_wan(tmp_path / "tiny-wan"), {"streaming_output": True, "warmup": False,
+                                                                "limits": {"max_steps": 1000}},
+                        served_model_name="tiny-wan", api_key=None, video_dir=str(tmp_path / "videos"))
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(live.url + "/")
+        page.wait_for_function("() => document.querySelector('[data-testid=model]').options.length > 0")
+        assert page.get_by_test_id("frames").is_visible() and page.get_by_test_id("image").is_hidden()
+        fill(page, "a cat walking", size="16x16", frames=5, steps=2, seed=0)
+        page.get_by_test_id("generate").click()
+        page.wait_for_function("() => document.querySelector('[data-testid=video]').src.startsWith('blob:')",
+                               timeout=60_000)
+        size = page.evaluate("async () => (await (await fetch(document.querySelector('[data-testid=video]').src))"
+                             ".arrayBuffer()).byteLength")
+        assert size > 100 and page.get_by_test_id("history").locator("li video").count() == 1
+        (job,) = httpx.get(live.url + "/v1/videos").json()["data"]
+        assert job["status"] == "completed" and job["num_frames"] == 5
+        fill(page, "a cat walking", steps=1000)  # held running until Stop
+        page.get_by_test_id("generate").click()
+        page.wait_for_function("() => document.querySelector('[data-testid=status]').innerText"
+                               ".startsWith('in progress')", timeout=60_000)
+        page.get_by_test_id("stop").click()
+        page.wait_for_function("() => document.querySelector('[data-testid=status]').innerText === 'stopped'")
+    finally:
+        context.close()
+    deadline = time.monotonic() + 10  # the stopped job is deleted, its engine request gone
+    while [j["id"] for j in httpx.get(live.url + "/v1/videos").json()["data"]] != [job["id"]] \
+            or live.engine.stats()["tracked_requests"]:
+        assert time.monotonic() < deadline, (httpx.get(live.url + "/v1/videos").json(), live.engine.stats())
+        time.sleep(0.05)
