@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this repository on a fresh machine: .venv with the CPU build of torch (pinned, installed first),
 # then omni-core and every plugin under plugins/<kind>/<name>/ (editable), the test tools (pytest, schemathesis;
-# uv for scripts/check_dists.py) and the runtime's libraries. Safe to re-run. PYTHON picks the interpreter (default python3, >= 3.10).
+# uv for scripts/check_dists.py; playwright and, when missing, the system's chromium for the playground's browser tests)
+# and the runtime's libraries. Safe to re-run. PYTHON picks the interpreter (default python3, >= 3.10).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

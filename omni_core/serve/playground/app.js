@@ -169,6 +169,7 @@ async function runImage(s, files) {
     finishImage(out.data[0].b64_json, s, out.seed);
     return;
   }
+  let ended = false;
   for await (const [name, data] of events(response)) {
     if (name === "image_generation.partial_image") {
       $("preview").src = "data:image/png;base64," + data.b64_json;
@@ -177,11 +178,14 @@ async function runImage(s, files) {
       setStatus(`step ${data.step} / ${data.num_steps}`);
     } else if (name === "image_generation.completed") {
       if (data.index === 0) finishImage(data.b64_json, s, data.seed);
+      ended = true;
     } else if (name === "error") {
       showError((data.error && data.error.message) || JSON.stringify(data));
       setStatus("failed");
+      ended = true;
     }
   }
+  if (!ended) { showError("the server closed the stream before the result"); setStatus("failed"); }
 }
 
 function finishImage(b64, s, seed) {
