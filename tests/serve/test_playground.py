@@ -139,9 +139,11 @@ def png_pixels(src: str):
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGB"))
 
 
-WATCH_PREVIEW = """() => { window.previews = [];
-  new MutationObserver(() => window.previews.push(document.querySelector('[data-testid=preview]').src))
-    .observe(document.querySelector('[data-testid=preview]'), {attributes: true, attributeFilter: ['src']}); }"""
+#: every src the preview had: each mutation's old value (several in one task still count), and the current one
+WATCH_PREVIEW = """() => { window.previews = []; const img = document.querySelector('[data-testid=preview]');
+  new MutationObserver((records) => { for (const r of records) window.previews.push(r.oldValue);
+                                      window.previews.push(img.getAttribute('src')); })
+    .observe(img, {attributes: true, attributeFilter: ['src'], attributeOldValue: true}); }"""
 RESULT_SHOWN = """(old) => { const i = document.querySelector('[data-testid=result]');
   return i.src !== old && i.src.startsWith('data:') && i.complete && i.naturalWidth > 0 }"""
 
