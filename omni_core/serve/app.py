@@ -26,6 +26,7 @@ from omni_core.serve.middleware import AuthMiddleware, BodyLimitMiddleware, Metr
 from omni_core.serve.omni_server import MAX_BODY_BYTES, MAX_UPLOAD_BYTES, PREVIEW_MAX_SIDE, SHUTDOWN_GRACE_S, OmniServer
 from omni_core.serve.openapi import install_openapi
 from omni_core.serve.routes import chat, images, system, videos
+from omni_core.serve.routes import playground
 
 __all__ = ["MAX_BODY_BYTES", "MAX_UPLOAD_BYTES", "PREVIEW_MAX_SIDE", "SHUTDOWN_GRACE_S", "OmniServer", "build_app"]
 
@@ -39,7 +40,7 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     ``AsyncOmni`` / ``Omni``, whose engine is used).
 
     ``served_model_name``: the ``model`` clients name (default: the engine's ``model``). ``api_key``: when
-    set, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>`` (checked before
+    set, every route but ``/health``, ``/metrics`` and the playground page needs ``Authorization: Bearer <key>`` (checked before
     routing, so unknown routes are 401 too); an empty key is refused. ``video_dir``: where MP4s go (default: a
     temp dir removed at shutdown). ``close_engine``: close the engine when the app shuts down (``omni serve``
     owns its engine; tests usually own theirs). ``max_body_bytes``: larger bodies get 413 (counted while
@@ -66,6 +67,7 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     install_error_handlers(app)
     for router in (system.router, system.v1, images.v1, videos.v1, chat.v1):  # the order of the OpenAPI paths
         app.include_router(router)
+    app.include_router(playground.router)  # the browser page at / and /playground (not in the OpenAPI document)
     install_openapi(app, server.api_key, server.model_info.sampling_fields)
     # outermost first: metrics (counts every answer), the API key (before routing), the body cap
     app.add_middleware(BodyLimitMiddleware, limit=server.max_body_bytes, upload_limit=server.max_upload_bytes)

@@ -11,17 +11,20 @@ from starlette.datastructures import Headers
 from omni_core.serve.errors import send_error
 from omni_core.serve.openapi import OPEN_PATHS
 from omni_core.serve.protocol import APIError, too_large
+from omni_core.serve.routes.playground import PAGE_PATHS
 
 
 class AuthMiddleware:
     """The API key is checked before routing: without it every route but the open ones is 401, so routes
-    cannot be enumerated (a 404 would tell which exist)."""
+    cannot be enumerated (a 404 would tell which exist). The playground page (``PAGE_PATHS``) is public too: it
+    holds no data, and the API calls it makes carry the key its user types."""
 
     def __init__(self, app: Any, server: Any) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.server.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and self.server.api_key is not None and scope["path"] not in OPEN_PATHS \
+                and scope["path"] not in PAGE_PATHS:
             try:
                 self.server.check_auth(Headers(scope=scope).getlist("authorization"))
             except APIError as err:

@@ -37,4 +37,18 @@ async def models(request: Request):
     return {"object": "list", "data": [{
         "id": server.model_name, "object": "model", "created": server.created, "owned_by": "omni",
         "pipeline": server.model_info.pipeline, "modality": "video" if server.is_video else "image",
-        "streaming_previews": server.streaming}]}
+        "streaming_previews": server.streaming, **playground_fields(server)}]}
+
+
+def playground_fields(server) -> dict:
+    """What a client (the playground page) needs to build a valid request: the size rule, the resolved
+    request limits, the input images the model takes (None: none), the frame rule of a video model."""
+    import attrs
+
+    info = server.model_info
+    image_input = info.image_input
+    return {"size_multiple": info.size_multiple, "frame_multiple": info.frame_multiple if info.is_video else None,
+            "limits": attrs.asdict(server.engine.limits),
+            "image_input": None if image_input is None else {
+                "min_images": image_input.min_images, "max_images": image_input.max_images,
+                "role": image_input.role}}
