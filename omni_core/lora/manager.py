@@ -1,0 +1,188 @@
+"""The worker side of LoRA: loaded adapters (an LRU cache, pinned while in use) and per-row application.
+
+Loading is diffusers' own: ``pipe.load_lora_weights(state_dict, adapter_name=...)`` puts peft LoRA layers on
+the denoiser. What neither library does is run requests with *different* adapters and scales in one batched
+call (diffusers applies the active adapters to every row; peft's ``adapter_names`` routes rows but with one
+scale per adapter), so each peft LoRA layer's ``forward`` is replaced by :func:`_per_row_forward`: the base
+layer on all rows, then for each adapter present in the call ONE ``B(A(x[rows]))`` over its rows, times each
+row's own scale (a segmented computation, as multi-LoRA LLM servers do). Weights are never merged. The rows
+come from the :class:`~omni_core.forward_context.DenoiseCall` the pipeline sets around every denoiser call
+(requests x CFG branches x outputs, exactly as the batch is built; a cache backend that runs a subset of rows
+sets the subset's call), so the layout is declared by data and every diffusers-based pipeline gets it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any
+
+from omni_core.forward_context import forward_context
+from omni_core.lora.files import load_state_dict, resolve_lora_path
+
+logger = logging.getLogger("omni_core.lora")
+
+
+class LoraManager:
+    """Adapters of one worker's pipeline: ``acquire`` when a request's state is made, ``release`` when it ends."""
+
+    def __init__(self, pipeline: Any, config: Any) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        #: adapter file -> peft adapter name, least recently used first
+        self.loaded: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: peft adapter name -> ids of the requests using it (pinned while non-empty)
+        self.users: dict[str, set[str]] = {}
+        #: request id -> (peft adapter name, scale)
+        self.active: dict[str, tuple[str, float]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+        self._plan: tuple[Any, int, list] | None = None
+        self.patched = 0
+
+    @property
+    def diffusers_pipe(self) -> Any:
+        return self.pipeline.pipe
+
+    def preload(self) -> None:
+        """Load the configured ``loras`` (up to ``max_loras``; the rest load when first asked for)."""
+        for name in list(self.config.loras)[: self.config.max_loras]:
+            self._ensure_loaded(resolve_lora_path(name, self.config.loras, "loras"))
+
+    # ------------------------------------------------------------------ cache
+    def acquire(self, request: Any) -> None:
+        """Pin the adapter ``request`` names (loading it if needed) for as long as the request runs."""
+        params = request.sampling_params
+        if params.lora is None or request.request_id in self.active:
+            return
+        path = resolve_lora_path(params.lora, self.config.loras)
+        with self._lock:
+            name = self._ensure_loaded(path)
+            self.loaded.move_to_end(path)
+            self.users.setdefault(name, set()).add(request.request_id)
+            self.active[request.request_id] = (name, float(params.lora_scale))
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            entry = self.active.pop(request_id, None)
+            if entry is not None:
+                self.users.get(entry[0], set()).discard(request_id)
+                self._evict(self.config.max_loras)
+
+    def _evict(self, limit: int) -> None:
+        """Unload least recently used adapters no running request uses until at most ``limit`` are loaded (all
+        in use: the cache stays above its size until one is released)."""
+        for path, name in list(self.loaded.items()):
+            if len(self.loaded) <= limit:
+                return
+            if not self.users.get(name):
+                self.diffusers_pipe.delete_adapters(name)
+                del self.loaded[path]
+                self.users.pop(name, None)
+                logger.info("LoRA %s unloaded (LRU, max_loras=%d)", path, self.config.max_loras)
+
+    def _ensure_loaded(self, path: str) -> str:
+        if path in self.loaded:
+            return self.loaded[path]
+        pipeline_cls = type(self.pipeline)  # the engine checked the file against the model before queueing
+        self._evict(self.config.max_loras - 1)
+        self._count += 1
+        name = f"omni_lora_{self._count}"
+        state_dict, _ = load_state_dict(path, pipeline_cls)
+        self.diffusers_pipe.load_lora_weights(state_dict, adapter_name=name)
+        self.loaded[path] = name
+        self._patch_layers()
+        logger.info("LoRA %s loaded as %s", path, name)
+        return name
+
+    def _patch_layers(self) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        for module in self.pipeline.experts.values():
+            for layer in module.modules():
+                if isinstance(layer, LoraLayer) and not getattr(layer, "_omni_per_row", False):
+                    layer.forward = _per_row_forward(layer, self)
+                    layer._omni_per_row = True
+                    self.patched += 1
+
+    # ------------------------------------------------------------------ per-row layout
+    def plan(self, batch: int) -> list:
+        """``[(adapter, rows, scale), ...]`` for the denoiser call in progress: ``rows`` a slice (contiguous) or
+        a LongTensor; ``scale`` a float or a ``[n]`` tensor (one per row). Empty when no row has an adapter.
+        Computed once per call (memoised on the call object) and shared by all layers."""
+        call = forward_context().call
+        cached = self._plan
+        if cached is not None and cached[0] is call and cached[1] == batch:
+            return cached[2]
+        plan = self._build_plan(call, batch)
+        self._plan = (call, batch, plan)
+        return plan
+
+    def _build_plan(self, call: Any, batch: int) -> list:
+        if not self.active:
+            return []
+        if call is None or not call.covers(batch):
+            raise RuntimeError(f"a LoRA layer ran on {batch} rows outside a denoiser call whose rows are known "
+                               f"(use_denoise_call): the rows' adapters cannot be told apart")
+        rows: dict[str, list[tuple[int, int, float]]] = {}
+        for group, start, stop in call.spans():
+            state = group.state
+            entry = self.active.get(getattr(state, "request_id", None)) if state is not None else None
+            if entry is None:
+                if state is not None and state.request.sampling_params.lora is not None:
+                    raise RuntimeError(f"request {state.request_id!r} asks for LoRA {state.request.sampling_params.lora!r}"
+                                       f" but it was not acquired in this worker")
+                continue
+            name, scale = entry
+            if scale == 0.0:
+                continue
+            spans = rows.setdefault(name, [])
+            if spans and spans[-1][1] == start and spans[-1][2] == scale:
+                spans[-1] = (spans[-1][0], stop, scale)
+            else:
+                spans.append((start, stop, scale))
+        import torch
+
+        plan = []
+        for name, spans in rows.items():
+            if len(spans) == 1:
+                index: Any = slice(spans[0][0], spans[0][1])
+            else:
+                index = torch.cat([torch.arange(a, b) for a, b, _ in spans])
+            scales = {s for _, _, s in spans}
+            if len(scales) == 1:
+                scale: Any = scales.pop()
+            else:
+                scale = torch.tensor([s for a, b, s in spans for _ in range(b - a)])
+            plan.append((name, index, scale))
+        return plan
+
+
+def _per_row_forward(layer: Any, manager: LoraManager) -> Any:
+    """The replacement ``forward`` of one peft LoRA layer (see the module docstring): peft's own per-adapter
+    ``lora_A``/``lora_B``/``scaling`` and its output arithmetic (``base + B(A(x)) * scaling``, in the adapter's
+    dtype), with the rows and a per-row scale from :meth:`LoraManager.plan`."""
+    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+        result = layer.base_layer(x, *args, **kwargs)
+        plan = manager.plan(x.shape[0])
+        if not plan:
+            return result
+        for name, index, scale in plan:
+            if name not in layer.lora_A:  # this adapter does not target this layer
+                continue
+            a, b = layer.lora_A[name], layer.lora_B[name]
+            rows = x[index] if isinstance(index, slice) else x.index_select(0, index.to(x.device))
+            delta = b(a(layer.lora_dropout[name](rows.to(a.weight.dtype))))
+            if isinstance(scale, float):
+                delta = delta * (layer.scaling[name] * scale)
+            else:
+                delta = delta * (layer.scaling[name] * scale.to(delta.device, delta.dtype)).view(
+                    -1, *([1] * (delta.dim() - 1)))
+            if isinstance(index, slice):
+                result[index] = result[index] + delta.to(result.dtype)
+            else:
+                result = result.index_add(0, index.to(result.device), delta.to(result.dtype))
+        return result
+
+    return forward
