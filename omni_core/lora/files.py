@@ -164,10 +164,8 @@ def inspect_lora(path: str, pipeline_cls: Any, field: str = "lora") -> LoraInfo:
         raise ConfigError(f"{field}: {path!r} has no LoRA layers after diffusers' conversion for "
                           f"{pipeline_cls.diffusers_class}", field=field)
     alpha = None
-    if metadata:
-        meta = metadata.get("transformer", metadata) if isinstance(metadata, dict) else {}
-        meta = json.loads(meta) if isinstance(meta, str) else meta
-        alpha = meta.get("lora_alpha") if isinstance(meta, dict) else None
+    if isinstance(metadata, dict):  # diffusers flattens it as "<component>.lora_alpha"
+        alpha = next((v for k, v in metadata.items() if k == "lora_alpha" or k.endswith(".lora_alpha")), None)
     info = LoraInfo(path=path, format=fmt, rank=rank, alpha=alpha, components=tuple(components),
                     targets=tuple(targets), size_bytes=st.st_size)
     _INFO_CACHE[key] = info

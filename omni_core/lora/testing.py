@@ -38,5 +38,8 @@ def make_lora(model_path: str, out_dir: str, *, rank: int = 4, alpha: float | No
     layers = get_peft_model_state_dict(model)
     pipe_cls = getattr(diffusers, index["_class_name"])
     os.makedirs(out_dir, exist_ok=True)
-    pipe_cls.save_lora_weights(out_dir, **{f"{component}_lora_layers": layers})
+    meta = model.peft_config["default"].to_dict()  # keeps lora_alpha (else diffusers reads alpha = rank)
+    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+    pipe_cls.save_lora_weights(out_dir, **{f"{component}_lora_layers": layers,
+                                           f"{component}_lora_adapter_metadata": meta})
     return os.path.join(out_dir, "pytorch_lora_weights.safetensors")
