@@ -7,9 +7,12 @@ Parity: at most one level of 255 per pixel from diffusers' image/video for the s
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
 
 import pytest
+import numpy as np
 import torch
 
 from omni_core.config import SamplingParams
@@ -215,3 +218,56 @@ def test_preloaded_adapter_must_fit(qwen_dir, wan_loras):
     with pytest.raises(ConfigError) as err:
         Omni(qwen_dir, dtype="float32", loras={"w": wan_loras["a"]})
     assert err.value.field == "loras" and "not in this model's transformer" in str(err.value)
+
+
+# ------------------------------------------------------------------ the server, worker processes, a cache backend
+def test_server_lora_fields(qwen_omni, qwen_loras):
+    import httpx
+    from PIL import Image
+
+    from omni_core.serve import ServerThread, build_app
+
+    body = {"prompt": PROMPT, "negative_prompt": NEG, "size": "32x32", "num_inference_steps": 3,
+            "true_cfg_scale": 4.0, "seed": 7}
+    with ServerThread(build_app(qwen_omni.engine)) as srv:
+        ok = httpx.post(f"{srv.url}/v1/images/generations", json={**body, "lora": qwen_loras["b"], "lora_scale": 0.7},
+                        timeout=120)
+        assert ok.status_code == 200, ok.text
+        png = Image.open(io.BytesIO(base64.b64decode(ok.json()["data"][0]["b64_json"])))
+        got = torch.from_numpy(np.array(png.convert("RGB"))).permute(2, 0, 1).float()[None] / 255
+        assert levels(got, alone(qwen_omni, ("b", 0.7), qwen_loras, QWEN)) <= 1
+        bad = httpx.post(f"{srv.url}/v1/images/generations", json={**body, "lora": "nope"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora", bad.text
+        chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": PROMPT}], "extra_body": {"lora": "a", "lora_scale": 99}})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "lora_scale", chat.text
+    assert_nothing_left(qwen_omni)
+
+
+@pytest.mark.slow  # a worker process start; the per-row path is the same code as in-process (covered above)
+def test_mp_workers_load_adapters_on_demand(qwen_dir, qwen_omni, qwen_loras):
+    """A worker process loads the preloaded name and a path on demand; same images as in-process."""
+    from omni_core import Omni
+
+    with Omni(qwen_dir, dtype="float32", executor="mp", max_num_seqs=3, max_lora_rank=8, warmup=False,
+              loras={"a": qwen_loras["a"]}) as mp:
+        outs = run(mp, MIX, qwen_loras, QWEN)
+        assert mp.stats()["tracked_requests"] == []
+    for case, out in zip(MIX, outs):
+        torch.testing.assert_close(out.tensor, alone(qwen_omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
+
+
+def test_tea_cache_mixed_batch_keeps_state_per_request(qwen_dir, qwen_loras):
+    from omni_core import Omni
+
+    with Omni(qwen_dir, dtype="float32", max_num_seqs=3, max_lora_rank=8, warmup=False, cache_backend="tea_cache",
+              cache_config={"rel_l1_thresh": 0.6}, loras={"a": qwen_loras["a"]}) as tea:
+        base = dict(QWEN, num_inference_steps=6)
+        mixed = run(tea, MIX, qwen_loras, base)
+        single = [run(tea, [case], qwen_loras, base)[0] for case in MIX]
+        assert_nothing_left(tea)
+    assert any(o.metrics["steps_reused"] > 0 for o in single), [o.metrics for o in single]
+    for m, s in zip(mixed, single):
+        assert m.metrics["steps_reused"] == s.metrics["steps_reused"]
+        torch.testing.assert_close(m.tensor, s.tensor, atol=1e-5, rtol=0)
+    assert levels(mixed[0].tensor, mixed[1].tensor) >= 3
