@@ -271,3 +271,17 @@ def test_tea_cache_mixed_batch_keeps_state_per_request(qwen_dir, qwen_loras):
         assert m.metrics["steps_reused"] == s.metrics["steps_reused"]
         torch.testing.assert_close(m.tensor, s.tensor, atol=1e-5, rtol=0)
     assert levels(mixed[0].tensor, mixed[1].tensor) >= 3
+
+
+def test_omni_lora_inspect(qwen_dir, qwen_loras, wan_loras, capsys):
+    import json
+
+    from omni_core.cli.main import main
+
+    assert main(["lora", "inspect", qwen_loras["b"], "--model", qwen_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["format"], report["rank"], report["alpha"], report["fits"]) == ("diffusers/peft", 8, 4, True)
+    assert "add_q_proj" in report["target_modules"] and report["components"] == ["transformer"]
+    assert main(["lora", "inspect", wan_loras["a"], "--model", qwen_dir, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["fits"] and "not in this model's transformer" in report["problems"][0]
