@@ -40,6 +40,7 @@ class LoraManager:
         self._count = 0
         self._lock = threading.Lock()
         self._plan: tuple[Any, int, list] | None = None
+        self._gathered: dict = {}
         self.patched = 0
 
     @property
@@ -103,6 +104,7 @@ class LoraManager:
         for module in self.pipeline.experts.values():
             for layer in module.modules():
                 if isinstance(layer, LoraLayer) and not getattr(layer, "_omni_per_row", False):
+                    layer.eval()  # peft builds its layers in training mode; this is inference (no dropout)
                     layer.forward = _per_row_forward(layer, self)
                     layer._omni_per_row = True
                     self.patched += 1
@@ -120,6 +122,23 @@ class LoraManager:
         plan = self._build_plan(call, batch)
         self._plan = (call, batch, plan)
         return plan
+
+    def gather(self, spans: list, device: Any) -> tuple[Any, Any]:
+        """The row index of ``spans`` and their scales (a float when all equal, else one per row), memoised
+        for the current call (every layer asks for the same spans)."""
+        key = (id(spans), device)
+        hit = self._gathered.get(key)
+        if hit is None or hit[0] is not spans:
+            import torch
+
+            index = torch.cat([torch.arange(a, b) for a, b, _ in spans]).to(device)
+            values = {s for _, _, s in spans}
+            scales: Any = (values.pop() if len(values) == 1 else
+                           torch.tensor([s for a, b, s in spans for _ in range(b - a)], device=device))
+            if len(self._gathered) > 64:
+                self._gathered.clear()
+            hit = self._gathered[key] = (spans, index, scales)
+        return hit[1], hit[2]
 
     def _build_plan(self, call: Any, batch: int) -> list:
         if not self.active:
@@ -167,6 +186,15 @@ def _per_row_forward(layer: Any, manager: LoraManager) -> Any:
             base_scale = layer.scaling[name]
             fast = (isinstance(a, torch.nn.Linear) and isinstance(b, torch.nn.Linear) and b.bias is None
                     and a.weight.dtype == x.dtype == result.dtype and result.is_contiguous() and not layer.training)
+            if fast and len(spans) > 2:  # many spans (adapters interleaved): gather the rows once
+                index, scales = manager.gather(spans, x.device)
+                h = torch.nn.functional.linear(x.index_select(0, index), a.weight, a.bias)
+                delta = torch.nn.functional.linear(h, b.weight)
+                if isinstance(scales, float):
+                    result.index_add_(0, index, delta, alpha=base_scale * scales)
+                else:
+                    result.index_add_(0, index, delta * (scales * base_scale).view(-1, *([1] * (delta.dim() - 1))))
+                continue
             for start, stop, scale in spans:
                 rows = x if (start == 0 and stop == x.shape[0]) else x[start:stop]
                 out = result if rows is x else result[start:stop]

@@ -130,6 +130,16 @@ def test_mixed_batch_request_mode_equals_each_alone(qwen_omni, qwen_loras):
     assert_nothing_left(qwen_omni)
 
 
+@pytest.mark.parametrize("cases", [[("a", 1.0), (None, 1.0), ("a", 1.0)], [("a", 1.0), (None, 1.0), ("a", 0.5)]],
+                         ids=["same-scale", "per-row-scale"])
+def test_interleaved_rows_of_one_adapter(qwen_omni, qwen_loras, cases):
+    """One adapter on rows 0, 2 (cond) and 3, 5 (uncond): the gathered path, with one scale or a scale per row."""
+    outs = run(qwen_omni, cases, qwen_loras, QWEN)
+    assert [o.metrics["batch_size"] for o in outs] == [3, 3, 3]
+    for case, out in zip(cases, outs):
+        torch.testing.assert_close(out.tensor, alone(qwen_omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
+
+
 def test_wan_mixed_batch_equals_each_alone(wan_omni, wan_loras):
     outs = run(wan_omni, MIX, wan_loras, WAN)
     assert [o.metrics["batch_size"] for o in outs] == [3, 3, 3]
