@@ -26,6 +26,8 @@ GUIDANCE_MAX = 100.0
 #: hard bounds of one output's height and width, and of num_frames (limits are checked within these)
 MAX_SIDE = 16384
 MAX_FRAMES = 10000
+#: |lora_scale| bound: adapters are used at 0-2; far beyond, the update swamps the base weights
+LORA_SCALE_MAX = 10.0
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -438,6 +440,12 @@ class OmniDiffusionConfig(_FromKwargs):
     #: to fit (None: no cap, waves are limited by max_num_seqs only; docs/scheduling.md)
     step_time_budget_s: float | None = attrs.field(default=None, validator=float_field(min=1e-4, max=3600.0,
                                                                                        optional=True))
+    #: LoRA adapters preloaded by name (``{"name": "path/to/adapter.safetensors"}``; see docs/lora.md)
+    loras: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
+    #: the most LoRA adapters kept loaded in each worker (an LRU cache; adapters in use are never evicted)
+    max_loras: int = attrs.field(default=8, validator=int_field(min=1, max=1024))
+    #: the largest LoRA rank accepted (a request naming a larger adapter is refused)
+    max_lora_rank: int = attrs.field(default=64, validator=int_field(min=1, max=4096))
 
     def __attrs_post_init__(self) -> None:
         for name in sorted(self.attention_config.backend_names()):
@@ -558,6 +566,10 @@ class SamplingParams(_FromKwargs):
     num_outputs_per_prompt: int = attrs.field(default=1, validator=int_field(min=1, max=MAX_OUTPUTS_PER_PROMPT))
     output_type: str = attrs.field(default="pil", validator=choice_field(OUTPUT_TYPES))
     max_sequence_length: int | None = attrs.field(default=None, validator=int_field(min=1, max=8192, optional=True))
+    #: a LoRA adapter: a name from the engine's ``loras`` or a path to a .safetensors file (docs/lora.md)
+    lora: str | None = attrs.field(default=None, validator=str_field(optional=True))
+    #: how strongly the adapter applies (its update times this; 0 = the base model)
+    lora_scale: float = attrs.field(default=1.0, validator=float_field(min=-LORA_SCALE_MAX, max=LORA_SCALE_MAX))
     #: model-specific options, checked by the pipeline
     extra_args: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
     #: values of model-declared sampling fields by name (None values are left out: unset means the default)

@@ -9,7 +9,8 @@ from omni_core.plugins.hookspecs import hookimpl
 
 @hookimpl
 def omni_register_commands(subparsers):
-    from omni_core.cli import env, plugins
+    from omni_core.cli import env, lora, plugins
 
     plugins.add_parser(subparsers)
     env.add_parser(subparsers)
+    lora.add_parser(subparsers)

@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model = p.add_argument_group("model sampling fields", "declared by the installed models; a model refuses "
                                                            "another model's field")
     add_engine_options(p)
+    from omni_core.cli.lora import add_lora_options
+
+    add_lora_options(p.add_argument_group("LoRA adapter (docs/lora.md)"), per_request=True)
     p.set_defaults(func=run_generate, model_fields=add_model_field_options(model))
 
 
@@ -96,12 +99,16 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = {"num_inference_steps": args.steps, "seed": args.seed, "guidance_scale": args.guidance,
                 "height": args.height, "width": args.width, "num_frames": args.num_frames,
                 "num_outputs_per_prompt": args.n, **{name: getattr(args, dest) for name, dest in args.model_fields}}
+    from omni_core.cli.lora import lora_options
+
+    lora_opts, sampling["lora"] = lora_options(args)
+    sampling["lora_scale"] = args.lora_scale
     sampling = {k: v for k, v in sampling.items() if v is not None}
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
     if args.image:  # read before the model loads: a bad path fails at once
         prompt["image"] = [open_image(path) for path in args.image]
     t0 = time.perf_counter()
-    with Omni(args.model, warmup=not args.no_warmup, **engine_options(args)) as omni:
+    with Omni(args.model, warmup=not args.no_warmup, **engine_options(args), **lora_opts) as omni:
         t1 = time.perf_counter()
         (out,) = omni.generate(prompt, **sampling)
         t2 = time.perf_counter()

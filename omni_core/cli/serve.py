@@ -55,6 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         eng.add_argument("--no-warmup", action="store_true", help="skip the start-up warmup (a one-step request)")
     eng.add_argument("--oversubscribe", action="store_true",
                      help="start more worker processes than the platform has devices (CPU: usable cores)")
+    from omni_core.cli.lora import add_lora_options
+
+    add_lora_options(p.add_argument_group("LoRA adapters (docs/lora.md)"))
     p.set_defaults(func=run_serve)
 
 
@@ -128,6 +131,9 @@ def run_serve(args: argparse.Namespace) -> int:
         opts["limits"] = limits
     if args.oversubscribe:
         opts["oversubscribe"] = True
+    from omni_core.cli.lora import lora_options
+
+    opts.update(lora_options(args)[0])
     if args.no_warmup:
         opts["warmup"] = False
     if not args.no_stream_previews:

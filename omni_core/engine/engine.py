@@ -69,6 +69,10 @@ class DiffusionEngine:
         self.pipeline_cls = self.resolved.pipeline_cls()
         #: the resolved RequestLimits every request is checked against (config.limits over the model's)
         self.limits = self.pipeline_cls.request_limits(config.limits)
+        if config.loras:  # preloaded LoRA adapters must fit the model before any worker starts
+            from omni_core.lora import check_engine_loras
+
+            check_engine_loras(config, self.pipeline_cls, self.resolved.model_path)
         from omni_core.platforms import check_world_size, platform_for
 
         check_world_size(config, platform_for(config))  # the configured platform runs here and can place the ranks
@@ -165,6 +169,10 @@ class DiffusionEngine:
         params = self.pipeline_cls.check_sampling_params(request.sampling_params, self.resolved.model_path)
         self.limits.check(params, request.prompt, request.negative_prompt, model=self.pipeline_cls.__name__)
         self.pipeline_cls.check_images(request, self.limits)
+        if params.lora is not None:  # the adapter exists, is a LoRA for this model, within max_lora_rank
+            from omni_core.lora import check_request_lora
+
+            check_request_lora(params, self.config, self.pipeline_cls, self.resolved.model_path)
         if params.seed is None:
             params = params.replace(seed=secrets.randbits(63))
         request.sampling_params = params

@@ -286,7 +286,7 @@ def _with_model_fields(fields: Mapping[str, str], sampling: Mapping[str, str], m
 IMAGE_FIELDS = {
     "prompt": "str", "model": "str", "n": "int", "size": "str", "response_format": "str", "stream": "bool",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
-    "extra_args": "object",
+    "extra_args": "object", "lora": "str", "lora_scale": "number",
 }
 #: OpenAI fields accepted only at the value this server produces anyway
 IMAGE_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "style": ("vivid", "natural"),
@@ -296,7 +296,8 @@ IMAGE_UNSUPPORTED = {"partial_images": "a stream sends one preview per denoising
                      "output_compression": "images are PNG", "svg": "images are PNG"}
 #: request field -> SamplingParams keyword (model-declared fields keep their name)
 _IMAGE_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
-                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"}
+                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
+                   "lora": "lora", "lora_scale": "lora_scale"}
 
 
 @attrs.frozen
@@ -355,14 +356,14 @@ def parse_edit_request(form: Any, *, model_fields: Sequence[Any] | None = None) 
 CHAT_GENERATION_FIELDS = {
     "n": "int", "size": "str", "width": "int", "height": "int", "num_inference_steps": "int",
     "guidance_scale": "number", "negative_prompt": "str", "seed": "int", "num_frames": "int", "fps": "int",
-    "extra_args": "object",
+    "extra_args": "object", "lora": "str", "lora_scale": "number",
 }
 #: chat-completion fields that mean nothing to an image model; read and left alone, as vLLM-Omni does
 CHAT_IGNORED = ("user", "temperature", "top_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
                 "presence_penalty", "stop", "modalities", "response_format")
 _CHAT_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
-                  "num_frames": "num_frames"}
+                  "num_frames": "num_frames", "lora": "lora", "lora_scale": "lora_scale"}
 
 
 @attrs.frozen
@@ -435,13 +436,14 @@ def _last_user_message(messages: Any) -> tuple[str, list]:
 VIDEO_FIELDS = {
     "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
-    "extra_args": "object", "width": "int", "height": "int",
+    "extra_args": "object", "width": "int", "height": "int", "lora": "str", "lora_scale": "number",
 }
 #: the field of ``/v1/videos`` holding the input image of an image-to-video model (a file part, or a data URL)
 INPUT_REFERENCE = "input_reference"
 VIDEO_UNSUPPORTED = {"remixed_from_video_id": "remixing is not supported"}
 _VIDEO_SAMPLING = {"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
-                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args"}
+                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
+                   "lora": "lora", "lora_scale": "lora_scale"}
 MAX_FPS = 120
 DEFAULT_FPS = 16
 

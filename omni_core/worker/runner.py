@@ -134,11 +134,19 @@ class ModelRunner:
             raise ComponentUnavailableError(f"cache backend {name!r} cannot run here: {av.reason}") from av.error
         self.cache_backend = av.cls(self.config.cache_config)
         self.cache_backend.enable(self.pipeline)
+        self.lora = None  # LoRA adapters per request (omni_core.lora): diffusers-based pipelines only
+        if hasattr(self.pipeline, "experts") and hasattr(getattr(self.pipeline, "pipe", None), "load_lora_weights"):
+            from omni_core.lora.manager import LoraManager
+
+            self.lora = LoraManager(self.pipeline, self.config)
+            self.lora.preload()
 
     def new_state(self, request: OmniDiffusionRequest) -> StepState:
         import torch
 
         gen = torch.Generator(device=self.device).manual_seed(request.seed)
+        if request.sampling_params.lora is not None and getattr(self, "lora", None) is not None:
+            self.lora.acquire(request)  # pinned until _forget
         return StepState(request=request, generator=gen)
 
     # ------------------------------------------------------------------ aborts
@@ -167,6 +175,8 @@ class ModelRunner:
         return {rid for rid, f in zip(request_ids, flags) if f}
 
     def _forget(self, request_id: str) -> None:
+        if getattr(self, "lora", None) is not None:
+            self.lora.release(request_id)
         self.states.pop(request_id, None)
         self._in_flight.discard(request_id)
         with self._abort_lock:

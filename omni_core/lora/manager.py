@@ -1,0 +1,210 @@
+"""The worker side of LoRA: loaded adapters (an LRU cache, pinned while in use) and per-row application.
+
+Loading is diffusers' own: ``pipe.load_lora_weights(state_dict, adapter_name=...)`` puts peft LoRA layers on
+the denoiser. What neither library does is run requests with *different* adapters and scales in one batched
+call (diffusers applies the active adapters to every row; peft's ``adapter_names`` routes rows but with one
+scale per adapter), so each peft LoRA layer's ``forward`` is replaced by :func:`_per_row_forward`: the base
+layer on all rows, then for each adapter present in the call ONE ``B(A(x[rows]))`` over its rows, times each
+row's own scale (a segmented computation, as multi-LoRA LLM servers do). Weights are never merged. The rows
+come from the :class:`~omni_core.forward_context.DenoiseCall` the pipeline sets around every denoiser call
+(requests x CFG branches x outputs, exactly as the batch is built; a cache backend that runs a subset of rows
+sets the subset's call), so the layout is declared by data and every diffusers-based pipeline gets it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Any
+
+from omni_core.forward_context import forward_context
+from omni_core.lora.files import resolve_lora_path
+
+logger = logging.getLogger("omni_core.lora")
+
+
+class LoraManager:
+    """Adapters of one worker's pipeline: ``acquire`` when a request's state is made, ``release`` when it ends."""
+
+    def __init__(self, pipeline: Any, config: Any) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        #: adapter file -> peft adapter name, least recently used first
+        self.loaded: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: peft adapter name -> ids of the requests using it (pinned while non-empty)
+        self.users: dict[str, set[str]] = {}
+        #: request id -> (peft adapter name, scale)
+        self.active: dict[str, tuple[str, float]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+        self._plan: tuple[Any, int, list] | None = None
+        self._gathered: dict = {}
+        self.patched = 0
+
+    @property
+    def diffusers_pipe(self) -> Any:
+        return self.pipeline.pipe
+
+    def preload(self) -> None:
+        """Load the configured ``loras`` (up to ``max_loras``; the rest load when first asked for)."""
+        for name in list(self.config.loras)[: self.config.max_loras]:
+            self._ensure_loaded(resolve_lora_path(name, self.config.loras, "loras"))
+
+    # ------------------------------------------------------------------ cache
+    def acquire(self, request: Any) -> None:
+        """Pin the adapter ``request`` names (loading it if needed) for as long as the request runs."""
+        params = request.sampling_params
+        if params.lora is None or request.request_id in self.active:
+            return
+        path = resolve_lora_path(params.lora, self.config.loras)
+        with self._lock:
+            name = self._ensure_loaded(path)
+            self.loaded.move_to_end(path)
+            self.users.setdefault(name, set()).add(request.request_id)
+            self.active[request.request_id] = (name, float(params.lora_scale))
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            entry = self.active.pop(request_id, None)
+            if entry is not None:
+                self.users.get(entry[0], set()).discard(request_id)
+                self._evict(self.config.max_loras)
+
+    def _evict(self, limit: int) -> None:
+        """Unload least recently used adapters no running request uses until at most ``limit`` are loaded (all
+        in use: the cache stays above its size until one is released)."""
+        for path, name in list(self.loaded.items()):
+            if len(self.loaded) <= limit:
+                return
+            if not self.users.get(name):
+                self.diffusers_pipe.delete_adapters(name)
+                del self.loaded[path]
+                self.users.pop(name, None)
+                logger.info("LoRA %s unloaded (LRU, max_loras=%d)", path, self.config.max_loras)
+
+    def _ensure_loaded(self, path: str) -> str:
+        if path in self.loaded:
+            return self.loaded[path]
+        self._evict(self.config.max_loras - 1)
+        self._count += 1
+        name = f"omni_lora_{self._count}"
+        # by folder + file name, exactly as a user calls diffusers (its metadata, e.g. lora_alpha, is read too)
+        self.diffusers_pipe.load_lora_weights(os.path.dirname(path), weight_name=os.path.basename(path),
+                                              adapter_name=name)
+        self.loaded[path] = name
+        self._patch_layers()
+        logger.info("LoRA %s loaded as %s", path, name)
+        return name
+
+    def _patch_layers(self) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        for module in self.pipeline.experts.values():
+            for layer in module.modules():
+                if isinstance(layer, LoraLayer) and not getattr(layer, "_omni_per_row", False):
+                    layer.eval()  # peft builds its layers in training mode; this is inference (no dropout)
+                    layer.forward = _per_row_forward(layer, self)
+                    layer._omni_per_row = True
+                    self.patched += 1
+
+    # ------------------------------------------------------------------ per-row layout
+    def plan(self, batch: int) -> list:
+        """``[(adapter, [(start, stop, scale), ...]), ...]`` for the denoiser call in progress: each adapter's
+        spans of rows (adjacent rows with the same adapter and scale merged; a request's CFG branches are two
+        spans). Empty when no row has an adapter. Computed once per call (memoised on the call object) and
+        shared by every layer."""
+        call = forward_context().call
+        cached = self._plan
+        if cached is not None and cached[0] is call and cached[1] == batch:
+            return cached[2]
+        plan = self._build_plan(call, batch)
+        self._plan = (call, batch, plan)
+        return plan
+
+    def gather(self, spans: list, device: Any) -> tuple[Any, Any]:
+        """The row index of ``spans`` and their scales (a float when all equal, else one per row), memoised
+        for the current call (every layer asks for the same spans)."""
+        key = (id(spans), device)
+        hit = self._gathered.get(key)
+        if hit is None or hit[0] is not spans:
+            import torch
+
+            index = torch.cat([torch.arange(a, b) for a, b, _ in spans]).to(device)
+            values = {s for _, _, s in spans}
+            scales: Any = (values.pop() if len(values) == 1 else
+                           torch.tensor([s for a, b, s in spans for _ in range(b - a)], device=device))
+            if len(self._gathered) > 64:
+                self._gathered.clear()
+            hit = self._gathered[key] = (spans, index, scales)
+        return hit[1], hit[2]
+
+    def _build_plan(self, call: Any, batch: int) -> list:
+        if not self.active:
+            return []
+        if call is None or not call.covers(batch):
+            raise RuntimeError(f"a LoRA layer ran on {batch} rows outside a denoiser call whose rows are known "
+                               f"(use_denoise_call): the rows' adapters cannot be told apart")
+        rows: dict[str, list[tuple[int, int, float]]] = {}
+        for group, start, stop in call.spans():
+            state = group.state
+            entry = self.active.get(getattr(state, "request_id", None)) if state is not None else None
+            if entry is None:
+                if state is not None and state.request.sampling_params.lora is not None:
+                    raise RuntimeError(f"request {state.request_id!r} asks for LoRA {state.request.sampling_params.lora!r}"
+                                       f" but it was not acquired in this worker")
+                continue
+            name, scale = entry
+            if scale == 0.0:
+                continue
+            spans = rows.setdefault(name, [])
+            if spans and spans[-1][1] == start and spans[-1][2] == scale:
+                spans[-1] = (spans[-1][0], stop, scale)
+            else:
+                spans.append((start, stop, scale))
+        return list(rows.items())
+
+
+def _per_row_forward(layer: Any, manager: LoraManager) -> Any:
+    """The replacement ``forward`` of one peft LoRA layer (see the module docstring): peft's own per-adapter
+    ``lora_A``/``lora_B``/``scaling`` (``base(x) + B(A(x)) * scaling * scale``), with the rows and each row's
+    scale from :meth:`LoraManager.plan`. For Linear layers each span of rows is one ``A`` matmul and one
+    in-place ``addmm_`` into the base output (the scale as its ``alpha``): three kernels per span instead of
+    peft's five, which is what keeps the unmerged overhead small on narrow models."""
+    import torch
+
+    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+        result = layer.base_layer(x, *args, **kwargs)
+        plan = manager.plan(x.shape[0])
+        if not plan:
+            return result
+        for name, spans in plan:
+            if name not in layer.lora_A:  # this adapter does not target this layer
+                continue
+            a, b = layer.lora_A[name], layer.lora_B[name]
+            base_scale = layer.scaling[name]
+            fast = (isinstance(a, torch.nn.Linear) and isinstance(b, torch.nn.Linear) and b.bias is None
+                    and a.weight.dtype == x.dtype == result.dtype and result.is_contiguous() and not layer.training)
+            if fast and len(spans) > 2:  # many spans (adapters interleaved): gather the rows once
+                index, scales = manager.gather(spans, x.device)
+                h = torch.nn.functional.linear(x.index_select(0, index), a.weight, a.bias)
+                delta = torch.nn.functional.linear(h, b.weight)
+                if isinstance(scales, float):
+                    result.index_add_(0, index, delta, alpha=base_scale * scales)
+                else:
+                    result.index_add_(0, index, delta * (scales * base_scale).view(-1, *([1] * (delta.dim() - 1))))
+                continue
+            for start, stop, scale in spans:
+                rows = x if (start == 0 and stop == x.shape[0]) else x[start:stop]
+                out = result if rows is x else result[start:stop]
+                if fast:
+                    h = torch.nn.functional.linear(rows, a.weight, a.bias)
+                    out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), b.weight.t(),
+                                                      alpha=base_scale * scale)
+                else:
+                    delta = b(a(layer.lora_dropout[name](rows.to(a.weight.dtype))))
+                    out += (delta * (base_scale * scale)).to(result.dtype)
+        return result
+
+    return forward
