@@ -518,12 +518,18 @@ def _collect_executor_options(kwargs: dict, fields: list[str]) -> None:
 
 def _check_executor_options(executor: str, options: dict) -> None:
     """Every key of ``executor_options`` must be an option the executor declares."""
-    declared = executor_option_names().get(executor, {})
+    from omni_core.plugins.manager import get_plugin_manager
+
+    cls = get_plugin_manager().load_component("executor", executor)
+    declared = getattr(cls, "options", None) or {}
     for key in options:
         if key not in declared:
             allowed = ", ".join(f"{executor}_{n}" for n in declared) or "none"
             raise ConfigError(f"executor {executor!r} has no option {key!r}; its options: {allowed}",
                               field="executor_options")
+    check = getattr(cls, "check_options", None)  # the executor's own checks of the values
+    if check is not None:
+        check(dict(options))
 
 
 # ------------------------------------------------------------------------------------------ sampling

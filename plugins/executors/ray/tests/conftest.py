@@ -73,6 +73,13 @@ class Cluster:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
 
+    def kill_node(self, name: str) -> None:
+        """SIGKILL a node's Ray processes, as when its machine drops off the network (its actor workers run in
+        their own sessions and exit once their raylet is gone)."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
     def stop(self) -> None:
         import ray
 
@@ -92,7 +99,13 @@ def ray_cluster():
         cluster.stop()
 
 
-def ours_left() -> tuple[list, list]:
+@pytest.fixture
+def ours_left():
+    """The function below, for tests (plugin tests import no module of their own under importlib mode)."""
+    return _ours_left
+
+
+def _ours_left() -> tuple[list, list]:
     """(our actors that are not DEAD, our placement groups that are not REMOVED), as Ray's GCS reports them."""
     import ray
 

@@ -35,8 +35,9 @@ logger = logging.getLogger("omni_core.executor")
 
 #: option name -> (default, help); given as ``ray_<name>=`` to ``Omni(...)`` / ``--ray-<name>`` to the CLI
 OPTIONS: dict[str, tuple[Any, str]] = {
-    "address": (None, "Ray cluster to join: None starts a local Ray, 'auto' joins the one started with "
-                      "`ray start` on this machine, 'HOST:PORT' or 'ray://HOST:10001' a remote one"),
+    "address": (None, "Ray cluster to join: None is Ray's own search (RAY_ADDRESS, else a `ray start` cluster on "
+                      "this machine, else a new local one), 'auto' the `ray start` cluster on this machine, "
+                      "'HOST:PORT' or 'ray://HOST:10001' a remote one"),
     "cpus_per_rank": (1.0, "logical CPUs each rank reserves in the placement group (fractions allowed)"),
     "gpus_per_rank": (None, "GPUs each rank reserves (default: 1 on a GPU platform, 0 on CPU)"),
     "placement": ("spread", "'spread': data-parallel replicas on different nodes where possible; 'pack': "
@@ -131,6 +132,7 @@ class _AbortSender:
 class RayExecutor(MultiProcExecutor):
     #: the options this executor takes (``ray_<name>=`` in ``Omni(...)``); read by the core's config and CLI
     options = {name: help for name, (_, help) in OPTIONS.items()}
+    check_options = staticmethod(check_options)
 
     def start(self) -> None:
         opts = check_options(dict(getattr(self.config, "executor_options", None) or {}))

@@ -1,0 +1,151 @@
+"""``executor="ray"`` on a local two-node Ray cluster (gloo): the same images as ``uni``, ranks placed as
+promised, a killed actor fails in-flight requests with the engine-dead error within 10 s, and ``close()``
+leaves no actor or placement group of ours."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+#: a CFG pair and a request without CFG: CFG-2 also meets a request with no negative branch
+SHAPES_REQUESTS = [
+    {"prompt": "a red circle in the top left", "negative_prompt": "a blue square", "guidance_scale": 4.0,
+     "height": 28, "width": 28, "num_inference_steps": 2, "seed": 1},
+    {"prompt": "a yellow cross in the center", "guidance_scale": 1.0, "height": 32, "width": 32,
+     "num_inference_steps": 2, "seed": 3},
+]
+#: tiny Qwen-Image (4 heads): 24x40 is 15 tokens (not divisible by 2: Ulysses pads)
+QWEN_REQUESTS = [
+    {"prompt": "a red fox jumping over a lazy dog", "negative_prompt": "blurry", "true_cfg_scale": 4.0,
+     "height": 24, "width": 40, "num_inference_steps": 2, "seed": 1},
+    {"prompt": "an astronaut riding a horse", "height": 32, "width": 32, "num_inference_steps": 2, "seed": 3},
+]
+CONFIGS = {"dp2": {"data_parallel_size": 2}, "ulysses2": {"ulysses_degree": 2}, "cfg2": {"cfg_parallel_size": 2}}
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from omni_model_qwen_image.testing import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("ray-qwen"), num_heads=4)
+
+
+def run(model: str, requests: list[dict], **kwargs) -> dict:
+    """Every request submitted at once to ``Omni(model, **kwargs)``; float images, and the ray placement."""
+    import torch
+
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+
+    with Omni(model, dtype="float32", warmup=False, max_num_seqs=4, cpu_threads=1, **kwargs) as omni:
+        streams = []
+        for spec in requests:
+            spec = dict(spec)
+            prompt, negative = spec.pop("prompt"), spec.pop("negative_prompt", None)
+            streams.extend(omni.engine.submit([OmniDiffusionRequest(
+                prompt=prompt, negative_prompt=negative, sampling_params=SamplingParams(output_type="pt", **spec))]))
+        finals = []
+        for stream in streams:
+            while not (out := stream.get(timeout=300)).finished:
+                pass
+            finals.append(out)
+        placement = getattr(omni.engine.executor, "placement", list)()
+    assert not [o.error for o in finals if o.status == "error"]
+    return {"images": [torch.stack(list(o.images)).float() for o in finals], "placement": placement}
+
+
+@pytest.fixture(scope="module")
+def references(qwen_dir):
+    return {"shapes": run("shapes", SHAPES_REQUESTS), "qwen": run(qwen_dir, QWEN_REQUESTS)}
+
+
+@pytest.mark.parametrize("label", list(CONFIGS))
+@pytest.mark.parametrize("model", ["shapes", "qwen"])
+def test_ray_matches_uni_and_places_ranks(ray_cluster, references, qwen_dir, ours_left, model, label):
+    name, requests = ("shapes", SHAPES_REQUESTS) if model == "shapes" else (qwen_dir, QWEN_REQUESTS)
+    got = run(name, requests, executor="ray", parallel_config=CONFIGS[label])
+    for i, (image, ref) in enumerate(zip(got["images"], references[model]["images"])):
+        assert image.shape == ref.shape, (label, i)
+        assert float((image - ref).abs().max()) <= TOL, (label, i, float((image - ref).abs().max()))
+    nodes = {p["rank"]: p["node_id"] for p in got["placement"]}
+    assert sorted(nodes) == [0, 1]
+    if label == "dp2":  # replicas never talk: one per node
+        assert set(nodes.values()) == {ray_cluster.head, ray_cluster.node_b}
+    else:  # a sequence-/CFG-parallel group talks every step: one node
+        assert nodes[0] == nodes[1]
+    assert ours_left() == ([], [])
+
+
+def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left):
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.errors import EngineDeadError
+    from omni_core.request import OmniDiffusionRequest
+
+    omni = Omni("shapes", executor="ray", parallel_config={"ulysses_degree": 2}, warmup=False, cpu_threads=1)
+    try:
+        stepped = []
+        streams = omni.engine.submit(
+            [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
+                num_inference_steps=400, height=32, width=32, seed=i)) for i in range(2)],
+            on_progress=lambda rid, step, n: stepped.append(step))
+        deadline = time.monotonic() + 120
+        while not stepped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stepped, "no step ran"
+        victim = next(p for p in omni.engine.executor.placement() if p["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        for stream in streams:
+            while not (out := stream.get(timeout=30)).finished:
+                pass
+            assert out.status == "error"
+            assert "engine is dead" in out.error and "rank 1" in out.error and victim["node_id"][:12] in out.error
+        assert time.monotonic() - killed < 10
+        assert not omni.engine.executor.is_alive()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            omni.generate("another", SamplingParams(num_inference_steps=2, height=32, width=32))
+    finally:
+        omni.close()
+    assert ours_left() == ([], [])
+
+
+def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
+    """The second node's Ray processes are SIGKILLed (as a machine that drops off) while its replica runs a
+    request: the engine is dead within 10 s, naming a rank on that node. Last in the module: the node is gone."""
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+
+    omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1)
+    try:
+        stepped = set()
+        streams = omni.engine.submit(
+            [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
+                num_inference_steps=400, height=32, width=32, seed=i)) for i in range(2)],
+            on_progress=lambda rid, step, n: stepped.add(rid))
+        deadline = time.monotonic() + 120
+        while len(stepped) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(stepped) == 2, "both replicas should be running a request"
+        lost = next(p for p in omni.engine.executor.placement() if p["node_id"] == ray_cluster.node_b)
+        ray_cluster.kill_node("node_b")
+        killed = time.monotonic()
+        errors = []
+        for stream in streams:
+            while not (out := stream.get(timeout=30)).finished:
+                pass
+            errors.append(out.error)
+        assert time.monotonic() - killed < 10
+        assert all("engine is dead" in e and f"rank {lost['rank']}" in e for e in errors), errors
+    finally:
+        omni.close()
+    actors, groups = ours_left()
+    assert groups == []
