@@ -67,8 +67,8 @@ class Cluster:
         proc = self.procs.get(name)
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
+            try:  # a node drains for up to 30 s before it stops; nothing of ours runs on it any more
+                proc.wait(8)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
