@@ -62,17 +62,28 @@ def run(model: str, requests: list[dict], **kwargs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(qwen_dir):
-    return {"shapes": run("shapes", SHAPES_REQUESTS), "qwen": run(qwen_dir, QWEN_REQUESTS)}
+def references(request):
+    """``uni`` results per model, made on first use (a run of the shapes cases builds no Qwen-Image)."""
+    cache: dict = {}
+
+    def get(model: str) -> dict:
+        if model not in cache:
+            cache[model] = (run("shapes", SHAPES_REQUESTS) if model == "shapes"
+                            else run(request.getfixturevalue("qwen_dir"), QWEN_REQUESTS))
+        return cache[model]
+
+    return get
 
 
 @pytest.mark.parametrize("label", list(CONFIGS))
 # tiny Qwen-Image repeats what shapes covers on a real text encoder + VAE (slow: three more engine starts)
 @pytest.mark.parametrize("model", ["shapes", pytest.param("qwen", marks=pytest.mark.slow)])
-def test_ray_matches_uni_and_places_ranks(ray_cluster, references, qwen_dir, ours_left, model, label):
-    name, requests = ("shapes", SHAPES_REQUESTS) if model == "shapes" else (qwen_dir, QWEN_REQUESTS)
+def test_ray_matches_uni_and_places_ranks(request, ray_cluster, references, ours_left, model, label):
+    reference = references(model)
+    name, requests = ("shapes", SHAPES_REQUESTS) if model == "shapes" else (request.getfixturevalue("qwen_dir"),
+                                                                            QWEN_REQUESTS)
     got = run(name, requests, executor="ray", parallel_config=CONFIGS[label])
-    for i, (image, ref) in enumerate(zip(got["images"], references[model]["images"])):
+    for i, (image, ref) in enumerate(zip(got["images"], reference["images"])):
         assert image.shape == ref.shape, (label, i)
         assert float((image - ref).abs().max()) <= TOL, (label, i, float((image - ref).abs().max()))
     nodes = {p["rank"]: p["node_id"] for p in got["placement"]}
@@ -91,12 +102,12 @@ def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left
     from omni_core.request import OmniDiffusionRequest
 
     omni = Omni("shapes", executor="ray", parallel_config={"ulysses_degree": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 400})
+                limits={"max_steps": 1000})
     try:
         stepped = []
         streams = omni.engine.submit(
             [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
-                num_inference_steps=400, height=32, width=32, seed=i)) for i in range(2)],
+                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(2)],
             on_progress=lambda rid, step, n: stepped.append(step))
         deadline = time.monotonic() + 120
         while not stepped and time.monotonic() < deadline:
@@ -127,12 +138,12 @@ def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
     from omni_core.request import OmniDiffusionRequest
 
     omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 400})
+                limits={"max_steps": 1000})
     try:
         stepped = set()
         streams = omni.engine.submit(
             [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
-                num_inference_steps=400, height=32, width=32, seed=i)) for i in range(2)],
+                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(2)],
             on_progress=lambda rid, step, n: stepped.add(rid))
         deadline = time.monotonic() + 120
         while len(stepped) < 2 and time.monotonic() < deadline:

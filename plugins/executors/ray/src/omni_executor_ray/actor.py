@@ -46,11 +46,13 @@ class RankActor:
         os.environ.update(env or {})
         from omni_core.worker.mp_worker import run_worker
 
+        from omni_executor_ray.transport import pack_for_ray
+
         def run() -> None:
             try:
                 run_worker(self.rank, world_size, config, resolved, master_port, self.tasks, self.results,
                            self.aborts, master_addr=master_addr, local_rank=local_rank,
-                           local_world_size=local_world_size)
+                           local_world_size=local_world_size, pack=pack_for_ray)
             finally:
                 self._done.set()
 

@@ -2,7 +2,8 @@
 
 The wave routing (data-parallel split, merging, pipelined step waves, aborts by replica) is the ``mp``
 executor's, inherited; only the transport differs: waves go to each rank's actor by Ray calls, results and
-progress come back from each replica leader by a long-poll call, and the actors run the ``mp`` worker loop
+progress come back from each replica leader by a long-poll call (result tensors as numpy arrays:
+``omni_executor_ray.transport``), and the actors run the ``mp`` worker loop
 (``omni_core.worker.mp_worker.run_worker``) in a thread. Ranks join ``torch.distributed`` (gloo on CPU, the
 platform's backend such as nccl on GPUs) at rank 0's node address.
 
@@ -30,6 +31,8 @@ from typing import Any
 
 from omni_core.errors import ConfigError, EngineDeadError
 from omni_core.executor.mp import MultiProcExecutor
+
+from omni_executor_ray.transport import unpack_from_ray
 
 logger = logging.getLogger("omni_core.executor")
 
@@ -250,10 +253,14 @@ class RayExecutor(MultiProcExecutor):
         for ref in done:
             rank = self._pending.pop(ref)
             try:
-                self._buffer.extend(ray.get(ref))
+                messages = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - the actor died
                 self._mark_dead(rank, exc)
                 raise EngineDeadError(self._dead) from None
+            for msg in messages:
+                if msg[0] == "result":
+                    unpack_from_ray(msg[2])
+            self._buffer.extend(messages)
         if not self._buffer:
             raise queue.Empty
         return self._buffer.pop(0)
