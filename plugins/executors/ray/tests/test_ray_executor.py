@@ -95,24 +95,36 @@ def test_ray_matches_uni_and_places_ranks(request, ray_cluster, references, ours
     assert ours_left() == ([], [])
 
 
+def _abort_within_steps(omni, handle, steps: list) -> None:
+    """Abort a running request: it ends "aborted" within a few steps of the engine (not its 1000)."""
+    at = len(steps)
+    omni.engine.abort(handle.request_id)
+    while not (out := handle.get(timeout=30)).finished:
+        pass
+    assert out.status == "aborted", (out.status, out.error)
+    assert len(steps) - at < 20, len(steps) - at
+
+
 def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left):
     from omni_core import Omni
     from omni_core.config import SamplingParams
     from omni_core.errors import EngineDeadError
     from omni_core.request import OmniDiffusionRequest
 
+    # step mode here (pipelined step waves), request mode in the lost-node test: an abort lands in both
     omni = Omni("shapes", executor="ray", parallel_config={"ulysses_degree": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 1000})
+                limits={"max_steps": 1000}, step_execution=True, max_num_seqs=4)
     try:
         stepped = []
-        streams = omni.engine.submit(
+        doomed, *streams = omni.engine.submit(
             [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
-                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(2)],
+                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(3)],
             on_progress=lambda rid, step, n: stepped.append(step))
         deadline = time.monotonic() + 120
         while not stepped and time.monotonic() < deadline:
             time.sleep(0.05)
         assert stepped, "no step ran"
+        _abort_within_steps(omni, doomed, stepped)
         victim = next(p for p in omni.engine.executor.placement() if p["rank"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)
         killed = time.monotonic()
@@ -137,18 +149,23 @@ def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
     from omni_core.config import SamplingParams
     from omni_core.request import OmniDiffusionRequest
 
+    # one wave holds them all, so both replicas run at once (request mode)
     omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 1000})
+                limits={"max_steps": 1000}, max_num_seqs=4)
     try:
         stepped = set()
+        steps = []
         streams = omni.engine.submit(
             [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
-                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(2)],
-            on_progress=lambda rid, step, n: stepped.add(rid))
+                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(3)],
+            on_progress=lambda rid, step, n: (stepped.add(rid), steps.append(step)))
         deadline = time.monotonic() + 120
         while len(stepped) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(stepped) == 2, "both replicas should be running a request"
+        assert len(stepped) >= 2, "both replicas should be running a request"
+        running = [s for s in streams if s.request_id in stepped]
+        _abort_within_steps(omni, running[0], steps)
+        streams = [s for s in streams if s is not running[0]]
         lost = next(p for p in omni.engine.executor.placement() if p["node_id"] == ray_cluster.node_b)
         ray_cluster.kill_node("node_b")
         killed = time.monotonic()
