@@ -73,6 +73,17 @@ class Cluster:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
 
+    def wait_idle(self, timeout: float = 60) -> None:
+        """Until every node's CPUs are free again (a killed actor's are released asynchronously, and "spread"
+        placement is best effort: it uses whatever nodes have room)."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray resources still in use: {ray.available_resources()}")
+            time.sleep(0.2)
+
     def kill_node(self, name: str) -> None:
         """SIGKILL a node's Ray processes, as when its machine drops off the network (its actor workers run in
         their own sessions and exit once their raylet is gone)."""

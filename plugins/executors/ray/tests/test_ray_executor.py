@@ -82,6 +82,7 @@ def test_ray_matches_uni_and_places_ranks(request, ray_cluster, references, ours
     reference = references(model)
     name, requests = ("shapes", SHAPES_REQUESTS) if model == "shapes" else (request.getfixturevalue("qwen_dir"),
                                                                             QWEN_REQUESTS)
+    ray_cluster.wait_idle()
     got = run(name, requests, executor="ray", parallel_config=CONFIGS[label])
     for i, (image, ref) in enumerate(zip(got["images"], reference["images"])):
         assert image.shape == ref.shape, (label, i)
@@ -111,9 +112,9 @@ def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left
     from omni_core.errors import EngineDeadError
     from omni_core.request import OmniDiffusionRequest
 
-    # step mode here (pipelined step waves), request mode in the lost-node test: an abort lands in both
+    # request mode here (the first request runs alone), step mode in the lost-node test: an abort lands in both
     omni = Omni("shapes", executor="ray", parallel_config={"ulysses_degree": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 1000}, step_execution=True, max_num_seqs=4)
+                limits={"max_steps": 1000})
     try:
         stepped = []
         doomed, *streams = omni.engine.submit(
@@ -149,9 +150,11 @@ def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
     from omni_core.config import SamplingParams
     from omni_core.request import OmniDiffusionRequest
 
-    # one wave holds them all, so both replicas run at once (request mode)
+    ray_cluster.wait_idle()
+    # step mode, one wave holds them all: both replicas run at once, and an aborted request ends at its next
+    # step (in request mode a wave, and so the abort's answer, ends only when both replicas' parts have)
     omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 1000}, max_num_seqs=4)
+                limits={"max_steps": 1000}, max_num_seqs=4, step_execution=True)
     try:
         stepped = set()
         steps = []
