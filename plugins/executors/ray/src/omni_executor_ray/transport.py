@@ -1,9 +1,9 @@
 """How a result's tensors travel from a rank's actor to the engine: as numpy arrays.
 
 Ray serialises numpy arrays out of band (pickle 5 buffers, zero-copy into its object store) but pickles a
-torch tensor's bytes in band. Measured with ``bench/executors.py`` (one wave's result, four images, median of
-20 ``ray.get``; 2 cores, load average 10-13): 32x32 2.5 ms as numpy vs 3.4 ms with the engine's
-``pack_outputs`` (bytes) and 4.5 ms as tensors; 512x512 59 vs 112 vs 134 ms; 1024x1024 258 vs 613 vs 742 ms.
+torch tensor's bytes in band. Measured with ``bench/executors.py`` (one wave's result, four float32 images,
+median of 20 ``ray.get``, 2 cores at load average 4): 32x32 1.4 ms as numpy vs 2.1 ms with the engine's
+``pack_outputs`` (bytes); 512x512 54 vs 95 ms; 1024x1024 318 vs 479 ms; 256x256 a tie (30 ms).
 The engine copies each array once on arrival, so no returned tensor pins Ray's shared memory (and torch gets a
 writable buffer). Tensors numpy cannot hold (bfloat16, or not on the CPU) are left to Ray's pickling.
 """
