@@ -446,10 +446,15 @@ class OmniDiffusionConfig(_FromKwargs):
     max_loras: int = attrs.field(default=8, validator=int_field(min=1, max=1024))
     #: the largest LoRA rank accepted (a request naming a larger adapter is refused)
     max_lora_rank: int = attrs.field(default=64, validator=int_field(min=1, max=4096))
+    #: options of the selected executor (its class's ``options``); ``from_kwargs`` collects ``<executor>_<name>=``
+    #: keywords here, e.g. ``Omni(model, executor="ray", ray_address="auto")`` -> ``{"address": "auto"}``
+    executor_options: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
 
     def __attrs_post_init__(self) -> None:
         for name in sorted(self.attention_config.backend_names()):
             _check_registered("attention", name, "OmniDiffusionConfig.attention_config", "attention_config")
+        if self.executor_options:
+            _check_executor_options(self.executor_name, self.executor_options)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:
@@ -459,6 +464,7 @@ class OmniDiffusionConfig(_FromKwargs):
         if backend is not None:
             att = AttentionConfig.coerce(kwargs.get("attention_config"))
             kwargs["attention_config"] = attrs.evolve(att, default=backend)
+        _collect_executor_options(kwargs, cls.field_names())
         cls.check_keys(kwargs)
         return cls(**kwargs)
 
@@ -486,6 +492,59 @@ class OmniDiffusionConfig(_FromKwargs):
         if self.scheduler is not None:
             return self.scheduler
         return "step" if self.uses_step_execution else "request"
+
+
+def executor_option_names() -> dict[str, dict[str, str]]:
+    """``{executor: {option: help}}`` of every registered executor that declares options (imports their classes,
+    which must stay light: an executor imports its heavy libraries in ``start``)."""
+    from omni_core.plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    out = {}
+    for name in sorted(pm.components("executor")):
+        try:
+            options = getattr(pm.load_component("executor", name), "options", None) or {}
+        except Exception:  # noqa: BLE001 - an unusable executor has no options to offer
+            continue
+        if options:
+            out[name] = dict(options)
+    return out
+
+
+def _collect_executor_options(kwargs: dict, fields: list[str]) -> None:
+    """Move ``<executor>_<name>`` keywords of the selected executor into ``executor_options`` (in place); a known
+    option of another executor is an error naming the executor it belongs to."""
+    if not any(key not in fields and "_" in key for key in kwargs):
+        return
+    executor = kwargs.get("executor")
+    declared = executor_option_names()
+    collected = dict(kwargs.get("executor_options") or {})
+    for key in [k for k in kwargs if k not in fields]:
+        for name, options in declared.items():
+            prefix = f"{name}_"
+            if key.startswith(prefix) and key[len(prefix):] in options:
+                if executor != name:
+                    raise ConfigError(f"{key} is an option of executor {name!r}; pass executor={name!r} "
+                                      f"(omni serve --executor {name}) to use it", field=key)
+                collected[key[len(prefix):]] = kwargs.pop(key)
+    if collected:
+        kwargs["executor_options"] = collected
+
+
+def _check_executor_options(executor: str, options: dict) -> None:
+    """Every key of ``executor_options`` must be an option the executor declares."""
+    from omni_core.plugins.manager import get_plugin_manager
+
+    cls = get_plugin_manager().load_component("executor", executor)
+    declared = getattr(cls, "options", None) or {}
+    for key in options:
+        if key not in declared:
+            allowed = ", ".join(f"{executor}_{n}" for n in declared) or "none"
+            raise ConfigError(f"executor {executor!r} has no option {key!r}; its options: {allowed}",
+                              field="executor_options")
+    check = getattr(cls, "check_options", None)  # the executor's own checks of the values
+    if check is not None:
+        check(dict(options))
 
 
 # ------------------------------------------------------------------------------------------ sampling

@@ -18,7 +18,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     eng.add_argument("--cpu-threads", type=int, default=None,
                      help="torch threads per model process (default: usable CPU cores / model processes)")
     eng.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
-    eng.add_argument("--executor", default=None, help="uni or mp (default: by the number of processes)")
+    eng.add_argument("--executor", default=None, help="uni or mp (default: by the number of processes), or a "
+                     "plugin's (e.g. ray)")
+    _add_executor_option_flags(eng)
     eng.add_argument("--parallel-config", default=None, help='JSON object, e.g. \'{"ulysses_degree": 2}\'')
     eng.add_argument("--step-execution", action="store_true", help="run requests step by step (step batching)")
     return eng
@@ -41,7 +43,24 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
             "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
             "executor": args.executor, "cpu_threads": args.cpu_threads, "parallel_config": _json_arg(args.parallel_config, "parallel-config")}
+    opts.update(_executor_option_values(args))
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.step_execution:
         opts["step_execution"] = True
     return opts
+
+
+def _add_executor_option_flags(eng: argparse._ArgumentGroup) -> None:
+    """``--<executor>-<option>`` for every option a registered executor declares (``DiffusionExecutor.options``)."""
+    from omni_core.config import executor_option_names
+
+    for executor, options in executor_option_names().items():
+        for name, help_text in options.items():
+            eng.add_argument(f"--{executor}-{name}".replace("_", "-"), dest=f"executor_option:{executor}_{name}",
+                             default=None, help=f"(executor {executor}) {help_text}".replace("%", "%%"))
+
+
+def _executor_option_values(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"<executor>_<option>": value}`` of the executor option flags that were given."""
+    return {key.split(":", 1)[1]: value for key, value in vars(args).items()
+            if key.startswith("executor_option:") and value is not None}

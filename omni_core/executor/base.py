@@ -18,6 +18,11 @@ class DiffusionExecutor:
     request at its next step boundary.
     """
 
+    #: the executor's own options, name -> one-line help: given as ``<executor>_<name>=`` to ``Omni(...)`` and
+    #: ``--<executor>-<name>`` to the CLI, they reach the executor as ``config.executor_options[name]``
+    #: (so the core names no executor's options; e.g. ``ray_address``)
+    options: dict[str, str] = {}
+
     def __init__(self, config: Any, resolved: ResolvedModel, on_progress: ProgressFn | None = None) -> None:
         self.config = config
         self.resolved = resolved

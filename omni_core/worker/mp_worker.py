@@ -65,9 +65,32 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         from omni_core.worker.parent_watch import die_with_parent
 
         die_with_parent(parent_pid)
+    if not run_worker(rank, world_size, config, resolved, master_port, task_q, result_q, abort_q):
+        return
+    # Skip the interpreter's teardown: with torch and diffusers loaded it takes seconds per worker (measured
+    # 2-5 s on 2 cores); multiprocessing's own exit work (queue feeders, semaphores such as tqdm's lock) still runs.
+    from multiprocessing import util
+
+    util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_port: int, task_q: Any,
+               result_q: Any, abort_q: Any, *, master_addr: str = "127.0.0.1", local_rank: int | None = None,
+               local_world_size: int | None = None, pack: Any = pack_outputs) -> bool:
+    """One rank's whole life: start-up, the wave loop, teardown; returns False if start-up failed (reported
+    as ``("fatal", rank, traceback)``). Transport-agnostic so every executor runs this same loop: ``task_q``
+    needs ``get()``, ``result_q`` ``put()``, ``abort_q`` ``get_nowait()`` raising ``queue.Empty`` (the ``mp``
+    worker passes its process queues; a Ray actor passes local ``queue.Queue`` objects it feeds).
+    ``master_addr`` is the rendezvous host (rank 0's node), ``local_rank`` the device index on this host and
+    ``local_world_size`` the model processes sharing this host's cores (both default to the one-host values);
+    ``pack`` prepares a result for the trip to the engine (:func:`~omni_core.worker.transport.pack_outputs`)."""
+    local_rank = rank if local_rank is None else local_rank
     try:
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         import datetime
 
         import torch
@@ -80,11 +103,11 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         platform = platform_for(config)  # the config's platform, not only what detection finds here
         from omni_core.platforms.threads import apply_thread_policy
 
-        apply_thread_policy(config, processes=world_size)
-        device = platform.get_torch_device(rank)
+        apply_thread_policy(config, processes=local_world_size or world_size)
+        device = platform.get_torch_device(local_rank)
         platform.set_device(device)
         backend = "gloo" if device.type == "cpu" else platform.dist_backend
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))
         _init_parallel_state(config, rank, world_size)
         replica, replica_ranks, replica_group = _replica_group(config, rank, world_size)
@@ -99,7 +122,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         result_q.put(("ready", rank))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
         result_q.put(("fatal", rank, _traceback()))
-        return
+        return False
 
     while True:
         msg = task_q.get()
@@ -121,20 +144,13 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
                 result_q.put(("error", replica, _traceback()))
             continue
         if is_leader:
-            result_q.put(("result", replica, pack_outputs(out)))
+            result_q.put(("result", replica, pack(out)))
     try:
         _destroy_parallel_state()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-    # Skip the interpreter's teardown: with torch and diffusers loaded it takes seconds per worker (measured
-    # 2-5 s on 2 cores); multiprocessing's own exit work (queue feeders, semaphores such as tqdm's lock) still runs.
-    from multiprocessing import util
-
-    util._exit_function()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return True
 
 
 def _init_parallel_state(config: Any, rank: int, world_size: int) -> None:

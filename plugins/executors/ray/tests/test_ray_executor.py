@@ -1,0 +1,186 @@
+"""``executor="ray"`` on a local two-node Ray cluster (gloo): the same images as ``uni``, ranks placed as
+promised, a killed actor fails in-flight requests with the engine-dead error within 10 s, and ``close()``
+leaves no actor or placement group of ours."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+#: a CFG pair and a request without CFG: CFG-2 also meets a request with no negative branch
+SHAPES_REQUESTS = [
+    {"prompt": "a red circle in the top left", "negative_prompt": "a blue square", "guidance_scale": 4.0,
+     "height": 28, "width": 28, "num_inference_steps": 2, "seed": 1},
+    {"prompt": "a yellow cross in the center", "guidance_scale": 1.0, "height": 32, "width": 32,
+     "num_inference_steps": 2, "seed": 3},
+]
+#: tiny Qwen-Image (4 heads): 24x40 is 15 tokens (not divisible by 2: Ulysses pads)
+QWEN_REQUESTS = [
+    {"prompt": "a red fox jumping over a lazy dog", "negative_prompt": "blurry", "true_cfg_scale": 4.0,
+     "height": 24, "width": 40, "num_inference_steps": 2, "seed": 1},
+    {"prompt": "an astronaut riding a horse", "height": 32, "width": 32, "num_inference_steps": 2, "seed": 3},
+]
+CONFIGS = {"dp2": {"data_parallel_size": 2}, "ulysses2": {"ulysses_degree": 2}, "cfg2": {"cfg_parallel_size": 2}}
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from omni_model_qwen_image.testing import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("ray-qwen"), num_heads=4)
+
+
+def run(model: str, requests: list[dict], **kwargs) -> dict:
+    """Every request submitted at once to ``Omni(model, **kwargs)``; float images, and the ray placement."""
+    import torch
+
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+
+    with Omni(model, dtype="float32", warmup=False, max_num_seqs=4, cpu_threads=1, **kwargs) as omni:
+        streams = []
+        for spec in requests:
+            spec = dict(spec)
+            prompt, negative = spec.pop("prompt"), spec.pop("negative_prompt", None)
+            streams.extend(omni.engine.submit([OmniDiffusionRequest(
+                prompt=prompt, negative_prompt=negative, sampling_params=SamplingParams(output_type="pt", **spec))]))
+        finals = []
+        for stream in streams:
+            while not (out := stream.get(timeout=300)).finished:
+                pass
+            finals.append(out)
+        placement = getattr(omni.engine.executor, "placement", list)()
+    assert not [o.error for o in finals if o.status == "error"]
+    return {"images": [torch.stack(list(o.images)).float() for o in finals], "placement": placement}
+
+
+@pytest.fixture(scope="module")
+def references(request):
+    """``uni`` results per model, made on first use (a run of the shapes cases builds no Qwen-Image)."""
+    cache: dict = {}
+
+    def get(model: str) -> dict:
+        if model not in cache:
+            cache[model] = (run("shapes", SHAPES_REQUESTS) if model == "shapes"
+                            else run(request.getfixturevalue("qwen_dir"), QWEN_REQUESTS))
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize("label", list(CONFIGS))
+# tiny Qwen-Image repeats what shapes covers on a real text encoder + VAE (slow: three more engine starts)
+@pytest.mark.parametrize("model", ["shapes", pytest.param("qwen", marks=pytest.mark.slow)])
+def test_ray_matches_uni_and_places_ranks(request, ray_cluster, references, ours_left, model, label):
+    reference = references(model)
+    name, requests = ("shapes", SHAPES_REQUESTS) if model == "shapes" else (request.getfixturevalue("qwen_dir"),
+                                                                            QWEN_REQUESTS)
+    ray_cluster.wait_idle()
+    got = run(name, requests, executor="ray", parallel_config=CONFIGS[label])
+    for i, (image, ref) in enumerate(zip(got["images"], reference["images"])):
+        assert image.shape == ref.shape, (label, i)
+        assert float((image - ref).abs().max()) <= TOL, (label, i, float((image - ref).abs().max()))
+    nodes = {p["rank"]: p["node_id"] for p in got["placement"]}
+    assert sorted(nodes) == [0, 1]
+    if label == "dp2":  # replicas never talk: one per node
+        assert set(nodes.values()) == {ray_cluster.head, ray_cluster.node_b}
+    else:  # a sequence-/CFG-parallel group talks every step: one node
+        assert nodes[0] == nodes[1]
+    assert ours_left() == ([], [])
+
+
+def _abort_within_steps(omni, handle, steps: list) -> None:
+    """Abort a running request: it ends "aborted" within a few steps of the engine (not its 1000)."""
+    at = len(steps)
+    omni.engine.abort(handle.request_id)
+    while not (out := handle.get(timeout=30)).finished:
+        pass
+    assert out.status == "aborted", (out.status, out.error)
+    assert len(steps) - at < 20, len(steps) - at
+
+
+def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left):
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.errors import EngineDeadError
+    from omni_core.request import OmniDiffusionRequest
+
+    # request mode here (the first request runs alone), step mode in the lost-node test: an abort lands in both
+    omni = Omni("shapes", executor="ray", parallel_config={"ulysses_degree": 2}, warmup=False, cpu_threads=1,
+                limits={"max_steps": 1000})
+    try:
+        stepped = []
+        doomed, *streams = omni.engine.submit(
+            [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
+                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(3)],
+            on_progress=lambda rid, step, n: stepped.append(step))
+        deadline = time.monotonic() + 120
+        while not stepped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stepped, "no step ran"
+        _abort_within_steps(omni, doomed, stepped)
+        victim = next(p for p in omni.engine.executor.placement() if p["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        for stream in streams:
+            while not (out := stream.get(timeout=30)).finished:
+                pass
+            assert out.status == "error"
+            assert "engine is dead" in out.error and "rank 1" in out.error and victim["node_id"][:12] in out.error
+        assert time.monotonic() - killed < 10
+        assert not omni.engine.executor.is_alive()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            omni.generate("another", SamplingParams(num_inference_steps=2, height=32, width=32))
+    finally:
+        omni.close()
+    assert ours_left() == ([], [])
+
+
+def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
+    """The second node's Ray processes are SIGKILLed (as a machine that drops off) while its replica runs a
+    request: the engine is dead within 10 s, naming a rank on that node. Last in the module: the node is gone."""
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+
+    ray_cluster.wait_idle()
+    # step mode, one wave holds them all: both replicas run at once, and an aborted request ends at its next
+    # step (in request mode a wave, and so the abort's answer, ends only when both replicas' parts have)
+    omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1,
+                limits={"max_steps": 1000}, max_num_seqs=4, step_execution=True)
+    try:
+        stepped = set()
+        steps = []
+        streams = omni.engine.submit(
+            [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
+                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(3)],
+            on_progress=lambda rid, step, n: (stepped.add(rid), steps.append(step)))
+        deadline = time.monotonic() + 120
+        while len(stepped) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(stepped) >= 2, "both replicas should be running a request"
+        running = [s for s in streams if s.request_id in stepped]
+        _abort_within_steps(omni, running[0], steps)
+        streams = [s for s in streams if s is not running[0]]
+        lost = next(p for p in omni.engine.executor.placement() if p["node_id"] == ray_cluster.node_b)
+        ray_cluster.kill_node("node_b")
+        killed = time.monotonic()
+        errors = []
+        for stream in streams:
+            while not (out := stream.get(timeout=30)).finished:
+                pass
+            errors.append((out.status, out.error))
+        assert time.monotonic() - killed < 10
+        assert all(status == "error" and "engine is dead" in error and f"rank {lost['rank']}" in error
+                   for status, error in errors), errors
+    finally:
+        omni.close()
+    actors, groups = ours_left()
+    assert groups == []
