@@ -23,6 +23,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     _add_executor_option_flags(eng)
     eng.add_argument("--parallel-config", default=None, help='JSON object, e.g. \'{"ulysses_degree": 2}\'')
     eng.add_argument("--step-execution", action="store_true", help="run requests step by step (step batching)")
+    eng.add_argument("--max-preemptions", type=int, default=None,
+                     help="step mode: times one request may be preempted by more urgent ones (default 4; 0: "
+                          "priority without preemption; docs/scheduling.md)")
+    eng.add_argument("--step-time-budget", type=float, default=None, dest="step_time_budget_s",
+                     help="seconds one wave's step may take: waves are capped by each shape's cost, learned online "
+                          "(default: no cap)")
     return eng
 
 
@@ -42,7 +48,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``OmniDiffusionConfig`` keyword arguments from the engine options that were given."""
     opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
             "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
-            "executor": args.executor, "cpu_threads": args.cpu_threads, "parallel_config": _json_arg(args.parallel_config, "parallel-config")}
+            "executor": args.executor, "cpu_threads": args.cpu_threads, "parallel_config": _json_arg(args.parallel_config, "parallel-config"),
+            "max_preemptions": args.max_preemptions, "step_time_budget_s": args.step_time_budget_s}
     opts.update(_executor_option_values(args))
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.step_execution:

@@ -151,6 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"omni serve: {app.state.omni.model_name} on http://{shown}:{port} "
               f"({engine.stats()['execution_mode']}, previews {'on' if engine.model_info.streaming else 'off'}"
               f"{', API key required' if api_key else ''})", flush=True)
+        print(f"omni serve: playground at http://{shown}:{port}/ (docs/playground.md)", flush=True)
 
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: exit 0 after that
     previous = signal.signal(signal.SIGTERM, _raise_stopped)

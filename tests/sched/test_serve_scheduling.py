@@ -86,3 +86,17 @@ def test_openapi_documents_the_fields_and_the_504(live):
     assert "504" in op["responses"]
     props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
     assert {"priority", "timeout"} <= set(props)
+
+
+def test_scheduling_flags_reach_the_engine_config():
+    import argparse
+
+    from omni_core.cli.options import add_engine_options, engine_options
+    from omni_core.config import OmniDiffusionConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    opts = engine_options(parser.parse_args(["--max-preemptions", "0", "--step-time-budget", "0.25"]))
+    config = OmniDiffusionConfig.from_kwargs(model="shapes", **opts)
+    assert (config.max_preemptions, config.step_time_budget_s) == (0, 0.25)
+    assert not {"max_preemptions", "step_time_budget_s"} & set(engine_options(parser.parse_args([])))
