@@ -91,7 +91,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
                              poll_aborts=(lambda: _drain(abort_q)) if is_leader else None,
                              stop_group=(replica_group, replica_ranks[0], len(replica_ranks)))
         runner.load_model()
-        result_q.put(("ready", rank))
+        result_q.put(("ready", rank, runner.model_bytes))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
         result_q.put(("fatal", rank, _traceback()))
         return

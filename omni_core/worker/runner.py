@@ -105,6 +105,7 @@ class ModelRunner:
         self.stop_group = stop_group or (None, 0, world_size)
         self.pipeline: Any = None
         self.cache_backend: Any = None
+        self.model_bytes: dict[str, int] = {}
         self.states: dict[str, StepState] = {}
         self._abort_ids: set[str] = set()
         self._abort_lock = threading.Lock()
@@ -131,6 +132,10 @@ class ModelRunner:
             raise ComponentUnavailableError(f"cache backend {name!r} cannot run here: {av.reason}") from av.error
         self.cache_backend = av.cls(self.config.cache_config)
         self.cache_backend.enable(self.pipeline)
+        from omni_core.optimize.components import model_bytes
+
+        #: {component: bytes} of this rank's model after quantization (``stats()["model_bytes"]``)
+        self.model_bytes = model_bytes(self.pipeline)
 
     def new_state(self, request: OmniDiffusionRequest) -> StepState:
         import torch
