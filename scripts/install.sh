@@ -27,7 +27,7 @@ done
 echo "install: omni-core and ${#names[@]} plugin(s): ${names[*]}"
 pip_install "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
     pytest httpx openai schemathesis uv \
-    diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg
+    diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg torchao gguf
 
 .venv/bin/python - <<'PY'
 import importlib.metadata as md

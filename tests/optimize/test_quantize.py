@@ -24,19 +24,25 @@ def shapes_pair():
     return load("shapes"), load("shapes", quantization="int8")
 
 
-def test_shapes_int8_saves_memory_keeps_images_and_what_is_drawn(shapes_pair):
-    from omni_model_shapes.evaluate import evaluate
-
+def test_shapes_int8_saves_memory_and_keeps_images(shapes_pair):
     plain, q = shapes_pair
     before, after = model_bytes(plain), model_bytes(q)
     assert after["transformer"] <= 0.35 * before["transformer"], (before, after)
     assert after["text_encoder"] == before["text_encoder"]  # the denoiser only, by default
-    results = {}
-    for name, pipe in (("float32", plain), ("int8", q)):
-        results[name] = evaluate(pipeline=pipe, n=N_EVAL, grid=None, batch_size=N_EVAL)
-    ref, _ = run(plain, ["a red circle in the top left", "a blue square in the center"], [3, 4])
-    got, _ = run(q, ["a red circle in the top left", "a blue square in the center"], [3, 4])
+    prompts = ["a red circle in the top left", "a blue square in the center"]
+    ref, _ = run(plain, prompts, [3, 4], num_inference_steps=4)
+    got, _ = run(q, prompts, [3, 4], num_inference_steps=4)
+    assert not torch.equal(got, ref)  # quantized weights really ran
     assert psnr(got, ref) >= 30
+
+
+@pytest.mark.slow
+def test_shapes_int8_still_draws_what_the_prompt_says(shapes_pair):
+    """The shapes evaluator (default 20 steps) within 3 points of float32 on every attribute."""
+    from omni_model_shapes.evaluate import evaluate
+
+    results = {name: evaluate(pipeline=pipe, n=N_EVAL, grid=None, batch_size=N_EVAL)
+               for name, pipe in zip(("float32", "int8"), shapes_pair)}
     for key in ("colour", "shape", "position", "all"):
         a, b = results["float32"][key], results["int8"][key]
         assert abs(a - b) <= 0.03 + 1e-9, (key, a, b)
@@ -64,7 +70,7 @@ def test_text_encoder_too_and_bad_component_names(qwen_dir):
 def test_unknown_method_names_the_allowed_ones():
     from omni_core.config import OmniDiffusionConfig
 
-    with pytest.raises(ConfigError, match="int8.*fp8.*none") as exc:
+    with pytest.raises(ConfigError, match="allowed: fp8, int8, none") as exc:
         OmniDiffusionConfig(model="shapes", quantization="int4")
     assert exc.value.field == "quantization"
 
