@@ -20,6 +20,25 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image-optimize"))
 
 
+#: the Qwen-Image requests every option is compared on: two prompts of different lengths, one batch
+QWEN_PROMPTS = ["a red fox in the snow", "a cat"]
+QWEN_SEEDS = [1, 2]
+QWEN_SIZE = dict(height=32, width=32, num_inference_steps=2)
+
+
+@pytest.fixture(scope="session")
+def qwen_plain(qwen_dir):
+    """``(pipeline, images, states)`` of the plain float32 tiny Qwen-Image on the shared requests."""
+    pipe = load(qwen_dir)
+    images, states = run(pipe, QWEN_PROMPTS, QWEN_SEEDS, **QWEN_SIZE)
+    return pipe, images, states
+
+
+def run_qwen(pipeline):
+    """Images of ``pipeline`` on the shared Qwen-Image requests."""
+    return run(pipeline, QWEN_PROMPTS, QWEN_SEEDS, **QWEN_SIZE)
+
+
 def load(model: str, **options):
     """The pipeline of ``model`` loaded by ``load_pipeline`` with engine options ``options`` (float32, CPU)."""
     config = OmniDiffusionConfig(model=model, dtype="float32", **options)

@@ -9,15 +9,12 @@ import torch
 
 from omni_core.errors import ConfigError
 
-from .conftest import load, run
-
-PROMPTS = ["a red fox in the snow", "a cat"]
-SIZE = dict(height=32, width=32, num_inference_steps=2)
+from .conftest import load, run_qwen
 
 
 @pytest.fixture(scope="module")
-def plain(qwen_dir):
-    return run(load(qwen_dir), PROMPTS, [1, 2], **SIZE)[0]
+def plain(qwen_plain):
+    return qwen_plain[1]
 
 
 @pytest.mark.parametrize("mode", ["model", "group"])
@@ -32,7 +29,7 @@ def test_offload_hooks_run_and_change_nothing(qwen_dir, plain, mode):
         assert "group_offloading" in HookRegistry.check_if_exists_or_initialize(pipe.pipe.transformer).hooks
     else:
         assert hasattr(pipe.pipe.transformer, "_hf_hook")
-    got, _ = run(pipe, PROMPTS, [1, 2], **SIZE)
+    got, _ = run_qwen(pipe)
     torch.testing.assert_close(got, plain, atol=1e-6, rtol=0)
 
 
@@ -56,11 +53,11 @@ def test_group_offload_with_streams_on_the_accelerator(qwen_dir):
         config = OmniDiffusionConfig(model=qwen_dir, dtype="float32", **options)
         return load_pipeline(resolve_model(qwen_dir), config, "cuda", torch.float32)
 
-    ref, _ = run(loaded(), PROMPTS, [1, 2], **SIZE)
+    ref, _ = run_qwen(loaded())
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     pipe = loaded(offload="group")
     assert pipe.omni_optimizations["use_stream"] is True
     assert torch.cuda.memory_allocated() - base < sum(model_bytes(pipe).values()) / 2  # weights wait on the host
-    got, _ = run(pipe, PROMPTS, [1, 2], **SIZE)
+    got, _ = run_qwen(pipe)
     torch.testing.assert_close(got.cpu(), ref.cpu(), atol=1e-5, rtol=0)

@@ -10,11 +10,10 @@ import torch
 from omni_core.errors import ConfigError
 from omni_core.optimize.components import model_bytes
 
-from .conftest import load, psnr, run
+from .conftest import load, psnr, run, run_qwen
 
 pytest.importorskip("torchao")
 
-QWEN_PROMPTS = ["a red fox in the snow", "a cat"]
 #: scenes the shapes evaluator scores: one judging difference is 2.5 points
 N_EVAL = 40
 
@@ -48,13 +47,13 @@ def test_shapes_int8_still_draws_what_the_prompt_says(shapes_pair):
         assert abs(a - b) <= 0.03 + 1e-9, (key, a, b)
 
 
-def test_qwen_int8_saves_memory_and_keeps_images(qwen_dir):
-    plain, q = load(qwen_dir), load(qwen_dir, quantization="int8")
+def test_qwen_int8_saves_memory_and_keeps_images(qwen_dir, qwen_plain):
+    plain, ref, _ = qwen_plain
+    q = load(qwen_dir, quantization="int8")
     before, after = model_bytes(plain), model_bytes(q)
     assert after["transformer"] <= 0.35 * before["transformer"], (before, after)
     assert after["vae"] == before["vae"] and after["text_encoder"] == before["text_encoder"]
-    ref, _ = run(plain, QWEN_PROMPTS, [1, 2], height=32, width=32, num_inference_steps=3)
-    got, _ = run(q, QWEN_PROMPTS, [1, 2], height=32, width=32, num_inference_steps=3)
+    got, _ = run_qwen(q)
     assert not torch.equal(got, ref)  # quantized weights really ran
     assert psnr(got, ref) >= 30
 
@@ -98,6 +97,6 @@ def test_fp8_on_the_accelerator(qwen_dir):
     q = load_pipeline(resolve_model(qwen_dir), OmniDiffusionConfig(model=qwen_dir, dtype="bfloat16",
                                                                    quantization="fp8"), "cuda", torch.bfloat16)
     assert model_bytes(q)["transformer"] <= 0.6 * model_bytes(plain)["transformer"]
-    ref, _ = run(plain, QWEN_PROMPTS, [1, 2], height=32, width=32, num_inference_steps=3)
-    got, _ = run(q, QWEN_PROMPTS, [1, 2], height=32, width=32, num_inference_steps=3)
+    ref, _ = run_qwen(plain)
+    got, _ = run_qwen(q)
     assert psnr(got.cpu(), ref.cpu()) >= 25

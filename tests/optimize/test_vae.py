@@ -7,45 +7,47 @@ import torch
 
 from omni_core.errors import ConfigError
 
-from .conftest import load, run
+from .conftest import QWEN_SIZE, load, run_qwen
 
-PROMPTS = ["a red fox in the snow", "a cat"]
-SIZE = dict(height=32, width=32, num_inference_steps=2)
 #: tiles smaller than the 32x32 image (latent tiles of 2x2, overlapping): the seams are blended
 SMALL_TILES = {"tile_sample_min_height": 16, "tile_sample_min_width": 16, "tile_sample_stride_height": 12,
                "tile_sample_stride_width": 12}
 
 
 @pytest.fixture(scope="module")
-def plain(qwen_dir):
-    return run(load(qwen_dir), PROMPTS, [1, 2], **SIZE)
+def plain(qwen_plain):
+    return qwen_plain[1:]
 
 
 def test_slicing_matches_the_batched_decode(qwen_dir, plain):
-    got, _ = run(load(qwen_dir, vae_slicing=True), PROMPTS, [1, 2], **SIZE)
+    got, _ = run_qwen(load(qwen_dir, vae_slicing=True))
     torch.testing.assert_close(got, plain[0], atol=1e-5, rtol=0)
 
 
 def test_tiling_with_a_tile_covering_the_image_is_exact(qwen_dir, plain):
-    got, _ = run(load(qwen_dir, vae_tiling=True), PROMPTS, [1, 2], **SIZE)  # default tiles: 256 px
+    got, _ = run_qwen(load(qwen_dir, vae_tiling=True))  # default tiles: 256 px
     assert torch.equal(got, plain[0])
 
 
 def test_small_tiles_equal_diffusers_tiled_decode_of_the_same_latents(qwen_dir, plain):
-    from omni_core.pipelines.diffusers_folder import load_diffusers_pipeline
+    import os
 
-    got, states = run(load(qwen_dir, vae_tiling=SMALL_TILES), PROMPTS, [1, 2], **SIZE)
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
+    from diffusers.image_processor import VaeImageProcessor
+
+    got, states = run_qwen(load(qwen_dir, vae_tiling=SMALL_TILES))
     assert (got - plain[0]).abs().max() > 1e-3  # the tiles really changed the decode
-    ref = load_diffusers_pipeline(qwen_dir)
-    ref.vae.enable_tiling(**SMALL_TILES)
+    vae = AutoencoderKLQwenImage.from_pretrained(os.path.join(qwen_dir, "vae"))  # diffusers' own, from the folder
+    vae.enable_tiling(**SMALL_TILES)
+    vsf = 2 ** len(vae.temperal_downsample)
     latents = torch.cat([s.latents for s in states])
     with torch.no_grad():  # diffusers QwenImagePipeline.__call__'s decode, step by step
-        lat = ref._unpack_latents(latents, 32, 32, ref.vae_scale_factor).to(ref.vae.dtype)
-        z = ref.vae.config.z_dim
-        mean = torch.tensor(ref.vae.config.latents_mean).view(1, z, 1, 1, 1)
-        std = 1.0 / torch.tensor(ref.vae.config.latents_std).view(1, z, 1, 1, 1)
-        image = ref.vae.decode(lat / std + mean, return_dict=False)[0][:, :, 0]
-        expected = ref.image_processor.postprocess(image, output_type="pt")
+        lat = QwenImagePipeline._unpack_latents(latents, QWEN_SIZE["height"], QWEN_SIZE["width"], vsf)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+        image = vae.decode(lat / std + mean, return_dict=False)[0][:, :, 0]
+        expected = VaeImageProcessor(vae_scale_factor=vsf * 2).postprocess(image, output_type="pt")
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
