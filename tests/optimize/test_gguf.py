@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from omni_core.errors import ConfigError
 from omni_core.optimize.components import model_bytes
