@@ -22,6 +22,7 @@ from ``--device cuda`` rows.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -137,34 +138,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory_speed: {folder}, {args.size}x{args.size}, {args.steps} steps, {args.repeats} timed requests per row, "
           f"device {args.device}, torch {torch.__version__}; {_common.thread_header(args)}")
     results, plain = [], None
+    header = f"{'option':<30} {'denoiser MB':>11} {'total MB':>9} {'step ms':>8} {'speed':>6} {'PSNR dB':>8}"
+    print(header, flush=True)
     for name, options, gpu_only in rows(args.device, gguf_path):
         if gpu_only and args.device == "cpu":
             results.append({"row": name, "skipped": "GPU-only row (run with --device cuda)"})
+            print(line(results[-1]), flush=True)
             continue
         try:
             r = measure(folder, options, args.device, args)
         except Exception as exc:  # noqa: BLE001 - a row that cannot run here says why, the table goes on
             results.append({"row": name, "skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"})
+            print(line(results[-1]), flush=True)
             continue
         plain = plain or r
         mse = torch.mean((r["image"] - plain["image"]) ** 2).item()
         results.append({"row": name, "denoiser_mb": r["bytes"].get("transformer", 0) / 2**20,
                         "total_mb": sum(r["bytes"].values()) / 2**20, "step_ms": r["step_s"] * 1e3,
                         "speed": plain["step_s"] / r["step_s"],
-                        "psnr": float("inf") if mse == 0 else 10 * __import__("math").log10(1 / mse),
+                        "psnr": float("inf") if mse == 0 else 10 * math.log10(1 / mse),
                         "note": f"compile fell back: {r['compile_failed']}" if r["compile_failed"] else ""})
-    print(f"{'option':<30} {'denoiser MB':>11} {'total MB':>9} {'step ms':>8} {'speed':>6} {'PSNR dB':>8}")
+        print(line(results[-1]), flush=True)  # as measured, so a long run shows its progress
+    print("\n" + header)
     for r in results:
-        if "skipped" in r:
-            print(f"{r['row']:<30} skipped: {r['skipped']}")
-            continue
-        print(f"{r['row']:<30} {r['denoiser_mb']:>11.2f} {r['total_mb']:>9.2f} {r['step_ms']:>8.1f} "
-              f"{r['speed']:>5.2f}x {r['psnr']:>8.1f} {r['note']}")
+        print(line(r))
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+def line(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['row']:<30} skipped: {r['skipped']}"
+    return (f"{r['row']:<30} {r['denoiser_mb']:>11.2f} {r['total_mb']:>9.2f} {r['step_ms']:>8.1f} "
+            f"{r['speed']:>5.2f}x {r['psnr']:>8.1f} {r['note']}")
 
 
 if __name__ == "__main__":
