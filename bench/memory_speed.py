@@ -61,7 +61,7 @@ def rows(device: str, gguf_path: str) -> list[tuple[str, dict, bool]]:
         ("plain", {}, False),
         ("int8", {"quantization": "int8"}, False),
         ("int8 + text_encoder", {"quantization": "int8", "quantize_components": ["denoiser", "text_encoder"]}, False),
-        ("fp8", {"quantization": "fp8"}, True),
+        ("fp8", {"quantization": "fp8"}, False),
         ("gguf Q8_0", {"denoiser_weights": gguf_path}, False),
         ("vae_slicing", {"vae_slicing": True}, False),
         ("vae_tiling (32px tiles)", {"vae_tiling": small_tiles}, False),

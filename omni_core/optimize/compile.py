@@ -56,6 +56,9 @@ def compile_denoisers(pipeline: Any, *, dynamic: bool = True) -> dict[str, Any]:
             block.compile(dynamic=dynamic)
             blocks.append(block)
         names.append(f"{spec.name}.{'+'.join(spec.blocks_attr)}")
+    # CPU lanes run a wave's requests concurrently with fewer torch threads each; dynamo guards on the thread
+    # count, so every lane change would recompile (and two lanes compile the same frame at once): one call per wave
+    pipeline.concurrent_calls_safe = False
     region = RegionalCompile(blocks)
     for block in blocks:
         region.guard(block)
