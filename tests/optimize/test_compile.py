@@ -46,6 +46,7 @@ def wave(omni, n: int, seed0: int = 0, size: int = 32) -> list[torch.Tensor]:
     return images
 
 
+@pytest.mark.slow  # 82 s here (inductor compiles ~20 kernels); CI covers compile=True with the fallback test below
 def test_step_waves_do_not_recompile_and_match_eager():
     torch._dynamo.reset()
     with Omni("shapes", compile=True, step_execution=True, max_num_seqs=4, executor="uni") as omni:
