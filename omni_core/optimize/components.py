@@ -32,10 +32,9 @@ def components_of(pipeline: Any) -> dict[str, Any]:
 def tensor_bytes(t: Any) -> int:
     """Bytes a tensor really stores: a torchao quantized tensor (a wrapper subclass) counts its inner int8 data
     and scales, not the logical float size ``nbytes`` reports; a GGUF parameter its packed uint8 blocks."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
+    flatten = getattr(t, "__tensor_flatten__", None)  # the tensor-subclass protocol torchao's tensors implement
+    if flatten is not None:
+        names, _ = flatten()
         return sum(tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
 
