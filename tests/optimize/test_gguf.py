@@ -14,7 +14,7 @@ from .conftest import load, psnr, run_qwen
 
 pytest.importorskip("gguf")
 
-#: the bound: Q8_0 on the 2-D weights whose rows split into 32-blocks, 2 steps, 32x32, tiny Qwen-Image
+#: the bound (measured: 6.5e-5, 97.5 dB): Q8_0 on the 2-D weights whose rows split into 32-blocks, 2 steps, 32x32
 MAX_DIFF = 5e-3
 
 
