@@ -399,6 +399,37 @@ def _component_name(kind: str, *, optional: bool = False) -> Callable:
     return check
 
 
+QUANTIZATION_METHODS = ("int8", "fp8", "none")
+OFFLOAD_MODES = ("model", "group", "none")
+PERFORMANCE_MODES = ("speed", "memory", "auto")
+
+
+def _names_tuple(value: Any) -> Any:
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _non_empty_names(instance, attribute, value):
+    if not isinstance(value, tuple) or not value or not all(isinstance(v, str) and v for v in value):
+        _fail(instance, attribute, value, "expected component names, e.g. ('denoiser',) or ('denoiser', "
+                                          "'text_encoder')")
+
+
+def _path_or_none(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _optional_bool(instance, attribute, value):
+    if value is not None:
+        bool_field(instance, attribute, value)
+
+
+def _bool_or_dict(instance, attribute, value):
+    if value is not None and not isinstance(value, (bool, dict)):
+        _fail(instance, attribute, value, "expected True, False or a dict of enable_tiling arguments")
+
+
 @attrs.frozen
 class OmniDiffusionConfig(_FromKwargs):
     """Everything the engine needs to start: model, device, parallelism, kernels, caching, batching."""
@@ -449,6 +480,25 @@ class OmniDiffusionConfig(_FromKwargs):
     #: options of the selected executor (its class's ``options``); ``from_kwargs`` collects ``<executor>_<name>=``
     #: keywords here, e.g. ``Omni(model, executor="ray", ray_address="auto")`` -> ``{"address": "auto"}``
     executor_options: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
+    # -- memory and speed options (omni_core.optimize; docs/memory.md). None = unset: a performance_mode preset
+    # may fill it; "none" / False say "off" explicitly and a preset keeps them
+    #: weight-only quantization of ``quantize_components``: "int8" or "fp8" (torchao), "none"
+    quantization: str | None = attrs.field(default=None, validator=choice_field(QUANTIZATION_METHODS, optional=True))
+    #: components to quantize; "denoiser" = every denoiser the model declares (add "text_encoder" to shrink it too)
+    quantize_components: tuple = attrs.field(default=("denoiser",), converter=_names_tuple,
+                                             validator=_non_empty_names)
+    #: a GGUF file with the denoiser's weights (loaded by diffusers' GGUF support; diffusers-folder models)
+    denoiser_weights: str | None = attrs.field(default=None, converter=_path_or_none, validator=str_field(optional=True))
+    #: "model" (whole components just in time), "group" (blocks, prefetched on a side stream), "none"
+    offload: str | None = attrs.field(default=None, validator=choice_field(OFFLOAD_MODES, optional=True))
+    #: VAE tiled decode/encode: True, or a dict of the VAE's ``enable_tiling`` arguments (tile sizes)
+    vae_tiling: Any = attrs.field(default=None, validator=_bool_or_dict)
+    #: VAE decode one sample at a time
+    vae_slicing: bool | None = attrs.field(default=None, validator=_optional_bool)
+    #: regional torch.compile of the denoisers' repeated blocks (dynamic shapes)
+    compile: bool | None = attrs.field(default=None, validator=_optional_bool)
+    #: "speed", "memory" or "auto": fill the unset options above from the model size and free memory
+    performance_mode: str | None = attrs.field(default=None, validator=choice_field(PERFORMANCE_MODES, optional=True))
 
     def __attrs_post_init__(self) -> None:
         for name in sorted(self.attention_config.backend_names()):

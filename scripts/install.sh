@@ -28,7 +28,7 @@ done
 echo "install: omni-core and ${#names[@]} plugin(s): ${names[*]}"
 pip_install "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
     pytest httpx openai schemathesis uv playwright \
-    diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg peft
+    diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg peft torchao gguf
 
 # the playground's browser tests drive a system Chromium through playwright (never `playwright install`: no
 # download at test time); installed here when missing and apt is usable (root, or sudo without a password)

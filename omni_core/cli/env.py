@@ -26,6 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description="Describe this environment: versions, how the platform was resolved, "
                                           "and for every attention and cache backend whether it can run here.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--model", default=None,
+                   help="also print what each performance_mode (speed, memory, auto) would choose for this model here")
     p.set_defaults(func=run_env)
 
 
@@ -68,7 +70,7 @@ def _backend_rows(pm, kind: str, platform, conflicts: dict, default: str | None 
     return rows
 
 
-def collect_env(pm=None) -> dict[str, Any]:
+def collect_env(pm=None, model: str | None = None) -> dict[str, Any]:
     """The ``omni env --json`` payload."""
     from omni_core.plugins.manager import ACTIVE, get_plugin_manager
 
@@ -101,7 +103,34 @@ def collect_env(pm=None) -> dict[str, Any]:
         "attention_backends": attention,
         "cache_backends": cache,
         "pipelines": pipelines,
+        "quantization": _quantization_rows(platform),
+        **({"performance_modes": _preset_report(pm, model, platform)} if model else {}),
     }
+
+
+def _quantization_rows(platform) -> list[dict[str, Any]]:
+    """Whether each quantization method (torchao int8/fp8, GGUF files) can run on this platform, and why not."""
+    from omni_core.optimize.quantize import METHODS, gguf_status, method_status
+
+    kind = platform.device_type if platform is not None else "cpu"
+    rows = [{"name": m, "usable": ok, "reason": why} for m in METHODS for ok, why in [method_status(m, kind)]]
+    ok, why = gguf_status()
+    return rows + [{"name": "gguf", "usable": ok, "reason": why}]
+
+
+def _preset_report(pm, model: str, platform) -> dict[str, Any]:
+    """What ``performance_mode`` speed/memory/auto would set for ``model`` on this platform (omni env --model)."""
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.optimize.presets import MODES, choose
+    from omni_core.pipelines.loader import resolve_model
+
+    try:
+        path = resolve_model(model, pm).model_path
+        device = platform.get_torch_device(0)
+        return {mode: choose(OmniDiffusionConfig(model=model, performance_mode=mode), path, device)[1]
+                for mode in MODES}
+    except Exception as exc:  # noqa: BLE001 - env describes, it does not crash
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _thread_report() -> dict[str, Any]:
@@ -155,6 +184,18 @@ def format_env(env: dict[str, Any]) -> str:
     lines.append("pipelines (model= takes a short name, or a diffusers folder naming the pipeline):")
     lines += _pipeline_lines(env["pipelines"]) if env["pipelines"] else ["  (none: install a model plugin, e.g. "
                                                                          "omni-model-shapes)"]
+    lines.append("")
+    lines.append("quantization methods (usable here?):")
+    lines += [f"  {r['name']:<5} {'yes' if r['usable'] else 'no '}  {r['reason']}" for r in env["quantization"]]
+    if "performance_modes" in env:
+        lines.append("")
+        modes = env["performance_modes"]
+        if "error" in modes:
+            lines.append(f"performance_mode: cannot be chosen: {modes['error']}")
+        for mode, r in ({} if "error" in modes else modes).items():
+            lines.append(f"performance_mode={mode}: {r.get('reason')}; chose {r.get('chose') or 'nothing'}"
+                         + (f", kept {r['kept']}" if r.get("kept") else "")
+                         + f" (weights {r['weight_bytes'] / 2**20:.1f} MiB, free {r['free_bytes'] / 2**30:.1f} GiB)")
     return "\n".join(lines)
 
 
@@ -166,6 +207,6 @@ def _pipeline_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def run_env(args: argparse.Namespace) -> int:
-    env = collect_env()
+    env = collect_env(model=getattr(args, "model", None))
     print(json.dumps(env, indent=2) if args.json else format_env(env))
     return 0

@@ -29,6 +29,21 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     eng.add_argument("--step-time-budget", type=float, default=None, dest="step_time_budget_s",
                      help="seconds one wave's step may take: waves are capped by each shape's cost, learned online "
                           "(default: no cap)")
+    # memory and speed options (docs/memory.md)
+    eng.add_argument("--quantization", default=None, help="weight-only quantization of the denoiser: int8, fp8 "
+                     "(torchao) or none")
+    eng.add_argument("--quantize-components", default=None,
+                     help="comma-separated components to quantize (default: denoiser; e.g. denoiser,text_encoder)")
+    eng.add_argument("--denoiser-weights", default=None, help="a .gguf file with the denoiser's weights")
+    eng.add_argument("--offload", default=None, help="model, group or none: keep weights on the host, move them "
+                     "to the accelerator just in time")
+    eng.add_argument("--vae-tiling", nargs="?", const="true", default=None,
+                     help="tiled VAE decode/encode; optionally a JSON object of tile sizes")
+    eng.add_argument("--vae-slicing", action="store_true", default=None, help="decode a batch one sample at a time")
+    eng.add_argument("--compile", action="store_true", default=None,
+                     help="torch.compile the denoiser's repeated blocks (dynamic shapes; compiled in the warm-up)")
+    eng.add_argument("--performance-mode", default=None,
+                     help="speed, memory or auto: choose the unset options above from model size and free memory")
     return eng
 
 
@@ -51,6 +66,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "executor": args.executor, "cpu_threads": args.cpu_threads, "parallel_config": _json_arg(args.parallel_config, "parallel-config"),
             "max_preemptions": args.max_preemptions, "step_time_budget_s": args.step_time_budget_s}
     opts.update(_executor_option_values(args))
+    tiling = getattr(args, "vae_tiling", None)
+    opts.update(quantization=getattr(args, "quantization", None),
+                quantize_components=getattr(args, "quantize_components", None),
+                denoiser_weights=getattr(args, "denoiser_weights", None), offload=getattr(args, "offload", None),
+                vae_tiling=True if tiling == "true" else _json_arg(tiling, "vae-tiling"),
+                vae_slicing=getattr(args, "vae_slicing", None), compile=getattr(args, "compile", None),
+                performance_mode=getattr(args, "performance_mode", None))
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.step_execution:
         opts["step_execution"] = True

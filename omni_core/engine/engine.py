@@ -76,6 +76,12 @@ class DiffusionEngine:
         from omni_core.platforms import check_world_size, platform_for
 
         check_world_size(config, platform_for(config))  # the configured platform runs here and can place the ranks
+        from omni_core.optimize import check_config, resolve_preset
+
+        # performance_mode fills the unset memory/speed options; then each is checked against this platform
+        config, self.performance = resolve_preset(config, self.resolved.model_path, platform_for(config))
+        self.config = config
+        check_config(config, platform_for(config))
         # a bad cache_config key fails here, before any worker starts ("none" too: a built-in that takes any)
         pm.load_component("cache", config.cache_backend).check_config(config.cache_config)
         #: the execution-mode strategy, chosen once (every mode difference lives in it)
@@ -545,7 +551,8 @@ class DiffusionEngine:
             return {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
                     "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
                     "dead": self._dead, **self.counters, "timing": self.wave_timing(),
-                    "requests_preempted": getattr(self.scheduler, "num_preemptions", 0)}
+                    "requests_preempted": getattr(self.scheduler, "num_preemptions", 0),
+                    "model_bytes": self.executor.model_bytes()}
 
     def close(self) -> None:
         """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""

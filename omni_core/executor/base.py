@@ -60,6 +60,12 @@ class DiffusionExecutor:
     def is_alive(self) -> bool:
         return True
 
+    def model_bytes(self) -> dict[str, int]:
+        """``{component: bytes of its parameters and buffers}`` of one rank's loaded model (rank 0 of ``mp``, from
+        its ready message; ``stats()["model_bytes"]``); empty where the executor cannot tell."""
+        runner = getattr(self, "runner", None)
+        return dict(getattr(runner, "model_bytes", None) or getattr(self, "_model_bytes", None) or {})
+
     @property
     def death_reason(self) -> str | None:
         return None

@@ -112,6 +112,8 @@ class MultiProcExecutor(DiffusionExecutor):
                 continue
             if msg[0] == "ready":
                 ready.add(msg[1])
+                if len(msg) > 2 and msg[1] == 0:  # rank 0 reports its model's bytes per component
+                    self._model_bytes = msg[2]
             elif msg[0] == "fatal":
                 raise EngineDeadError(f"worker rank {msg[1]} failed to start:\n{msg[2]}")
 

@@ -89,12 +89,17 @@ def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any)
     from omni_core.attention.parallel import apply_sequence_parallel_to_pipeline
     from omni_core.forward_context import use_config
 
+    from omni_core.optimize import apply_optimizations, load_kwargs
+
     cls = resolved.pipeline_cls()
+    extra = load_kwargs(cls, resolved.model_path, config, dtype)  # a GGUF denoiser (denoiser_weights)
+    load_config = attrs.evolve(config, model_kwargs={**config.model_kwargs, **extra}) if extra else config
     with use_config(config):
-        pipeline = cls.load(resolved.model_path, config, device, dtype)
+        pipeline = cls.load(resolved.model_path, load_config, device, dtype)
     # where cache backends find the folder's shipped cache_defaults.json (pipelines/denoiser.py: model_folder_of)
     setattr(pipeline, "omni_model_path", resolved.model_path)
     apply_sequence_parallel_to_pipeline(pipeline, config)
+    apply_optimizations(pipeline, config, device)  # quantization, VAE tiling, compile, offload (omni_core.optimize)
     return pipeline
 
 

@@ -144,6 +144,9 @@ class ServerMetrics:
                    [({}, self.client_disconnects)])
             metric("omni_requests_refused_total", "counter", "Requests refused by reason.",
                    [({"reason": r}, n) for r, n in sorted(self.refused.items())] or [({"reason": "queue_full"}, 0)])
+        metric("omni_model_bytes", "gauge", "Bytes of each model component's parameters and buffers on one rank "
+               "(after quantization).", [({**m, "component": c}, b)
+                                        for c, b in sorted((stats.get("model_bytes") or {}).items())])
         metric("omni_video_jobs", "gauge", "Video jobs in the job table by status.",
                [({"status": s}, n) for s, n in sorted(video_jobs.items())])
         return "\n".join(lines) + "\n"

@@ -119,7 +119,7 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
                              stop_group=(replica_group, replica_ranks[0], len(replica_ranks)),
                              progress_interval_s=PROGRESS_INTERVAL_S)
         runner.load_model()
-        result_q.put(("ready", rank))
+        result_q.put(("ready", rank, runner.model_bytes))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
         result_q.put(("fatal", rank, _traceback()))
         return False

@@ -108,6 +108,7 @@ class ModelRunner:
         self.stop_group = stop_group or (None, 0, world_size)
         self.pipeline: Any = None
         self.cache_backend: Any = None
+        self.model_bytes: dict[str, int] = {}
         self.states: dict[str, StepState] = {}
         self._abort_ids: set[str] = set()
         self._abort_lock = threading.Lock()
@@ -140,6 +141,10 @@ class ModelRunner:
 
             self.lora = LoraManager(self.pipeline, self.config)
             self.lora.preload()
+        from omni_core.optimize.components import model_bytes
+
+        #: {component: bytes} of this rank's model after quantization (``stats()["model_bytes"]``)
+        self.model_bytes = model_bytes(self.pipeline)
 
     def new_state(self, request: OmniDiffusionRequest) -> StepState:
         import torch

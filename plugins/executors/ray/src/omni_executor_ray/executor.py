@@ -233,6 +233,8 @@ class RayExecutor(MultiProcExecutor):
                 continue
             if msg[0] == "ready":
                 ready.add(msg[1])
+                if len(msg) > 2 and msg[1] == 0:  # rank 0 reports its model's bytes per component (as with mp)
+                    self._model_bytes = msg[2]
             elif msg[0] == "fatal":
                 raise EngineDeadError(f"worker rank {msg[1]} ({self._node_of(msg[1])}) failed to start:\n{msg[2]}")
 

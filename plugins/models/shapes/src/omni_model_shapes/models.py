@@ -142,7 +142,8 @@ def per_sample(module: nn.Module, x: torch.Tensor, enabled: bool) -> torch.Tenso
         for layer in module:
             x = per_sample(layer, x, enabled)
         return x
-    if isinstance(module, nn.Linear):
+    # a quantized weight (a torchao tensor subclass, omni_core.optimize) supports only what F.linear needs: rows below
+    if isinstance(module, nn.Linear) and type(module.weight) in (torch.Tensor, nn.Parameter):
         b = x.shape[0]
         weight = module.weight.t().expand(b, *module.weight.t().shape)
         if module.bias is None:

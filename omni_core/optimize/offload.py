@@ -1,0 +1,76 @@
+"""Offload: keep weights in host memory and move them to the accelerator just in time.
+
+* ``"model"``: whole components, one at a time (text encoder -> denoiser -> VAE -> text encoder ...), with
+  accelerate's ``cpu_offload_with_hook`` -- what diffusers' ``enable_model_cpu_offload`` uses -- chained in a
+  ring so the component that runs next evicts the one before it (a serving loop has no "end of call" hook).
+* ``"group"``: diffusers' ``apply_group_offloading`` per component, one block per group, prefetching the next
+  group on a side stream where the device has streams (CUDA-like); elsewhere synchronous.
+
+On CPU the onload and offload devices are the same, so the hooks run (and are tested for parity) but save
+nothing; several ranks sharing one device would each hold the host copy and fight over the device, so that
+is refused before any worker starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omni_core.errors import ConfigError
+
+logger = logging.getLogger("omni_core.optimize")
+
+MODES = ("model", "group")
+
+
+def check_offload(config: Any, platform: Any) -> None:
+    """Refuse offload that cannot work with the executor: several ranks on fewer devices."""
+    if config.offload in (None, "none"):
+        return
+    if config.world_size > 1 and platform.device_count() < config.world_size:
+        raise ConfigError(f"offload={config.offload!r} with {config.world_size} ranks on {platform.device_count()} "
+                          f"{platform.name} device(s) is refused: ranks sharing a device would each keep a host copy "
+                          f"and swap weights in turn; use one rank per device, or offload=None",
+                          field="offload")
+
+
+def has_streams(device: Any) -> bool:
+    """Whether ``device``'s backend implements streams (diffusers' ``use_stream`` needs them)."""
+    import torch
+
+    mod = getattr(torch, getattr(device, "type", str(device)), None)
+    return device.type != "cpu" and mod is not None and hasattr(mod, "Stream") and getattr(
+        mod, "is_available", lambda: False)()
+
+
+def apply_offload(pipeline: Any, mode: str, device: Any) -> dict[str, Any]:
+    """Install ``mode`` offload on every component; returns what was done (for the start-up log)."""
+    import torch
+
+    from omni_core.optimize.components import components_of
+
+    components = components_of(pipeline)
+    cpu = torch.device("cpu")
+    device = torch.device(device)
+    if mode == "model":
+        from accelerate import cpu_offload_with_hook
+
+        hooks = []
+        for module in components.values():
+            module.to(cpu)
+            _, hook = cpu_offload_with_hook(module, execution_device=device,
+                                            prev_module_hook=hooks[-1] if hooks else None)
+            hooks.append(hook)
+        if len(hooks) > 1:  # a ring: the next request's text encoder evicts the last VAE
+            hooks[0].hook.prev_module_hook = hooks[-1]
+        return {"offload": "model", "components": list(components)}
+    if mode == "group":
+        from diffusers.hooks import apply_group_offloading
+
+        stream = has_streams(device)
+        for module in components.values():
+            module.to(cpu)
+            apply_group_offloading(module, onload_device=device, offload_device=cpu, offload_type="block_level",
+                                   num_blocks_per_group=1, use_stream=stream)
+        return {"offload": "group", "components": list(components), "use_stream": stream}
+    raise ConfigError(f"offload={mode!r} is not one of {', '.join(MODES)}", field="offload")
