@@ -57,6 +57,8 @@ def run(model: str, requests: list[dict], **kwargs) -> dict:
                 pass
             finals.append(out)
         placement = getattr(omni.engine.executor, "placement", list)()
+        model_bytes = omni.stats()["model_bytes"]
+    assert model_bytes and all(n > 0 for n in model_bytes.values()), model_bytes  # rank 0's, as with mp
     assert not [o.error for o in finals if o.status == "error"]
     return {"images": [torch.stack(list(o.images)).float() for o in finals], "placement": placement}
 
