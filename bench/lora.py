@@ -1,6 +1,6 @@
 """LoRA traffic: 16 concurrent requests over 4 adapters, and the per-step cost of an unmerged adapter.
 
-    python bench/lora.py [--n 16] [--adapters 4] [--rank 16] [--size 32 --steps 4] [--heads 3] [--repeats 3]
+    python bench/lora.py [--n 16] [--adapters 4] [--rank 16] [--size 32 --steps 4] [--heads 8] [--repeats 3]
 
 One engine (request mode, ``max_num_seqs=--n``) on a tiny random Qwen-Image folder with ``--adapters`` rank
 ``--rank`` adapters made by peft (every attention projection). Measured interleaved, ``--repeats`` rounds, the
@@ -32,7 +32,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--adapters", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--heads", type=int, default=3, help="attention heads of the tiny model (width = 16 x heads)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads of the tiny model (width = 16 x heads; "
+                   "default 8: a rank-16 adapter is 1/8 of a projection, as in real models' proportions or more)")
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(size=32, steps=4)
     args = p.parse_args()
