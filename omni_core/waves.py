@@ -26,6 +26,11 @@ class DiffusionSchedulerOutput:
     finished_ids: list[str] = attrs.field(factory=list)
     #: the wave's compatibility key
     batch_key: tuple | None = None
+    #: the engine sent this wave to replace the step wave queued just before it (an urgent request arrived or a
+    #: running one ended while that wave waited behind the running one): a worker about to run that wave that
+    #: finds this one queued behind it skips the queued wave's step (``RunnerOutput.skipped``). Correct either
+    #: way: this wave was scheduled as if the queued one had run, and a skipped step is only run later.
+    replaces_queued: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -41,3 +46,6 @@ class RunnerOutput:
     #: request ids the runner (all ranks) still holds state for, after this wave
     held_ids: set[str] = attrs.field(factory=set)
     metrics: dict[str, Any] = attrs.field(factory=dict)
+    #: the runner released the wave's ended requests and encoded its new ones but ran no step: the next wave
+    #: replaces it (``DiffusionSchedulerOutput.replaces_queued``); its requests made no progress
+    skipped: bool = False

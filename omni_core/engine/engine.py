@@ -105,13 +105,22 @@ class DiffusionEngine:
         self.counters = {"requests_added": 0, "requests_completed": 0, "requests_aborted": 0, "requests_failed": 0,
                          "denoise_steps": 0}
         self.counters["requests_timed_out"] = 0  # also counted in requests_failed
-        #: request id -> deadline, for the requests that have one (checked between waves and steps)
+        #: queued step waves whose step the worker skipped for a wave that replaced them (``_send_now``)
+        self.counters["step_waves_replaced"] = 0
+        #: request id -> deadline, for the requests that have one (until it passes: ``_watch_deadlines``)
         self._deadlines: dict[str, float] = {}
         #: where the busy loop's time went, summed over waves (see ``wave_timing``)
         self.timing = {"waves": 0, "denoise_calls": 0, "wave_s": 0.0, "pipeline_s": 0.0, "denoise_s": 0.0}
         self._delivery = OutputDelivery()
+        #: step waves sent and not yet applied, and how many may be (the pipelined step loop; None otherwise)
+        self._inflight: collections.deque | None = None
+        self._depth = 1
+        #: wakes the deadline watcher when a deadline is added or the engine closes or dies
+        self._deadline_wake = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._busy_loop, name="omni-engine", daemon=True)
         self._thread.start()
+        self._deadline_thread = threading.Thread(target=self._watch_deadlines, name="omni-deadlines", daemon=True)
+        self._deadline_thread.start()
 
     @classmethod
     def make_engine(cls, config: OmniDiffusionConfig, **kwargs: Any) -> DiffusionEngine:
@@ -221,6 +230,7 @@ class DiffusionEngine:
                     timeout = getattr(request.sampling_params, "timeout", None)
                     if timeout is not None:
                         self._deadlines[request.request_id] = now + timeout
+                        self._deadline_wake.notify()
                     self.scheduler.add_request(request)
                     self._records[request.request_id] = record
                     handles.append(RequestHandle(request, record.stream, self.abort))
@@ -233,6 +243,7 @@ class DiffusionEngine:
                 raise
             self.counters["requests_added"] += len(handles)
             self._wake.notify()
+            self._send_now()
         return handles
 
     # ------------------------------------------------------------------ abort
@@ -248,6 +259,8 @@ class DiffusionEngine:
                 elif status is not None:
                     running.append(rid)
             self._wake.notify()
+            if running:
+                self._send_now()
         if running:
             self.mode.stop_running(self.executor, running)
 
@@ -264,11 +277,8 @@ class DiffusionEngine:
                         self._die(self.executor.death_reason or "the engine is dead: a worker died")
                 if self._closed or self._dead:
                     return
-                expired = self._expire_deadlines()
                 t0 = time.perf_counter()
                 sched = self.scheduler.schedule()
-            if expired:
-                self.mode.stop_running(self.executor, expired)
             try:
                 if sched.is_empty:
                     if sched.finished_ids:  # ended while running: the runner drops them first
@@ -294,14 +304,15 @@ class DiffusionEngine:
         """Step mode over an executor that queues waves (``mp``): wave N+1 is sent before wave N's result is read,
         so the worker starts the next step at once instead of waiting for the engine's round trip (result
         transport, bookkeeping, scheduling, dispatch; ~1 ms a step on a 2-core CPU, more than a small model's
-        step). The price: a wave is scheduled before the previous one's result, so a request the engine expects
-        to finish in a wave in flight (its step count says so) is left out of the next, and an abort takes effect
-        one queued step later. A wrong guess costs a step's gap or a skipped id, never a wrong result: the runner
-        ignores ids it no longer holds, and outputs are applied in wave order."""
-        inflight: collections.deque[tuple[DiffusionSchedulerOutput, float]] = collections.deque()
+        step). A wave is scheduled before the previous one's result, so a request the engine expects to finish in
+        a wave in flight (its step count says so) is left out of the next. A change that should not wait for the
+        queued wave (an urgent request, an abort) sends a wave that replaces it (``_send_now``). A wrong guess
+        costs a step's gap or a skipped id, never a wrong result: the runner ignores ids it no longer holds, and
+        outputs are applied in wave order."""
+        inflight = self._inflight = collections.deque()  # (wave, time scheduled): sent, result not yet applied
+        self._depth = depth
         last_done = time.perf_counter()
         while True:
-            sched = None
             with self._lock:
                 while not self._closed and not self._dead and not inflight and not self.scheduler.has_work():
                     self._wake.wait(timeout=0.5)
@@ -309,34 +320,12 @@ class DiffusionEngine:
                         self._die(self.executor.death_reason or "the engine is dead: a worker died")
                 if self._closed or self._dead:
                     return
-                self._expire_deadlines()  # step mode: the next wave leaves expired running requests out
-                if len(inflight) < depth and self.scheduler.has_work():
-                    t0 = time.perf_counter()
-                    sched = self.scheduler.schedule(finishing=self._finishing_in_flight())
-                    if sched.is_empty and not sched.finished_ids:
-                        sched = None
-                    else:
-                        self._hold_in_flight(sched, +1)
-            if sched is not None:
-                try:
-                    self._mark_started(sched)
-                    self.executor.send_step(sched)
-                    inflight.append((sched, t0))
-                except EngineDeadError as exc:
-                    with self._lock:
-                        self._die(str(exc))
-                    return
-                except Exception as exc:  # noqa: BLE001 - the wave fails, the engine lives on
-                    logger.exception("executor failed to send a wave")
-                    self._hold_in_flight(sched, -1)
-                    self._apply(sched, self._failed_wave(sched, exc), max(t0, last_done))
-                    last_done = time.perf_counter()
+                if len(inflight) < depth and self.scheduler.has_work() and self._schedule_and_send():
+                    if len(inflight) < depth:
+                        continue  # fill the pipeline before waiting
+                if self._closed or self._dead or not inflight:
                     continue
-                if len(inflight) < depth:
-                    continue  # fill the pipeline before waiting
-            if not inflight:
-                continue
-            sched, t0 = inflight.popleft()
+                sched, t0 = inflight[0]
             try:
                 result = self.executor.recv_step()
             except EngineDeadError as exc:
@@ -346,9 +335,48 @@ class DiffusionEngine:
             except Exception as exc:  # noqa: BLE001
                 logger.exception("executor failed a wave")
                 result = self._failed_wave(sched, exc)
-            self._hold_in_flight(sched, -1)
-            self._apply(sched, result, max(t0, last_done))  # waves overlap: each counts from the previous end
+            with self._lock:
+                inflight.popleft()
+                self._hold_in_flight(sched, -1)
+                # a skipped wave's runner also released what the wave replacing it ends (mp_worker._replaced)
+                released = inflight[0][0].finished_ids if result.skipped and inflight else ()
+                self._apply(sched, result, max(t0, last_done), released)  # each counts from the previous end
             last_done = time.perf_counter()
+
+    def _schedule_and_send(self, replaces_queued: bool = False) -> bool:
+        """Schedule the next step wave and queue it on the executor (pipelined loop; lock held, so waves are
+        sent in the order they were scheduled, whichever thread sends). False if there was nothing to send."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(finishing=self._finishing_in_flight())
+        if sched.is_empty and not sched.finished_ids:
+            return False
+        sched.replaces_queued = replaces_queued
+        self._hold_in_flight(sched, +1)
+        try:
+            self._mark_started(sched)
+            self.executor.send_step(sched)
+        except EngineDeadError as exc:
+            self._die(str(exc))
+            return False
+        except Exception as exc:  # noqa: BLE001 - the wave fails, the engine lives on
+            logger.exception("executor failed to send a wave")
+            self._hold_in_flight(sched, -1)
+            self._apply(sched, self._failed_wave(sched, exc), t0)
+            return False
+        self._inflight.append((sched, t0))
+        return True
+
+    def _send_now(self) -> None:
+        """After an arrival or an abort (lock held): while the pipelined loop waits on a wave's result, send the
+        next wave now if it would change something (start, resume or preempt a request, end an aborted one),
+        replacing the wave already queued behind the running one. So an urgent request starts, and an aborted
+        one stops, at the next step boundary rather than one queued step later."""
+        inflight, depth = self._inflight, self._depth
+        if inflight is None or not inflight or len(inflight) > depth or self._closed or self._dead:
+            return  # not pipelined, or the loop schedules next anyway; at most one replacement queued
+        would_start = getattr(self.scheduler, "would_start", None)  # a plugin scheduler may not offer it
+        if would_start is not None and would_start(self._finishing_in_flight()):
+            self._schedule_and_send(replaces_queued=len(inflight) >= depth)
 
     @staticmethod
     def _failed_wave(sched: DiffusionSchedulerOutput, exc: Exception) -> RunnerOutput:
@@ -391,12 +419,18 @@ class DiffusionEngine:
             if rid in self._records:
                 self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
 
-    def _apply(self, sched: DiffusionSchedulerOutput, result: RunnerOutput, t0: float) -> None:
+    def _apply(self, sched: DiffusionSchedulerOutput, result: RunnerOutput, t0: float,
+               released: list[str] | tuple = ()) -> None:
+        """Apply a wave's result. Requests that ended while running (``sched.finished_ids``, and ``released``:
+        those a skipped wave's runner let go of early) end here, once the runner no longer holds them."""
         with self._lock:
             ended = self.scheduler.update_from_output(sched, result)
             self._runner_held = set(result.held_ids)
-            self._finalize_aborted(sched.finished_ids)
-            self.counters["denoise_steps"] += self.mode.wave_steps(sched)
+            self._finalize_aborted([*sched.finished_ids, *(r for r in released if r not in self._runner_held)])
+            if result.skipped:
+                self.counters["step_waves_replaced"] += 1
+            else:
+                self.counters["denoise_steps"] += self.mode.wave_steps(sched)
             for rid, out in result.outputs.items():
                 record = self._records.get(rid)
                 if record is None:
@@ -417,24 +451,43 @@ class DiffusionEngine:
                                                         error="the runner returned no output for this request"))
             # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
             # wave that only releases ended requests (the pipelined loop sends those as waves) is no step wave
-            if sched.scheduled_ids:
+            if sched.scheduled_ids and not result.skipped:
                 wall_s = time.perf_counter() - t0
                 self._count_wave(wall_s, result.metrics)
                 observe = getattr(self.scheduler, "observe_wave", None)
                 if observe is not None:  # the scheduler learns each shape's step cost (docs/scheduling.md)
                     observe(sched, result.metrics.get("denoise_s") or wall_s)
 
+    def _watch_deadlines(self) -> None:
+        """The deadline watcher thread: at each deadline, end the request (``_expire_deadlines``), so a request
+        ends within one step of it whatever the busy loop is waiting on (a wave's result, a whole request-mode
+        wave). Idle (no CPU) while no request has a deadline."""
+        with self._lock:
+            while not self._closed and not self._dead:
+                if not self._deadlines:
+                    self._deadline_wake.wait()
+                    continue
+                delay = min(self._deadlines.values()) - time.monotonic()
+                if delay > 0:
+                    self._deadline_wake.wait(delay)
+                    continue
+                running = self._expire_deadlines()
+                if running:  # step mode: the next wave leaves them out (mp: one replacing the queued wave now)
+                    self._send_now()
+                    self.mode.stop_running(self.executor, running)  # request mode: the runner stops them
+
     def _expire_deadlines(self) -> list[str]:
         """End the requests past their deadline (lock held): a waiting one now, a running one at the next step
         (the returned ids: request mode must tell the runner, ``mode.stop_running``). Their final output is a
         timeout error (``_finalize``)."""
-        if not self._deadlines:
-            return []
         now = time.monotonic()
         running = []
         for rid, deadline in list(self._deadlines.items()):
+            if deadline > now:
+                continue
+            del self._deadlines[rid]
             record = self._records.get(rid)
-            if deadline > now or record is None or record.timed_out:
+            if record is None or record.timed_out:
                 continue
             record.timed_out = True
             status = self.scheduler.abort_request(rid)
@@ -464,9 +517,6 @@ class DiffusionEngine:
             if record is not None:
                 self._notify_progress(record, step, total)
             self.counters["denoise_steps"] += self.mode.steps_per_progress
-            expired = self._expire_deadlines()  # request mode: the busy loop is inside the wave
-        if expired:
-            self.mode.stop_running(self.executor, expired)
 
     @staticmethod
     def _notify_progress(record: RequestRecord, step: int, total: int) -> None:
@@ -506,6 +556,7 @@ class DiffusionEngine:
         if self._dead:
             return
         self._dead = reason
+        self._deadline_wake.notify_all()
         self.scheduler.fail_all(reason)
         self.scheduler.schedule()  # nothing will run again: drop the release list too
         for rid in list(self._records):
@@ -564,9 +615,11 @@ class DiffusionEngine:
             for rid in ids:
                 self.scheduler.abort_request(rid)
             self._wake.notify_all()
+            self._deadline_wake.notify_all()
         if ids and self.executor.is_alive():
             self.executor.abort(ids)
         self._thread.join(timeout=30)
+        self._deadline_thread.join(timeout=5)
         with self._lock:
             for rid in list(self._records):
                 self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted",

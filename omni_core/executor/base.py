@@ -43,7 +43,9 @@ class DiffusionExecutor:
 
     def send_step(self, sched: DiffusionSchedulerOutput) -> None:
         """Queue a step wave without waiting for it (when ``step_pipeline_depth > 1``); results come back in order
-        from ``recv_step``."""
+        from ``recv_step``, one per wave sent. Safe to call from any thread (the engine serialises the calls). A
+        wave with ``replaces_queued`` set may make the workers skip the step of the wave queued before it, if
+        that one has not started (``RunnerOutput.skipped``; the ``mp`` worker loop does this)."""
         raise NotImplementedError
 
     def recv_step(self) -> RunnerOutput:

@@ -183,12 +183,13 @@ class MultiProcExecutor(DiffusionExecutor):
 
     def _collect(self, n_parts: int) -> RunnerOutput:
         """The next ``n_parts`` results (one wave's parts) merged."""
-        merged = RunnerOutput()
+        merged = RunnerOutput(skipped=n_parts > 0)
         timings = []
         for _ in range(n_parts):
             out = self._wait_result()
             merged.outputs.update(out.outputs)
             merged.held_ids |= out.held_ids
+            merged.skipped &= out.skipped
             timings.append(out.metrics)
         merged.metrics = merge_wave_timings(timings)
         for rid, o in merged.outputs.items():

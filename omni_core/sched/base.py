@@ -165,6 +165,23 @@ class BaseScheduler:
         self._finished_since_last = []
         return out
 
+    def would_start(self, finishing: Collection[str] = ()) -> bool:
+        """Whether a wave scheduled now would start or resume a waiting request, preempt a running one or end
+        an aborted one, changing nothing. The engine's pipelined step loop asks when a request arrives or is
+        aborted while a wave is queued behind the running one, to send a wave that replaces the queued one so
+        the change takes effect at the next step boundary (``DiffusionSchedulerOutput.replaces_queued``)."""
+        if any(self._states[r].abort_pending for r in self._running):
+            return True
+        if not self._waiting:
+            return False
+        saved, self._finishing = self._finishing, {r for r in self._running if r in finishing}
+        try:
+            if self.can_preempt and self.max_preemptions > 0 and self._running and self._victims():
+                return True
+            return bool(self._admit(len(self._finishing), count_skips=False))
+        finally:
+            self._finishing = saved
+
     # ------------------------------------------------------------------ policy
     def _order(self) -> list[str]:
         """Waiting ids by priority, then arrival (a preempted request keeps its arrival)."""
@@ -219,8 +236,9 @@ class BaseScheduler:
                 break
         return victims
 
-    def _admit(self, leaving: int = 0) -> list[str]:
-        """Ids of waiting requests to admit into this wave (``leaving``: running ones about to finish)."""
+    def _admit(self, leaving: int = 0, *, count_skips: bool = True) -> list[str]:
+        """Ids of waiting requests to admit into this wave (``leaving``: running ones about to finish);
+        ``count_skips``: count a turn passed over for the waiting requests of other shapes (starvation)."""
         if not self._waiting:
             return []
         states = self._states
@@ -247,7 +265,7 @@ class BaseScheduler:
             st = states[rid]
             if st.batch_key == key and (bar is None or st.priority <= bar):
                 picked.append(rid)
-        if picked:
+        if picked and count_skips:
             for rid in self._waiting:
                 if states[rid].batch_key != key:
                     states[rid].skipped += 1

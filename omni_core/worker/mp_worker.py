@@ -8,6 +8,7 @@ broadcast at each step boundary.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import sys
@@ -39,6 +40,16 @@ MAX_TRACEBACK_CHARS = 16000
 def _traceback() -> str:
     text = traceback.format_exc()
     return text if len(text) <= MAX_TRACEBACK_CHARS else "...\n" + text[-MAX_TRACEBACK_CHARS:]
+
+
+def _replaced(task_q: Any, queued: collections.deque) -> bool:
+    """Whether the step wave about to run is replaced by the next one, already queued behind it
+    (``DiffusionSchedulerOutput.replaces_queued``). Takes what ``task_q`` holds now into ``queued`` (the
+    leader's view decides for the whole replica: ``ModelRunner.agree``)."""
+    while not task_q.empty():  # a SimpleQueue has no get_nowait; the engine's thread is the only other user
+        queued.append(task_q.get())
+    nxt = queued[0] if queued else None
+    return nxt is not None and nxt[0] == "step" and getattr(nxt[1], "replaces_queued", False)
 
 
 def _replica_group(config: Any, rank: int, world_size: int) -> tuple[int, list[int], Any]:
@@ -82,8 +93,9 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
                local_world_size: int | None = None, pack: Any = pack_outputs) -> bool:
     """One rank's whole life: start-up, the wave loop, teardown; returns False if start-up failed (reported
     as ``("fatal", rank, traceback)``). Transport-agnostic so every executor runs this same loop: ``task_q``
-    needs ``get()``, ``result_q`` ``put()``, ``abort_q`` ``get_nowait()`` raising ``queue.Empty`` (the ``mp``
-    worker passes its process queues; a Ray actor passes local ``queue.Queue`` objects it feeds).
+    needs ``get()`` and ``empty()``, ``result_q`` ``put()``, ``abort_q`` ``get_nowait()`` raising
+    ``queue.Empty`` (the ``mp`` worker passes its process queues; a Ray actor passes local ``queue.Queue``
+    objects it feeds).
     ``master_addr`` is the rendezvous host (rank 0's node), ``local_rank`` the device index on this host and
     ``local_world_size`` the model processes sharing this host's cores (both default to the one-host values);
     ``pack`` prepares a result for the trip to the engine (:func:`~omni_core.worker.transport.pack_outputs`)."""
@@ -124,8 +136,9 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
         result_q.put(("fatal", rank, _traceback()))
         return False
 
+    queued: collections.deque = collections.deque()  # messages taken early, to look behind a step wave
     while True:
-        msg = task_q.get()
+        msg = queued.popleft() if queued else task_q.get()
         kind = msg[0]
         if kind == "shutdown":
             break
@@ -133,7 +146,12 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
             if kind == "batch":
                 out = runner.execute_batch(msg[1])
             elif kind == "step":
-                out = runner.execute_step(msg[1])
+                if runner.agree([is_leader and _replaced(task_q, queued)])[0]:
+                    if not queued:  # a rank other than the leader: the replacement is on its way
+                        queued.append(task_q.get())
+                    out = runner.skip_step(msg[1], queued[0][1])
+                else:
+                    out = runner.execute_step(msg[1])
             elif kind == "release":
                 runner.release(msg[1])
                 out = RunnerOutput(held_ids=runner.held_ids())

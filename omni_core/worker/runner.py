@@ -100,7 +100,7 @@ class ModelRunner:
         self.progress_lock = threading.Lock()
         #: held while a flush is delivered, so lanes' events reach listeners in step order
         self._flush_lock = threading.Lock()
-        self._last_flush = 0.0
+        self._last_flush = float("-inf")  # the first events go at once (monotonic time may start near 0)
         #: how a wave of several requests is split across the CPU cores (set up in ``load_model``)
         self.lanes = CpuLanes(1, enabled=False)
         self.poll_aborts = poll_aborts
@@ -169,15 +169,21 @@ class ModelRunner:
                 self._abort_ids.update(r for r in polled if r in self._in_flight)
         with self._abort_lock:
             flags = [rid in self._abort_ids for rid in request_ids]
-        group, src, size = self.stop_group
-        if size > 1:
-            import torch
-            import torch.distributed as dist
+        return {rid for rid, f in zip(request_ids, self.agree(flags)) if f}
 
-            t = torch.tensor(flags, dtype=torch.uint8)
-            dist.broadcast(t, src=src, group=group)
-            flags = [bool(x) for x in t.tolist()]
-        return {rid for rid, f in zip(request_ids, flags) if f}
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """The replica leader's ``flags``, on every rank of the replica (a broadcast where it has several)."""
+        group, src, size = self.stop_group
+        if size <= 1 or not flags:
+            return flags
+        import torch
+        import torch.distributed as dist
+
+        # gloo broadcasts host tensors; a device backend (nccl, hccl) only the device's own
+        device = "cpu" if dist.get_backend(group) == "gloo" else self.device
+        t = torch.tensor(flags, dtype=torch.uint8, device=device)
+        dist.broadcast(t, src=src, group=group)
+        return [bool(x) for x in t.tolist()]
 
     def _forget(self, request_id: str) -> None:
         if getattr(self, "lora", None) is not None:
@@ -280,6 +286,21 @@ class ModelRunner:
                 lane_clock(self.clock).excluded(self.on_progress, events)
 
     # ------------------------------------------------------------------ step path
+    def skip_step(self, sched: DiffusionSchedulerOutput, replacement: DiffusionSchedulerOutput) -> RunnerOutput:
+        """A wave whose step is skipped because ``replacement``, queued behind it, replaces it
+        (``DiffusionSchedulerOutput.replaces_queued``): its ended requests are released and its new ones
+        encoded, since the replacement was scheduled as if this one had run; nobody takes a step. What the
+        replacement ends is released now too, so the engine can end those requests a step sooner."""
+        import torch
+
+        self.clock.take()
+        self.release(sched.finished_ids)
+        outputs: dict[str, DiffusionOutput] = {}
+        with torch.inference_mode():
+            self.clock.timed(self._encode_new, sched.new_requests, outputs)
+        self.release(replacement.finished_ids)
+        return RunnerOutput(outputs=outputs, held_ids=self.held_ids(), metrics=self.clock.take(), skipped=True)
+
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         import torch
 

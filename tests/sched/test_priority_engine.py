@@ -74,15 +74,19 @@ def test_an_urgent_request_preempts_the_least_urgent_and_it_resumes_bit_identica
     ev = Events()
     a, b = ev.submit(engine, a=req("a", 5, 12, 1), b=req("b", 5, 8, 2))
     ev.wait_steps("a", 3)
+    time.sleep(STEP_S / 2)  # mid-step: with mp the next wave is queued behind the running one by now
     at_submit = len(ev.steps_of("a"))
+    replaced = engine.stats()["step_waves_replaced"]
     (h,) = ev.submit(engine, h=req("h", 0, 3, 3))
     out_h, out_a, out_b = results([h, a, b])
+    if engine.config.executor == "mp":  # h came in a wave that replaced the queued one, whose step was skipped
+        assert engine.stats()["step_waves_replaced"] == replaced + 1
     assert out_h.status == out_a.status == out_b.status == "completed"
-    # the urgent request is in the wave after the one running when it arrived (one wave later with mp, whose
-    # pipelined loop had the next wave queued already): before h's first event come a's events up to then, the
-    # running wave's, and a's own in h's first wave
+    # the urgent request is in the wave after the one running when it arrived (with mp, whose pipelined loop had
+    # the next wave queued already, a wave replacing the queued one): before h's first event come a's events up
+    # to then, the running wave's, and a's own in h's first wave
     a_steps_before_h = sum(1 for n, _ in ev.log[:ev.log.index(("h", 1))] if n == "a")
-    assert a_steps_before_h <= at_submit + (2 if engine.config.executor == "mp" else 1) + 1, ev.log
+    assert a_steps_before_h <= at_submit + 1 + 1, ev.log
     # b (same priority as a, later arrival) made way: it ran no step while h ran, then resumed where it stopped
     h_span = [i for i, e in enumerate(ev.log) if e[0] == "h"]
     assert not [e for e in ev.log[h_span[0]:h_span[-1]] if e[0] == "b"], ev.log
@@ -103,12 +107,36 @@ def test_an_urgent_request_of_another_shape_preempts_the_whole_wave(engine):
     out_h, out_a, out_b = results([h, a, b])
     assert out_h.status == out_a.status == out_b.status == "completed"
     a_steps_before_h = sum(1 for n, _ in ev.log[:ev.log.index(("h", 1))] if n == "a")
-    assert a_steps_before_h <= at_submit + (2 if engine.config.executor == "mp" else 1) + 1, ev.log
+    assert a_steps_before_h <= at_submit + 1 + 1, ev.log
     h_span = [i for i, e in enumerate(ev.log) if e[0] == "h"]
     assert not [e for e in ev.log[h_span[0]:h_span[-1]] if e[0] != "h"], ev.log  # h ran alone
     assert out_a.metrics["preemptions"] == out_b.metrics["preemptions"] == 1
     assert torch.equal(out_a.tensor, ref_a.tensor) and torch.equal(out_b.tensor, ref_b.tensor)
     assert_nothing_left(engine)
+
+
+def test_an_aborted_running_request_ends_at_the_next_step_boundary(engine):
+    """The aborted request's final output comes at once (mp: a wave replacing the queued one leaves it out), the
+    other keeps running, and a lone running request aborted the same way ends too."""
+    ev = Events()
+    replaced = engine.stats()["step_waves_replaced"]
+    a, b = ev.submit(engine, a=req("a", 5, 40, 1), b=req("b", 5, 40, 2))
+    for handle, name, other in ((a, "a", b), (b, "b", None)):
+        ev.wait_steps(name, len(ev.steps_of(name)) + 3)
+        time.sleep(STEP_S / 2)  # mid-step: with mp the next wave is queued behind the running one by now
+        at_abort = len(ev.steps_of(name))
+        t0 = time.monotonic()
+        handle.abort()
+        out = handle.result(timeout=60)
+        assert out.status == "aborted" and out.metrics["steps_run"] <= at_abort + 1
+        assert time.monotonic() - t0 < 30 * STEP_S  # generous under load; a wave is ~STEP_S
+        if other is not None:
+            steps = len(ev.steps_of("b"))
+            ev.wait_steps("b", steps + 2)  # b goes on
+    assert len(ev.steps_of("a")) < 40 and len(ev.steps_of("b")) < 40
+    assert_nothing_left(engine)  # the waves that release them have come back: so have the skipped ones
+    if engine.config.executor == "mp":  # each abort replaced the queued wave, which held the aborted request
+        assert engine.stats()["step_waves_replaced"] == replaced + 2
 
 
 def test_no_request_is_preempted_beyond_the_bound(engine):
@@ -143,15 +171,32 @@ def test_a_request_past_its_timeout_ends_with_a_timeout_error_within_a_step(engi
     for out in (out_run, out_wait):
         assert out.status == "error" and out.metrics["timed_out"] is True
         assert "timed out" in out.error and "0.3 s" in out.error
-    # each step sleeps STEP_S, so at most timeout / STEP_S steps ran before the deadline; one more after it
-    # (two with mp's pipelined waves)
-    assert out_run.metrics["steps_run"] <= timeout / STEP_S + 2 + 1
-    assert out_run.metrics["e2e_latency_s"] >= timeout
+    # each step sleeps STEP_S, so at most timeout / STEP_S + 1 steps began before the deadline, and none after it
+    # (a watcher thread ends the request at its deadline; mp: a wave replacing the queued one leaves it out)
+    for out in (out_run, out_wait):
+        assert out.metrics["steps_run"] <= timeout / STEP_S + 1
+        assert timeout <= out.metrics["e2e_latency_s"] <= timeout + 10 * STEP_S  # slack for a loaded machine
     hx.abort(), hy.abort()
     results([hx, hy])
     assert_nothing_left(engine)
     stats = engine.stats()
     assert stats["requests_timed_out"] - before["requests_timed_out"] == 2
+
+
+def test_a_running_request_ends_at_its_deadline_while_the_other_goes_on(engine):
+    timeout = 0.3
+    replaced = engine.stats()["step_waves_replaced"]
+    ev = Events()
+    late, other = ev.submit(engine, late=req("late", 5, 60, 1, timeout=timeout), other=req("other", 5, 30, 2))
+    out_late = late.result(timeout=60)
+    assert out_late.status == "error" and out_late.metrics["timed_out"] is True
+    assert out_late.metrics["steps_run"] <= timeout / STEP_S + 1  # none began after the deadline
+    assert timeout <= out_late.metrics["e2e_latency_s"] <= timeout + 10 * STEP_S
+    assert other.result(timeout=60).status == "completed"
+    assert ev.steps_of("other") == list(range(1, 31))
+    assert_nothing_left(engine)
+    if engine.config.executor == "mp":  # the watcher replaced the queued wave, which held the late request
+        assert engine.stats()["step_waves_replaced"] == replaced + 1
 
 
 def test_a_timeout_in_request_mode_stops_the_running_request_within_a_step(tiny_model):
