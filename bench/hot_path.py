@@ -9,7 +9,8 @@ wave from scheduling to output delivery) it prints, per denoising step: the wall
 ``denoise_step``, the rest of the pipeline (encode, scheduler step, decode), and the engine's own time
 (scheduling, transport, bookkeeping, progress and preview events, delivery). Throughput at each depth is
 shown against depth 4. ``--profile`` adds a cProfile of the engine's busy-loop thread at the largest depth
-(step mode, uni executor): where the engine's own time goes.
+(the first executor, the last mode): where the engine's own time goes; with ``mp`` also of the worker's wave
+loop (``OMNI_WORKER_PROFILE``), whose time outside the model is the rest of the engine's time there.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import cProfile
 import io
 import os
 import pstats
+import tempfile
 import time
 
 import _common
+
+WORKER_PROFILE_ENV = "OMNI_WORKER_PROFILE"  # omni_core.worker.mp_worker.PROFILE_ENV, without importing the core
 
 
 async def closed_loop(omni, params, depth: int, total: int) -> float:
@@ -94,7 +98,7 @@ def main() -> None:
     print(f"model={args.model or 'tiny test pipeline'} max_num_seqs={args.max_num_seqs}; {_common.thread_header(args)}")
     print(f"{'executor':8} {'mode':14} {'depth':>5} {'req/s':>6} {'vs d4':>6} {'steps':>6} {'wall':>7} "
           f"{'denoise':>8} {'pipe+':>6} {'engine':>7} {'engine%':>7}   (ms per denoising step)")
-    profile_out = None
+    profile_out = worker_profile = None
     for executor in args.executors:
         for mode in args.modes:
             rows = {}
@@ -102,8 +106,11 @@ def main() -> None:
                 total = args.requests or max(16, 2 * depth)
                 prof = args.profile and executor == args.executors[0] and mode == args.modes[-1] \
                     and depth == max(args.depths)
+                if prof and executor != "uni":
+                    os.environ[WORKER_PROFILE_ENV] = worker_profile = os.path.join(tempfile.mkdtemp(), "worker")
                 rows[depth] = t = measure(model, params, depth, total, prof, **_common.engine_config(
                     args, executor=executor, max_num_seqs=args.max_num_seqs, step_execution=mode == "step_batch"))
+                os.environ.pop(WORKER_PROFILE_ENV, None)
                 profile_out = t["prof"] or profile_out
             base = rows.get(4, {}).get("rps")
             for depth, t in rows.items():
@@ -122,6 +129,15 @@ def main() -> None:
         stats.sort_stats("tottime").print_stats(r"omni_core/(engine|sched|executor|waves|outputs|request|worker/"
                                                 r"(runner|lanes|timing))|threading|queue", 25)
         print(f"\nbusy-loop thread profile ({args.executors[0]}, {args.modes[-1]}, depth {max(args.depths)}), "
+              f"by own time:")
+        print(buf.getvalue())
+    if worker_profile and os.path.exists(worker_profile + ".rank0"):
+        buf = io.StringIO()
+        stats = pstats.Stats(worker_profile + ".rank0", stream=buf)
+        # the worker's own functions: receiving, bookkeeping, packing and sending (the model's time is above)
+        stats.sort_stats("tottime").print_stats(r"omni_core/(worker|waves|outputs|pipelines/state)|multiprocessing|"
+                                                r"pickle|copyreg|attr|posix|_thread", 25)
+        print(f"\nworker rank 0 wave-loop profile ({args.executors[0]}, {args.modes[-1]}, depth {max(args.depths)}), "
               f"by own time:")
         print(buf.getvalue())
 

@@ -98,6 +98,8 @@ class DiffusionEngine:
         self._wake = threading.Condition(self._lock)
         #: every admitted request that has not ended, by id: the engine's only per-request table
         self._records: dict[str, RequestRecord] = {}
+        #: the records with step waves in flight (``RequestRecord.in_flight > 0``; the pipelined step loop)
+        self._in_flight_records: dict[str, RequestRecord] = {}
         #: ids the runner still held state for after the last wave (it may outlive a record; stats shows it)
         self._runner_held: set[str] = set()
         self._closed = False
@@ -392,11 +394,16 @@ class DiffusionEngine:
                     record.in_flight += delta
                     if record.num_steps is None:
                         record.num_steps = record.request.sampling_params.num_inference_steps
+                    if record.in_flight > 0:
+                        self._in_flight_records[rid] = record
+                    else:
+                        self._in_flight_records.pop(rid, None)
 
     def _finishing_in_flight(self) -> set[str]:
-        """Running requests whose last step is in a wave already sent (lock held)."""
-        return {rid for rid, r in self._records.items()
-                if r.in_flight and r.num_steps is not None and r.steps + r.in_flight >= r.num_steps}
+        """Running requests whose last step is in a wave already sent (lock held); looks only at the requests
+        in flight, so it costs the same with any number waiting."""
+        return {rid for rid, r in self._in_flight_records.items()
+                if r.num_steps is not None and r.steps + r.in_flight >= r.num_steps}
 
     def _count_wave(self, wall_s: float, metrics: dict) -> None:
         t = self.timing
@@ -531,6 +538,7 @@ class DiffusionEngine:
         """Deliver the final output and forget the request (lock held)."""
         record = self._records.pop(request_id)
         self._deadlines.pop(request_id, None)
+        self._in_flight_records.pop(request_id, None)
         out.finished = True
         if record.timed_out and out.status != "completed":
             timeout = record.request.sampling_params.timeout

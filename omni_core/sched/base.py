@@ -3,7 +3,7 @@ built-in policy: priorities, preemption between steps, cost-capped waves (docs/s
 
 from __future__ import annotations
 
-import collections
+import bisect
 from typing import Collection, Iterable
 
 from omni_core.errors import ConfigError
@@ -56,7 +56,8 @@ class BaseScheduler:
         self.num_preemptions = 0
         self._finishing: set[str] = set()
         self._states: dict[str, SchedulerRequestState] = {}
-        self._waiting: collections.deque[str] = collections.deque()
+        #: waiting ids kept in priority, then arrival order (``_rank``), so no wave sorts the queue
+        self._waiting: list[str] = []
         self._running: list[str] = []
         self._finished_since_last: list[str] = []
 
@@ -80,7 +81,7 @@ class BaseScheduler:
         self._states[rid] = SchedulerRequestState(request=request, batch_key=key, seq=self._seq,
                                                   priority=getattr(request.sampling_params, "priority", 0) or 0)
         self._key_tokens.setdefault(key, request_tokens(request))
-        self._waiting.append(rid)
+        bisect.insort(self._waiting, rid, key=self._rank)
         return rid
 
     def configure(self, config: object) -> None:
@@ -111,7 +112,7 @@ class BaseScheduler:
         st.status = S.PREEMPTED
         st.preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(request_id)
+        bisect.insort(self._waiting, request_id, key=self._rank)
 
     def _finish(self, request_id: str, status: DiffusionRequestStatus, error: str | None = None) -> None:
         st = self._states.pop(request_id)
@@ -183,9 +184,13 @@ class BaseScheduler:
             self._finishing = saved
 
     # ------------------------------------------------------------------ policy
+    def _rank(self, rid: str) -> tuple[int, int]:
+        st = self._states[rid]
+        return st.priority, st.seq
+
     def _order(self) -> list[str]:
-        """Waiting ids by priority, then arrival (a preempted request keeps its arrival)."""
-        return sorted(self._waiting, key=lambda r: (self._states[r].priority, self._states[r].seq))
+        """Waiting ids by priority, then arrival (a preempted request keeps its arrival); callers only read it."""
+        return self._waiting
 
     def _active(self) -> list[str]:
         """Running ids that the next wave continues (not those whose last step is already in flight)."""

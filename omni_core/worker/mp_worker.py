@@ -42,6 +42,52 @@ def _traceback() -> str:
     return text if len(text) <= MAX_TRACEBACK_CHARS else "...\n" + text[-MAX_TRACEBACK_CHARS:]
 
 
+class BackgroundSender:
+    """A worker's messages to the engine, written in order by a thread of its own, so the worker starts its
+    next wave while the last result is pickled and written (a step wave's result is ~0.1-0.3 ms of that on 2
+    cores, time the model would otherwise wait; ``bench/hot_path.py``). ``put`` never blocks; ``close``
+    returns once everything put before it is written. If writing fails (the engine is gone), the rest is
+    dropped: the worker dies with its parent anyway (``parent_watch``)."""
+
+    def __init__(self, result_q: Any) -> None:
+        import threading
+
+        self._out = result_q
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="omni-result-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: Any) -> None:
+        self._pending.put(msg)
+
+    def _run(self) -> None:
+        while (msg := self._pending.get()) is not None:
+            try:
+                self._out.put(msg)
+            except Exception:  # noqa: BLE001 - the engine's end of the pipe is gone
+                traceback.print_exc()
+                return
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._pending.put(None)
+        self._thread.join(timeout)
+
+
+#: set to a path prefix, every worker profiles its wave loop (cProfile) and writes ``<prefix>.rank<N>`` at
+#: shutdown: where a worker's time outside the model goes (``bench/hot_path.py --profile``)
+PROFILE_ENV = "OMNI_WORKER_PROFILE"
+
+
+def _start_profile() -> Any:
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
+
+
 def _replaced(task_q: Any, queued: collections.deque) -> bool:
     """Whether the step wave about to run is replaced by the next one, already queued behind it
     (``DiffusionSchedulerOutput.replaces_queued``). Takes what ``task_q`` holds now into ``queued`` (the
@@ -100,6 +146,7 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
     ``local_world_size`` the model processes sharing this host's cores (both default to the one-host values);
     ``pack`` prepares a result for the trip to the engine (:func:`~omni_core.worker.transport.pack_outputs`)."""
     local_rank = rank if local_rank is None else local_rank
+    result_q = BackgroundSender(result_q)
     try:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
@@ -134,9 +181,11 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
         result_q.put(("ready", rank, runner.model_bytes))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
         result_q.put(("fatal", rank, _traceback()))
+        result_q.close()
         return False
 
     queued: collections.deque = collections.deque()  # messages taken early, to look behind a step wave
+    profile = _start_profile()
     while True:
         msg = queued.popleft() if queued else task_q.get()
         kind = msg[0]
@@ -162,7 +211,11 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
                 result_q.put(("error", replica, _traceback()))
             continue
         if is_leader:
-            result_q.put(("result", replica, pack(out)))
+            result_q.put(("result", replica, pack(out)))  # small tensors copied here: the sender owns them
+    result_q.close()  # every result is written before the process group goes
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(f"{os.environ[PROFILE_ENV]}.rank{rank}")
     try:
         _destroy_parallel_state()
         dist.destroy_process_group()
