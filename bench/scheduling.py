@@ -9,6 +9,7 @@ this machine's step cost (``--load`` of its capacity), so the queue is as busy o
 
     python bench/scheduling.py                      # tiny test pipeline, 150 requests at 80% load
     python bench/scheduling.py --requests 120 --load 0.9 --step-budget 0.05
+    python bench/scheduling.py --executor mp         # worker process, pipelined step waves
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def request(args, high: bool, i: int, use_priority: bool):
 
 def config(args, **extra) -> dict:
     """The engine options every row shares (limits that admit the large size), plus the row's own."""
-    out = engine_config(args, **extra)
+    out = engine_config(args, executor=args.executor, **extra)
     out["limits"] = {**out["limits"], "max_pixels": max(args.large, args.small) ** 2}
     return out
 
@@ -115,6 +116,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-budget", type=float, default=None, help="step_time_budget_s for every row")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--executor", default="uni", help="executor of every row (uni, mp)")
     args = p.parse_args()
     model = resolve(args)
     per_request = probe(args, model)
@@ -128,7 +130,8 @@ def main() -> None:
     print(f"# {args.requests} requests ({n_high} high-priority {args.small}px x {args.small_steps} steps, "
           f"{args.requests - n_high} low-priority {args.large}px x {args.large_steps} steps), Poisson arrivals at "
           f"{rate:.2f}/s = {args.load:.0%} of the probed capacity ({per_request * 1000:.0f} ms of work per request); "
-          f"step mode, max_num_seqs={args.max_num_seqs}, step_time_budget_s={args.step_budget}")
+          f"step mode, max_num_seqs={args.max_num_seqs}, step_time_budget_s={args.step_budget}, "
+          f"executor={args.executor}")
     print(f"# {thread_header(args)}")
     rows = []
     for name, extra, use_priority in ROWS:

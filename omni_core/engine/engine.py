@@ -377,8 +377,11 @@ class DiffusionEngine:
         if inflight is None or not inflight or len(inflight) > depth or self._closed or self._dead:
             return  # not pipelined, or the loop schedules next anyway; at most one replacement queued
         would_start = getattr(self.scheduler, "would_start", None)  # a plugin scheduler may not offer it
-        if would_start is not None and would_start(self._finishing_in_flight()):
-            self._schedule_and_send(replaces_queued=len(inflight) >= depth)
+        try:
+            if would_start is not None and would_start(self._finishing_in_flight()):
+                self._schedule_and_send(replaces_queued=len(inflight) >= depth)
+        except Exception:  # noqa: BLE001 - the caller's submit or abort stands; the loop schedules as usual
+            logger.exception("scheduling a wave early failed")
 
     @staticmethod
     def _failed_wave(sched: DiffusionSchedulerOutput, exc: Exception) -> RunnerOutput:
