@@ -13,6 +13,7 @@ that the installed packages are the ones imported, the core's ``omni`` commands,
 
     .venv/bin/python scripts/check_dists.py                  # all distributions
     .venv/bin/python scripts/check_dists.py omni-model-wan   # some of them (names or folders)
+    .venv/bin/python scripts/check_dists.py -m ''            # the slow tests too (CI: -m 'not slow')
 
 Prints one line per distribution (pass/fail, install and test seconds, pytest's summary) and exits 1 if
 any failed. ``--keep`` leaves the work folder (venvs, test copies, logs) for inspection.
@@ -147,7 +148,7 @@ def _spec(name: str, extras: set[str], wheel: Path) -> str:
 
 
 def check(name: str, folder: Path, wheels: dict[str, Path], uv: str, work: Path, links: list[str],
-          torch_req: str) -> dict:
+          torch_req: str, markers: str = "not slow") -> dict:
     """Install ``name`` alone into a fresh venv and run its tests there; a result row."""
     log = work / "logs" / f"{name}.log"
     venv, tests_root = work / "venvs" / name, work / "run" / name
@@ -195,7 +196,8 @@ def check(name: str, folder: Path, wheels: dict[str, Path], uv: str, work: Path,
             row["summary"] = f"{Path(str(step[0])).name} {' '.join(map(str, step[1:2]))} failed"
             row["test_s"] = time.monotonic() - t0
             return row
-    rc = run([python, "-m", "pytest", "-q", "tests"], log, env=env, cwd=tests_root)
+    rc = run([python, "-m", "pytest", "-q", *(["-m", markers] if markers else []), "tests"], log, env=env,
+             cwd=tests_root)
     row["test_s"] = time.monotonic() - t0
     tail = [ln for ln in log.read_text().splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
     row["summary"] = tail[-1].strip("= ") if tail else f"pytest exit {rc}"
@@ -207,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("only", nargs="*", help="distribution names or folders to check (default: all)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (venvs, test copies, logs)")
+    parser.add_argument("-m", dest="markers", default="not slow",
+                        help="pytest marker expression for every distribution's tests (default: 'not slow', as "
+                             "CI; '' runs them all)")
     args = parser.parse_args(argv)
 
     dists = distributions()
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_dists: built {len(wheels)} wheels in {time.monotonic() - t0:.0f} s", flush=True)
         rows = []
         for name, folder in chosen:
-            row = check(name, folder, wheels, uv, work, links, torch_req)
+            row = check(name, folder, wheels, uv, work, links, torch_req, args.markers)
             rows.append(row)
             print(f"  {'PASS' if row['ok'] else 'FAIL'}  {name:<24} install {row['install_s']:5.1f} s  "
                   f"tests {row['test_s']:6.1f} s  {row['summary']}", flush=True)

@@ -72,8 +72,7 @@ def layered_venv(tmp_path: Path) -> Path:
     return venv
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("guide", GUIDES)
+@pytest.mark.parametrize("guide", GUIDES)  # ~2 minutes in all, but the guides are what plugin authors follow: CI
 def test_guide_commands_run_as_written(guide, tmp_path: Path, layered_venv: Path):
     work = tmp_path / GUIDES[guide][0]
     shutil.copytree(example_dir(guide), work, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
