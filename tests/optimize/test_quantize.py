@@ -35,7 +35,6 @@ def test_shapes_int8_saves_memory_and_keeps_images(shapes_pair):
     assert psnr(got, ref) >= 30
 
 
-@pytest.mark.slow
 def test_shapes_int8_still_draws_what_the_prompt_says(shapes_pair):
     """The shapes evaluator (default 20 steps) within 3 points of float32 on every attribute."""
     from omni_model_shapes.evaluate import evaluate
