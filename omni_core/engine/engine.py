@@ -54,6 +54,8 @@ class RequestRecord:
     in_flight: int = 0
     #: it passed its deadline (``SamplingParams.timeout``): its final output is a timeout error
     timed_out: bool = False
+    #: the scheduler ended it while it ran (aborted, timed out): it ends once the runner has let it go
+    ending: bool = False
 
 
 class DiffusionEngine:
@@ -117,6 +119,8 @@ class DiffusionEngine:
         #: step waves sent and not yet applied, and how many may be (the pipelined step loop; None otherwise)
         self._inflight: collections.deque | None = None
         self._depth = 1
+        #: inside ``_apply`` (a listener that aborts there must not schedule in the middle of it)
+        self._applying = False
         #: wakes the deadline watcher when a deadline is added or the engine closes or dies
         self._deadline_wake = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._busy_loop, name="omni-engine", daemon=True)
@@ -281,6 +285,7 @@ class DiffusionEngine:
                     return
                 t0 = time.perf_counter()
                 sched = self.scheduler.schedule()
+                self._mark_ending(sched.finished_ids)
             try:
                 if sched.is_empty:
                     if sched.finished_ids:  # ended while running: the runner drops them first
@@ -347,9 +352,13 @@ class DiffusionEngine:
 
     def _schedule_and_send(self, replaces_queued: bool = False) -> bool:
         """Schedule the next step wave and queue it on the executor (pipelined loop; lock held, so waves are
-        sent in the order they were scheduled, whichever thread sends). False if there was nothing to send."""
+        sent in the order they were scheduled, whichever thread sends). A replacement is scheduled as if the
+        queued wave it replaces will not run (its steps are not counted as in flight), so a request whose last
+        step is in it keeps its slot and takes that step in the replacement. False if there was nothing to send."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule(finishing=self._finishing_in_flight())
+        queued = self._inflight[-1][0] if replaces_queued else None
+        sched = self.scheduler.schedule(finishing=self._finishing_in_flight(queued))
+        self._mark_ending(sched.finished_ids)
         if sched.is_empty and not sched.finished_ids:
             return False
         sched.replaces_queued = replaces_queued
@@ -376,10 +385,13 @@ class DiffusionEngine:
         inflight, depth = self._inflight, self._depth
         if inflight is None or not inflight or len(inflight) > depth or self._closed or self._dead:
             return  # not pipelined, or the loop schedules next anyway; at most one replacement queued
+        if self._applying:
+            return  # an on_progress listener inside _apply: the loop schedules right after it anyway
         would_start = getattr(self.scheduler, "would_start", None)  # a plugin scheduler may not offer it
+        replaces = len(inflight) >= depth
         try:
-            if would_start is not None and would_start(self._finishing_in_flight()):
-                self._schedule_and_send(replaces_queued=len(inflight) >= depth)
+            if would_start is not None and would_start(self._finishing_in_flight(inflight[-1][0] if replaces else None)):
+                self._schedule_and_send(replaces_queued=replaces)
         except Exception:  # noqa: BLE001 - the caller's submit or abort stands; the loop schedules as usual
             logger.exception("scheduling a wave early failed")
 
@@ -402,11 +414,21 @@ class DiffusionEngine:
                     else:
                         self._in_flight_records.pop(rid, None)
 
-    def _finishing_in_flight(self) -> set[str]:
-        """Running requests whose last step is in a wave already sent (lock held); looks only at the requests
-        in flight, so it costs the same with any number waiting."""
+    def _finishing_in_flight(self, not_counting: DiffusionSchedulerOutput | None = None) -> set[str]:
+        """Running requests whose last step is in a wave already sent, leaving out the steps of ``not_counting``
+        (a queued wave about to be replaced; lock held). Looks only at the requests in flight, so it costs the
+        same with any number waiting."""
+        skipped = set(not_counting.scheduled_ids) if not_counting is not None else ()
         return {rid for rid, r in self._in_flight_records.items()
-                if r.num_steps is not None and r.steps + r.in_flight >= r.num_steps}
+                if r.num_steps is not None and r.steps + r.in_flight - (rid in skipped) >= r.num_steps}
+
+    def _mark_ending(self, request_ids: list[str]) -> None:
+        """The scheduler ended these (lock held): those still recorded were running and end once the runner
+        has let them go (``_finalize_aborted``); a later request reusing an id is not one of them."""
+        for rid in request_ids:
+            record = self._records.get(rid)
+            if record is not None:
+                record.ending = True
 
     def _count_wave(self, wall_s: float, metrics: dict) -> None:
         t = self.timing
@@ -426,7 +448,8 @@ class DiffusionEngine:
 
     def _finalize_aborted(self, request_ids: list[str]) -> None:
         for rid in request_ids:  # aborted while running: ends once the runner has dropped it
-            if rid in self._records:
+            record = self._records.get(rid)
+            if record is not None and record.ending:
                 self._finalize(rid, DiffusionOutput(request_id=rid, status="aborted"))
 
     def _apply(self, sched: DiffusionSchedulerOutput, result: RunnerOutput, t0: float,
@@ -434,39 +457,47 @@ class DiffusionEngine:
         """Apply a wave's result. Requests that ended while running (``sched.finished_ids``, and ``released``:
         those a skipped wave's runner let go of early) end here, once the runner no longer holds them."""
         with self._lock:
-            ended = self.scheduler.update_from_output(sched, result)
-            self._runner_held = set(result.held_ids)
-            self._finalize_aborted([*sched.finished_ids, *(r for r in released if r not in self._runner_held)])
-            if result.skipped:
-                self.counters["step_waves_replaced"] += 1
-            else:
-                self.counters["denoise_steps"] += self.mode.wave_steps(sched)
-            for rid, out in result.outputs.items():
-                record = self._records.get(rid)
-                if record is None:
-                    continue  # already ended here (aborted while the wave ran)
-                if rid in ended:
-                    if ended[rid] == DiffusionRequestStatus.FINISHED_ERROR and out.status != "error":
-                        out.status, out.error = "error", out.error or "request failed"
-                    elif ended[rid] == DiffusionRequestStatus.FINISHED_COMPLETED and self.mode.final_output_is_a_step:
-                        self._last_step(record, out)
-                    self._finalize(rid, out)
-                elif not out.finished:
-                    self._notify_progress(record, out.step_index, out.num_steps)
-                    if self.config.streaming_output and record.request.stream_previews:
-                        record.stream.put(out)
-            for rid, status in ended.items():  # ended without an output (lost by the runner)
-                if rid in self._records:
-                    self._finalize(rid, DiffusionOutput(request_id=rid, status="error",
-                                                        error="the runner returned no output for this request"))
-            # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
-            # wave that only releases ended requests (the pipelined loop sends those as waves) is no step wave
-            if sched.scheduled_ids and not result.skipped:
-                wall_s = time.perf_counter() - t0
-                self._count_wave(wall_s, result.metrics)
-                observe = getattr(self.scheduler, "observe_wave", None)
-                if observe is not None:  # the scheduler learns each shape's step cost (docs/scheduling.md)
-                    observe(sched, result.metrics.get("denoise_s") or wall_s)
+            self._applying = True
+            try:
+                self._apply_locked(sched, result, t0, released)
+            finally:
+                self._applying = False
+
+    def _apply_locked(self, sched: DiffusionSchedulerOutput, result: RunnerOutput, t0: float,
+                      released: list[str] | tuple) -> None:
+        ended = self.scheduler.update_from_output(sched, result)
+        self._runner_held = set(result.held_ids)
+        self._finalize_aborted([*sched.finished_ids, *(r for r in released if r not in self._runner_held)])
+        if result.skipped:
+            self.counters["step_waves_replaced"] += 1
+        else:
+            self.counters["denoise_steps"] += self.mode.wave_steps(sched)
+        for rid, out in result.outputs.items():
+            record = self._records.get(rid)
+            if record is None:
+                continue  # already ended here (aborted while the wave ran)
+            if rid in ended:
+                if ended[rid] == DiffusionRequestStatus.FINISHED_ERROR and out.status != "error":
+                    out.status, out.error = "error", out.error or "request failed"
+                elif ended[rid] == DiffusionRequestStatus.FINISHED_COMPLETED and self.mode.final_output_is_a_step:
+                    self._last_step(record, out)
+                self._finalize(rid, out)
+            elif not out.finished:
+                self._notify_progress(record, out.step_index, out.num_steps)
+                if self.config.streaming_output and record.request.stream_previews:
+                    record.stream.put(out)
+        for rid, status in ended.items():  # ended without an output (lost by the runner)
+            if rid in self._records:
+                self._finalize(rid, DiffusionOutput(request_id=rid, status="error",
+                                                    error="the runner returned no output for this request"))
+        # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
+        # wave that only releases ended requests (the pipelined loop sends those as waves) is no step wave
+        if sched.scheduled_ids and not result.skipped:
+            wall_s = time.perf_counter() - t0
+            self._count_wave(wall_s, result.metrics)
+            observe = getattr(self.scheduler, "observe_wave", None)
+            if observe is not None:  # the scheduler learns each shape's step cost (docs/scheduling.md)
+                observe(sched, result.metrics.get("denoise_s") or wall_s)
 
     def _watch_deadlines(self) -> None:
         """The deadline watcher thread: at each deadline, end the request (``_expire_deadlines``), so a request

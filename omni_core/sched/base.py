@@ -137,15 +137,21 @@ class BaseScheduler:
         """The next wave. ``finishing``: running requests whose last step is in a wave already sent (the
         engine's pipelined step loop); they stay running until their result comes, but are left out of this
         wave and their slots are offered to waiting requests."""
-        # requests aborted while running leave at this boundary
-        for rid in [r for r in self._running if self._states[r].abort_pending]:
-            self._finish(rid, S.FINISHED_ABORTED)
         finishing = [r for r in self._running if r in finishing] if finishing else []
         self._finishing = set(finishing)
+        # requests aborted while running leave at this boundary, but one whose last step is already in flight
+        # ends with that step's output (as in-process: a request that completes in its last wave completes)
+        for rid in [r for r in self._running if self._states[r].abort_pending and r not in self._finishing]:
+            self._finish(rid, S.FINISHED_ABORTED)
         if self.can_preempt and self.max_preemptions > 0 and self._waiting and self._running:
             for rid in self._victims():
                 self.preempt_request(rid)
         new = self._admit(len(finishing))
+        if new:  # a turn passed over for the waiting requests of other shapes (the starvation limit)
+            key = self._states[new[0]].batch_key
+            for rid in self._waiting:
+                if self._states[rid].batch_key != key:
+                    self._states[rid].skipped += 1
         for rid in new:
             self._waiting.remove(rid)
             self._states[rid].status = S.RUNNING
@@ -170,16 +176,19 @@ class BaseScheduler:
         """Whether a wave scheduled now would start or resume a waiting request, preempt a running one or end
         an aborted one, changing nothing. The engine's pipelined step loop asks when a request arrives or is
         aborted while a wave is queued behind the running one, to send a wave that replaces the queued one so
-        the change takes effect at the next step boundary (``DiffusionSchedulerOutput.replaces_queued``)."""
-        if any(self._states[r].abort_pending for r in self._running):
-            return True
-        if not self._waiting:
-            return False
+        the change takes effect at the next step boundary (``DiffusionSchedulerOutput.replaces_queued``).
+        It asks ``_victims`` and ``_admit``, which must change nothing; a subclass that replaces ``schedule`` with
+        another policy should answer for that policy here (or return False: its requests then start one queued
+        step later)."""
         saved, self._finishing = self._finishing, {r for r in self._running if r in finishing}
         try:
+            if any(self._states[r].abort_pending for r in self._active()):
+                return True
+            if not self._waiting:
+                return False
             if self.can_preempt and self.max_preemptions > 0 and self._running and self._victims():
                 return True
-            return bool(self._admit(len(self._finishing), count_skips=False))
+            return bool(self._admit(len(self._finishing)))
         finally:
             self._finishing = saved
 
@@ -189,8 +198,9 @@ class BaseScheduler:
         return st.priority, st.seq
 
     def _order(self) -> list[str]:
-        """Waiting ids by priority, then arrival (a preempted request keeps its arrival); callers only read it."""
-        return self._waiting
+        """Waiting ids by priority, then arrival (a preempted request keeps its arrival). A copy of the queue,
+        which is kept in that order (``_rank``: a request's priority and arrival never change while it waits)."""
+        return list(self._waiting)
 
     def _active(self) -> list[str]:
         """Running ids that the next wave continues (not those whose last step is already in flight)."""
@@ -241,9 +251,9 @@ class BaseScheduler:
                 break
         return victims
 
-    def _admit(self, leaving: int = 0, *, count_skips: bool = True) -> list[str]:
-        """Ids of waiting requests to admit into this wave (``leaving``: running ones about to finish);
-        ``count_skips``: count a turn passed over for the waiting requests of other shapes (starvation)."""
+    def _admit(self, leaving: int = 0) -> list[str]:
+        """Ids of waiting requests to admit into this wave (``leaving``: running ones about to finish). Changes
+        nothing (``would_start`` asks it too); ``schedule`` admits them."""
         if not self._waiting:
             return []
         states = self._states
@@ -270,10 +280,6 @@ class BaseScheduler:
             st = states[rid]
             if st.batch_key == key and (bar is None or st.priority <= bar):
                 picked.append(rid)
-        if picked and count_skips:
-            for rid in self._waiting:
-                if states[rid].batch_key != key:
-                    states[rid].skipped += 1
         return picked
 
     def observe_wave(self, sched: DiffusionSchedulerOutput, seconds: float) -> None:

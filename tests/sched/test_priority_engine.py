@@ -18,8 +18,9 @@ from omni_core.request import OmniDiffusionRequest
 STEP_S = 0.04  # sleep per denoising step: steps are at least this long, so step counts bound the time
 
 
-def req(name, priority, steps, seed, size=16, **extra):
-    return OmniDiffusionRequest(prompt=name, sampling_params=SamplingParams(
+def req(name, priority, steps, seed, size=16, request_id=None, **extra):
+    ids = {"request_id": request_id} if request_id else {}
+    return OmniDiffusionRequest(prompt=name, **ids, sampling_params=SamplingParams(
         seed=seed, num_inference_steps=steps, priority=priority, output_type="pt", height=size, width=size,
         extra_args={"sleep_per_step": STEP_S}, **extra))
 
@@ -139,6 +140,20 @@ def test_an_aborted_running_request_ends_at_the_next_step_boundary(engine):
         assert engine.stats()["step_waves_replaced"] == replaced + 2
 
 
+def test_an_id_reused_right_after_an_abort_names_a_new_request(engine):
+    """The aborted request's output comes before the wave that releases it has returned (mp); a request submitted
+    at once under the same id is a new one and runs to completion."""
+    ev = Events()
+    a, b = ev.submit(engine, a=req("a", 5, 40, 1, request_id="reused"), b=req("b", 5, 8, 2))
+    ev.wait_steps("a", 2)
+    time.sleep(STEP_S / 2)
+    a.abort()
+    assert a.result(timeout=60).status == "aborted"
+    (again,) = ev.submit(engine, again=req("again", 5, 3, 3, request_id="reused"))
+    assert again.result(timeout=60).status == "completed" and b.result(timeout=60).status == "completed"
+    assert_nothing_left(engine)
+
+
 def test_no_request_is_preempted_beyond_the_bound(engine):
     # max_preemptions=1: the first urgent request preempts b, the second a (b is at its bound), the third
     # preempts nobody and waits for a slot
@@ -231,3 +246,41 @@ def test_a_step_time_budget_caps_waves_by_the_cost_learned_from_earlier_waves(ti
         assert run() == [4, 4]  # nothing measured yet: max_num_seqs is the only limit
         assert set(run()) == {batch}  # one step of this shape costs more than 0.1 ms: one request per wave
         assert_nothing_left(engine)
+
+
+@pytest.fixture(scope="module")
+def mp_one_slot(tiny_model):
+    with Omni(tiny_model, step_execution=True, max_num_seqs=1, warmup=False, cpu_threads=1, executor="mp") as omni:
+        yield omni.engine
+
+
+def test_a_request_whose_last_step_is_queued_keeps_its_slot_when_another_arrives(mp_one_slot):
+    """mp, one slot: x's last step is queued behind the running one when y arrives. Nothing may start early by
+    replacing that wave (x would lose its step and share a wave of two with y, over max_num_seqs=1)."""
+    engine, ev = mp_one_slot, Events()
+    replaced = engine.stats()["step_waves_replaced"]
+    (x,) = ev.submit(engine, x=req("x", 5, 6, 1))
+    ev.wait_steps("x", 4)
+    time.sleep(STEP_S / 2)  # step 5 runs, step 6 (the last) is queued
+    (y,) = ev.submit(engine, y=req("y", 5, 3, 2))
+    out_x, out_y = results([x, y])
+    assert out_x.status == out_y.status == "completed"
+    assert out_x.metrics["batch_size"] == 1 and out_y.metrics["batch_size"] == 1  # never a wave of two
+    assert ev.steps_of("x") == list(range(1, 7)) and ev.log.index(("x", 6)) < ev.log.index(("y", 1))
+    assert engine.stats()["step_waves_replaced"] == replaced
+    assert_nothing_left(engine)
+
+
+def test_an_abort_during_the_last_running_step_keeps_the_finished_image(mp_one_slot):
+    """mp: the last step already runs when the abort comes; its output is the request's result, as in-process
+    when a request completes in the wave its abort or deadline falls in."""
+    engine, ev = mp_one_slot, Events()
+    (x,) = ev.submit(engine, x=req("x", 5, 6, 3))
+    ev.wait_steps("x", 5)
+    time.sleep(STEP_S / 4)  # inside step 6, the last
+    x.abort()
+    (y,) = ev.submit(engine, y=req("y", 5, 2, 4))  # takes x's slot in the next wave, scheduled at once
+    out = x.result(timeout=60)
+    assert out.status == "completed" and out.tensor is not None
+    assert y.result(timeout=60).status == "completed"
+    assert_nothing_left(engine)
