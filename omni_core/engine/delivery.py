@@ -32,10 +32,13 @@ class OutputDelivery:
             self._queue.put((stream, out, post_process))
 
     def _run(self) -> None:
+        from omni_core.platforms.threads import one_thread_here
+
         while True:
             item = self._queue.get()
             if item is None:
                 return
+            one_thread_here()  # before each item: torch may have been loaded since the last one
             stream, out, post_process = item
             try:
                 out = post_process(out)

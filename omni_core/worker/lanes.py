@@ -42,8 +42,9 @@ class CpuLanes:
         charged the slowest lane's (as data-parallel replicas are)."""
         lanes = self.lanes_for(len(items))
         if lanes == 1:
-            if self.enabled:  # back to every thread after a split wave
-                self._set_threads(self.threads)
+            # every wave: back to every thread after a split wave, and the policy's count whatever another
+            # thread set (torch's count for threads not yet initialised is the last one set anywhere)
+            self._set_threads(self.threads)
             return fn(items)
         size, extra = divmod(len(items), lanes)
         chunks, start = [], 0

@@ -117,3 +117,49 @@ def test_small_output_tensors_cross_processes_as_bytes_and_come_back_equal():
     for i, t in enumerate(small):
         for got in (back.outputs[f"r{i}"].tensor, back.outputs[f"r{i}"].preview):
             assert got.dtype == t.dtype and torch.equal(got, t)
+
+
+def test_output_delivery_runs_on_one_thread_and_leaves_the_models_count_alone(tiny_model):
+    """Post-processing (the delivery thread) with more torch threads would wake an OpenMP team that spins on
+    the model's cores; the model's waves keep the policy's count after it."""
+    before = torch.get_num_threads()
+    try:
+        with Omni(tiny_model, cpu_threads=2, warmup=False) as omni:
+            engine = omni.engine
+            pipe = engine.executor.runner.pipeline
+            seen_model, seen_delivery = [], []
+            denoise = pipe.denoise_step
+            pipe.denoise_step = lambda states: (seen_model.append(torch.get_num_threads()), denoise(states))[1]
+            post = engine.pipeline_cls.post_process
+            engine.pipeline_cls = type("Recording", (engine.pipeline_cls,), {"post_process": classmethod(
+                lambda cls, out, req: (seen_delivery.append(torch.get_num_threads()), post(out, req))[1])})
+            for i in range(3):  # one request at a time: every wave after the first delivery
+                run_all(omni, requests(1, steps=2))
+        assert seen_delivery and set(seen_delivery) == {1}
+        assert len(seen_model) == 6 and set(seen_model) == {2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_thread_that_runs_waves_gets_the_policys_count_whatever_another_thread_set():
+    """torch gives a thread that has not run a parallel op yet the count set last anywhere (here: 1, as the
+    delivery thread sets for itself); the runner's waves still run with the policy's."""
+    import threading
+
+    from omni_core.worker.lanes import CpuLanes
+    from omni_core.worker.timing import WaveClock
+
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        setter = threading.Thread(target=torch.set_num_threads, args=(1,))
+        setter.start()
+        setter.join()
+        lanes = CpuLanes(2, enabled=False)  # lanes off (e.g. a cache backend): one call with every thread
+        waves = threading.Thread(target=lambda: lanes.map(lambda batch: seen.append(torch.get_num_threads()) or batch,
+                                                          [1, 2, 3], WaveClock()))
+        waves.start()
+        waves.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2]

@@ -136,3 +136,34 @@ def test_killed_worker_fails_every_request_quickly_and_leaves_no_process(tiny_mo
     assert time.monotonic() - t1 < 15
     assert not any(alive(p) for p in pids)
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("omni-worker")]
+
+
+def test_the_workers_receiver_hands_over_waves_in_order_and_stops_at_shutdown_or_a_broken_pipe():
+    import collections
+    import queue
+
+    from omni_core.worker.mp_worker import BackgroundReceiver
+
+    tasks: queue.Queue = queue.Queue()
+    inbox = BackgroundReceiver(tasks)
+    for i in range(3):
+        tasks.put(("step", i))
+    assert inbox.get() == ("step", 0)
+    taken: collections.deque = collections.deque()
+    deadline = time.monotonic() + 5
+    while len(taken) < 2 and time.monotonic() < deadline:  # what has been read, without waiting for more
+        inbox.take_ready(taken)
+    assert list(taken) == [("step", 1), ("step", 2)]
+    tasks.put(("shutdown",))
+    assert inbox.get() == ("shutdown",)
+    inbox._thread.join(5)
+    assert not inbox._thread.is_alive()
+
+    class Broken:  # the engine's end of the pipe is gone
+        def get(self):
+            raise EOFError
+
+    broken = BackgroundReceiver(Broken())
+    assert broken.get() == ("shutdown",)
+    broken._thread.join(5)
+    assert not broken._thread.is_alive()
