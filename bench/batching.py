@@ -3,9 +3,12 @@
     python bench/batching.py [--model shapes] [--n 16] [--size 64 --steps 10] [--cpu-threads N]
 
 All six engines are loaded first (every one with the same thread policy), then measured interleaved: each
-round runs one burst of ``--n`` concurrent requests on every engine in turn, so load drift on a shared
-machine hits them alike. Prints the median throughput (requests/s) of each setting, its ratio over serial
-execution (max_num_seqs=1, same mode), and step mode against request mode at each max_num_seqs.
+round runs one burst of ``--n`` concurrent requests on every engine in turn, the two modes of one
+``max_num_seqs`` back to back (which goes first alternates by round), so load drift on a shared machine
+hits them alike. Prints the median burst time and throughput (requests/s) of each setting, and two paired
+ratios, each the median over rounds of the ratio within a round: over serial execution (max_num_seqs=1,
+same mode) and step mode against request mode at the same max_num_seqs. Pairing matters on a shared
+2-core machine: bursts of one setting vary by +-15% between rounds, more than the differences measured.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ async def burst(omni, params, n: int) -> float:
 def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--n", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="rounds (the median burst of each setting is shown)")
+    p.add_argument("--repeats", type=int, default=7, help="rounds (medians over rounds are shown)")
     args = p.parse_args()
     model = _common.resolve(args)
     params = _common.sampling(args)
@@ -48,23 +51,28 @@ def main() -> None:
         try:
             for omni in engines.values():
                 await burst(omni, params, min(args.n, 4))  # warm up
-            for _ in range(args.repeats):
-                for key, omni in engines.items():
-                    times[key].append(await burst(omni, params, args.n))
+            for r in range(args.repeats):
+                for seqs in SEQS:
+                    for mode, _ in (MODES if r % 2 == 0 else MODES[::-1]):
+                        times[(mode, seqs)].append(await burst(engines[(mode, seqs)], params, args.n))
         finally:
             for omni in engines.values():
                 await omni.close()
-        return {key: statistics.median(t) for key, t in times.items()}
+        return times
 
     print(f"model={args.model or 'tiny test pipeline'} concurrent requests={args.n}; {_common.thread_header(args)}")
-    sec = asyncio.run(go())
+    times = asyncio.run(go())
+
+    def paired(num: tuple, den: tuple) -> float:
+        """Median over rounds of times[num] / times[den] within a round (a throughput ratio den over num)."""
+        return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
     print(f"{'mode':14} {'max_num_seqs':>12} {'seconds':>8} {'req/s':>7} {'vs serial':>10} {'step/request':>13}")
     for mode, _ in MODES:
         for seqs in SEQS:
-            s = sec[(mode, seqs)]
-            vs_request = sec[("request_batch", seqs)] / s
-            print(f"{mode:14} {seqs:12d} {s:8.2f} {args.n / s:7.1f} {sec[(mode, 1)] / s:9.2f}x "
-                  f"{vs_request:12.2f}x")
+            s = statistics.median(times[(mode, seqs)])
+            print(f"{mode:14} {seqs:12d} {s:8.2f} {args.n / s:7.1f} {paired((mode, 1), (mode, seqs)):9.2f}x "
+                  f"{paired(('request_batch', seqs), (mode, seqs)):12.2f}x")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -31,6 +31,9 @@ class DiffusionSchedulerOutput:
     #: finds this one queued behind it skips the queued wave's step (``RunnerOutput.skipped``). Correct either
     #: way: this wave was scheduled as if the queued one had run, and a skipped step is only run later.
     replaces_queued: bool = False
+    #: the pipelined loop sent this wave, so one sent after it may replace it: only then do a replica's ranks
+    #: agree whether to skip it (a broadcast per step wave, a device sync with nccl; ``mp_worker``)
+    may_be_replaced: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -361,7 +361,7 @@ class DiffusionEngine:
         self._mark_ending(sched.finished_ids)
         if sched.is_empty and not sched.finished_ids:
             return False
-        sched.replaces_queued = replaces_queued
+        sched.replaces_queued, sched.may_be_replaced = replaces_queued, True
         self._hold_in_flight(sched, +1)
         try:
             self._mark_started(sched)

@@ -236,12 +236,13 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
             if kind == "batch":
                 out = runner.execute_batch(msg[1])
             elif kind == "step":
-                if runner.agree([is_leader and _replaced(inbox, queued)])[0]:
+                sched = msg[1]
+                if sched.may_be_replaced and runner.agree([is_leader and _replaced(inbox, queued)])[0]:
                     if not queued:  # a rank other than the leader: the replacement is on its way
                         queued.append(inbox.get())
-                    out = runner.skip_step(msg[1], queued[0][1])
+                    out = runner.skip_step(sched, queued[0][1])
                 else:
-                    out = runner.execute_step(msg[1])
+                    out = runner.execute_step(sched)
             elif kind == "release":
                 runner.release(msg[1])
                 out = RunnerOutput(held_ids=runner.held_ids())

@@ -284,3 +284,15 @@ def test_an_abort_during_the_last_running_step_keeps_the_finished_image(mp_one_s
     assert out.status == "completed" and out.tensor is not None
     assert y.result(timeout=60).status == "completed"
     assert_nothing_left(engine)
+
+
+def test_only_waves_the_pipelined_loop_sends_ask_the_ranks_to_agree_on_a_skip(engine, monkeypatch):
+    """A replica of several ranks broadcasts whether to skip a step wave only where a later wave may replace
+    it (mp's pipelined loop); waves run one at a time (in process, data-parallel, Ray) are never replaced."""
+    executor, seen = engine.executor, []
+    for name in ("send_step", "execute_step"):
+        original = getattr(executor, name)
+        monkeypatch.setattr(executor, name, lambda sched, _f=original: (seen.append(sched.may_be_replaced), _f(sched))[1])
+    (out,) = results(engine.submit([req("a", 5, 4, 1)]))
+    assert out.status == "completed"
+    assert len(seen) >= 4 and set(seen) == {engine.config.executor == "mp"}
