@@ -1,6 +1,7 @@
 """Batching: 16 concurrent requests at max_num_seqs 1, 4 and 8, in REQUEST_BATCH and STEP_BATCH modes.
 
     python bench/batching.py [--model shapes] [--n 16] [--size 64 --steps 10] [--cpu-threads N]
+    python bench/batching.py --model shapes --seqs 1 --repeats 15   # step/request at max_num_seqs 1 alone
 
 All six engines are loaded first (every one with the same thread policy), then measured interleaved: each
 round runs one burst of ``--n`` concurrent requests on every engine in turn, the two modes of one
@@ -38,21 +39,24 @@ def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7, help="rounds (medians over rounds are shown)")
+    p.add_argument("--seqs", type=int, nargs="+", default=list(SEQS),
+                   help="max_num_seqs values (default 1 4 8; 1 is always run: the ratios are over it)")
     args = p.parse_args()
     model = _common.resolve(args)
     params = _common.sampling(args)
+    seqs_list = sorted({1, *args.seqs})
 
     async def go() -> dict:
         from omni_core import AsyncOmni
 
         engines = {(mode, seqs): AsyncOmni(model, **_common.engine_config(args, max_num_seqs=seqs, step_execution=step))
-                   for mode, step in MODES for seqs in SEQS}
+                   for mode, step in MODES for seqs in seqs_list}
         times: dict = {key: [] for key in engines}
         try:
             for omni in engines.values():
                 await burst(omni, params, min(args.n, 4))  # warm up
             for r in range(args.repeats):
-                for seqs in SEQS:
+                for seqs in seqs_list:
                     for mode, _ in (MODES if r % 2 == 0 else MODES[::-1]):
                         times[(mode, seqs)].append(await burst(engines[(mode, seqs)], params, args.n))
         finally:
@@ -69,7 +73,7 @@ def main() -> None:
 
     print(f"{'mode':14} {'max_num_seqs':>12} {'seconds':>8} {'req/s':>7} {'vs serial':>10} {'step/request':>13}")
     for mode, _ in MODES:
-        for seqs in SEQS:
+        for seqs in seqs_list:
             s = statistics.median(times[(mode, seqs)])
             print(f"{mode:14} {seqs:12d} {s:8.2f} {args.n / s:7.1f} {paired((mode, 1), (mode, seqs)):9.2f}x "
                   f"{paired(('request_batch', seqs), (mode, seqs)):12.2f}x")
