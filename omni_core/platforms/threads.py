@@ -51,7 +51,9 @@ def one_thread_here() -> None:
     1.5-1.8 ms of CPU per 45 ms step, and the engine's process 3.2 ms in all; with one thread, 1.0 ms."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
-        torch.set_num_threads(1)  # per thread under OpenMP: the model's threads keep their count
+        # per thread under OpenMP: threads that already ran torch ops keep their count; new ones start from
+        # this one, so the runner sets its own count per wave (``worker/lanes.py``)
+        torch.set_num_threads(1)
 
 
 def thread_policy(config: Any = None, processes: int = 1) -> str:

@@ -88,10 +88,10 @@ class CpuLanes:
 
 def _use_threads(n: int) -> None:
     """This thread's torch count to ``n``, only if it differs: ``torch.set_num_threads`` also empties oneDNN's
-    cache of convolution primitives, so calling it every step rebuilt them every step. Measured on 2 cores
-    (``shapes``, step mode, ``max_num_seqs=1``, 12 interleaved rounds): the denoiser call took 22.1 ms against
-    request mode's 20.6 ms with a call per step, 22.4 against 22.8 without. ``get_num_threads`` reads the
-    thread's own OpenMP count (initialising it first), so the check is exact."""
+    cache of convolution primitives, so calling it every step rebuilt them every step (one probe on 2 cores,
+    ``shapes``, step vs request mode at ``max_num_seqs=1``: 0.92x with a call per step, 0.99x without; later
+    runs show that is not the whole gap, docs/benchmarks.md). ``get_num_threads`` reads the thread's own
+    OpenMP count (initialising it first), so the check is exact."""
     import torch
 
     if torch.get_num_threads() != n:

@@ -179,8 +179,8 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
                local_world_size: int | None = None, pack: Any = pack_outputs) -> bool:
     """One rank's whole life: start-up, the wave loop, teardown; returns False if start-up failed (reported
     as ``("fatal", rank, traceback)``). Transport-agnostic so every executor runs this same loop: ``task_q``
-    needs a blocking ``get()`` (read by a :class:`BackgroundReceiver`), ``result_q`` ``put()``, ``abort_q`` ``get_nowait()`` raising
-    ``queue.Empty`` (the ``mp`` worker passes its process queues; a Ray actor passes local ``queue.Queue``
+    needs a blocking ``get()`` (read by a :class:`BackgroundReceiver`), ``result_q`` ``put()``, ``abort_q``
+    ``get_nowait()`` raising ``queue.Empty`` (the ``mp`` worker passes its process queues; a Ray actor passes local ``queue.Queue``
     objects it feeds).
     ``master_addr`` is the rendezvous host (rank 0's node), ``local_rank`` the device index on this host and
     ``local_world_size`` the model processes sharing this host's cores (both default to the one-host values);
