@@ -3,7 +3,9 @@
     python bench/batching.py [--model shapes] [--n 16] [--size 64 --steps 10] [--cpu-threads N]
     python bench/batching.py --model shapes --seqs 1 --repeats 15   # step/request at max_num_seqs 1 alone
 
-All six engines are loaded first (every one with the same thread policy), then measured interleaved: each
+Every engine runs in a process of its own, as deployed (``_common.EngineProcess``: engines sharing a process share
+its OpenMP runtime, which then stops letting idle torch threads spin). All six are loaded first (every one with
+the same thread policy), then measured interleaved: each
 round runs one burst of ``--n`` concurrent requests on every engine in turn, the two modes of one
 ``max_num_seqs`` back to back (which goes first alternates by round), so load drift on a shared machine
 hits them alike. Prints the median burst time and throughput (requests/s) of each setting, and two paired
@@ -14,25 +16,13 @@ same mode) and step mode against request mode at the same max_num_seqs. Pairing 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import statistics
-import time
 
 import _common
 
 SEQS = (1, 4, 8)
 MODES = (("request_batch", False), ("step_batch", True))
-
-
-async def burst(omni, params, n: int) -> float:
-    async def one(i):
-        async for _ in omni.generate(f"prompt {i}", params.replace(seed=i)):
-            pass
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -46,26 +36,30 @@ def main() -> None:
     params = _common.sampling(args)
     seqs_list = sorted({1, *args.seqs})
 
-    async def go() -> dict:
-        from omni_core import AsyncOmni
-
-        engines = {(mode, seqs): AsyncOmni(model, **_common.engine_config(args, max_num_seqs=seqs, step_execution=step))
-                   for mode, step in MODES for seqs in seqs_list}
-        times: dict = {key: [] for key in engines}
+    def go() -> dict:
+        engines = {}
         try:
-            for omni in engines.values():
-                await burst(omni, params, min(args.n, 4))  # warm up
+            for mode, step in MODES:
+                for seqs in seqs_list:
+                    engines[(mode, seqs)] = _common.EngineProcess(
+                        model, _common.engine_config(args, max_num_seqs=seqs, step_execution=step))
+            for engine in engines.values():
+                engine.wait_ready()
+            times: dict = {key: [] for key in engines}
+            for engine in engines.values():
+                engine.burst(min(args.n, 4), params)  # warm up
             for r in range(args.repeats):
                 for seqs in seqs_list:
                     for mode, _ in (MODES if r % 2 == 0 else MODES[::-1]):
-                        times[(mode, seqs)].append(await burst(engines[(mode, seqs)], params, args.n))
+                        times[(mode, seqs)].append(engines[(mode, seqs)].burst(args.n, params))
         finally:
-            for omni in engines.values():
-                await omni.close()
+            for engine in engines.values():
+                engine.close()
         return times
 
-    print(f"model={args.model or 'tiny test pipeline'} concurrent requests={args.n}; {_common.thread_header(args)}")
-    times = asyncio.run(go())
+    print(f"model={args.model or 'tiny test pipeline'} concurrent requests={args.n}; {_common.thread_header(args)}; "
+          f"one engine process per row")
+    times = go()
 
     def paired(num: tuple, den: tuple) -> float:
         """Median over rounds of times[num] / times[den] within a round (a throughput ratio den over num)."""

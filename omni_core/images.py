@@ -8,7 +8,10 @@ cross to workers through the same transport as latents (shared memory, or bytes 
 pickled PIL objects; a pipeline rebuilds the exact PIL image with :func:`to_pil` when it hands images to
 diffusers' processors (RGB -> uint8 -> RGB is lossless, so parity with diffusers given the same PIL image holds).
 
-Import-light: PIL, numpy and torch are imported only when images are checked or converted.
+Import-light: PIL, numpy and torch are imported only when images are checked or converted. The conversions
+run in numpy, never in torch kernels: they run on the engine's other threads (the caller's, the delivery thread,
+the server's), and a torch op there would give that thread an OpenMP team of its own, slowing the model's
+(``omni_core.platforms.threads``).
 """
 
 from __future__ import annotations
@@ -118,11 +121,35 @@ def to_tensor(image: Any) -> Any:
     import torch
 
     array = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))  # numpy copies: no torch kernel
 
 
 def to_pil(tensor: Any) -> Any:
     """The PIL image a ``[3, H, W]`` ``uint8`` tensor came from (exact)."""
+    import numpy as np
     from PIL import Image
 
-    return Image.fromarray(tensor.detach().to("cpu").permute(1, 2, 0).contiguous().numpy())  # HxWx3 uint8: RGB
+    return Image.fromarray(np.ascontiguousarray(tensor.detach().to("cpu").numpy().transpose(1, 2, 0)))  # HxWx3 RGB
+
+
+def unit_float_to_pil(tensor: Any) -> Any:
+    """``[3, H, W]`` floats in [0, 1] (any float dtype, any device) -> a PIL RGB image: clamped, scaled to 255,
+    rounded half to even (as ``torch.round``), in numpy (see the module docstring)."""
+    import numpy as np
+    from PIL import Image
+
+    array = float32_array(tensor)
+    pixels = np.rint(np.clip(array, 0, 1) * np.float32(255)).astype(np.uint8)
+    return Image.fromarray(np.ascontiguousarray(pixels.transpose(1, 2, 0)))
+
+
+def float32_array(tensor: Any) -> Any:
+    """A float tensor as a float32 numpy array without a torch kernel: bfloat16 (which numpy lacks) widened by
+    its bits (bf16 is the upper half of a float32), other dtypes by numpy."""
+    import numpy as np
+    import torch
+
+    t = tensor.detach().to("cpu")
+    if t.dtype == torch.bfloat16:
+        return (t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return t.numpy().astype(np.float32, copy=False)

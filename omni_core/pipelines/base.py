@@ -290,10 +290,9 @@ class OmniPipeline:
 
 def tensor_to_pil(t: Any):
     """``[3, H, W]`` float in [0, 1] -> PIL image; ``[F, 3, H, W]`` -> list of PIL frames."""
-    from PIL import Image
+    from omni_core.images import unit_float_to_pil
 
     if t.dim() == 4:
         return [tensor_to_pil(f) for f in t]
-    arr = (t.detach().float().clamp(0, 1) * 255).round().to(dtype=__import__("torch").uint8)
-    return Image.fromarray(arr.permute(1, 2, 0).cpu().numpy())
+    return unit_float_to_pil(t)
 

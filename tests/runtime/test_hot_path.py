@@ -4,6 +4,9 @@ asserted here; the speeds themselves are measured by ``bench/hot_path.py`` and `
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 import torch
 
@@ -163,3 +166,62 @@ def test_a_thread_that_runs_waves_gets_the_policys_count_whatever_another_thread
     finally:
         torch.set_num_threads(before)
     assert seen == [2]
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def threads_left_by(fn) -> int:
+    """OS threads that ``fn``, run on a fresh thread with two torch threads, adds while that thread lives: the
+    worker of an OpenMP team, if it ran a parallel torch kernel (libgomp keeps one team per calling thread)."""
+    import threading
+
+    added = []
+
+    def run():
+        torch.set_num_threads(2)
+        before = _os_threads()
+        fn()
+        added.append(_os_threads() - before)
+
+    before = torch.get_num_threads()
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(before)
+    return added[0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+def test_image_conversions_open_no_openmp_team_on_the_thread_that_runs_them():
+    """Input images (the caller's thread), outputs and previews (the delivery and server threads) are converted
+    off the model's thread; a team there would make libgomp stop spinning the model's idle threads once the
+    process holds more OpenMP threads than cores (docs/runtime.md, "CPU threads and lanes")."""
+    from PIL import Image
+
+    from omni_core.images import to_pil, to_tensor
+    from omni_core.pipelines import tensor_to_pil
+
+    image = torch.rand(3, 256, 256)
+    assert threads_left_by(lambda: image.mul(2)) >= 1  # the probe sees a team where a kernel runs in parallel
+    half = image.to(torch.bfloat16)  # converted here: a kernel on the probed thread would count
+    pil = Image.new("RGB", (256, 256), (10, 20, 30))
+    assert threads_left_by(lambda: tensor_to_pil(image)) == 0
+    assert threads_left_by(lambda: tensor_to_pil(half)) == 0
+    assert threads_left_by(lambda: to_pil(to_tensor(pil))) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_tensor_to_pil_gives_the_pixels_of_torchs_clamp_scale_round(dtype):
+    from omni_core.pipelines import tensor_to_pil
+
+    g = torch.Generator().manual_seed(0)
+    t = (torch.rand(3, 17, 23, generator=g) * 1.4 - 0.2).to(dtype)  # out-of-range values too
+    t[0, 0, :5] = torch.tensor([0.5 / 255, 1.5 / 255, 2.5 / 255, 0.0, 1.0]).to(dtype)  # halves round to even
+    expected = (t.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    got = tensor_to_pil(t)
+    assert got.mode == "RGB" and got.size == (23, 17)
+    assert (np.asarray(got) == expected).all()
