@@ -7,6 +7,11 @@ per call: switching it around every op costs more than it saves, and a batch of 
 (on the 2-core CI machine, ``shapes`` at batch 8 runs 1.25x faster with both cores than with one, while a
 lone request takes the same time with one or two; ``bench/hot_path.py``). On a GPU the same count covers
 the host-side ops (prompt encoding, schedulers, image conversion).
+
+Only the model's thread should run torch ops with more than one thread: GNU OpenMP keeps a team per calling thread,
+and once a process holds more OpenMP threads than cores it stops letting idle ones spin, so every op of the model
+starts by waking its team (a lone ``shapes`` step 21% slower on 2 cores with one extra team). The engine's other
+threads run on one torch thread (:func:`one_thread_here`) or in numpy (``omni_core.images``); docs/runtime.md.
 """
 
 from __future__ import annotations
