@@ -80,3 +80,27 @@ def test_sub_batches_are_contiguous_and_keep_the_order():
     finally:
         lanes.shutdown()
         torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
+
+
+def test_step_mode_encodes_a_waves_new_requests_across_the_lanes_and_a_failing_one_fails_alone(tiny_model):
+    """A request's encoding is a cost batching does not shrink; in step mode the new requests of a wave are
+    encoded one sub-batch per lane, as the request path's ``forward`` does, and an encoding that raises fails
+    only its request."""
+    import threading
+
+    with Omni(tiny_model, step_execution=True, max_num_seqs=4, cpu_threads=2, warmup=False) as omni:
+        pipe = omni.engine.executor.runner.pipeline
+        encode, seen = pipe.prepare_encode, []
+
+        def recording(state):
+            seen.append((state.request.prompt, threading.current_thread().name))
+            if state.request.prompt == "p2":
+                raise RuntimeError("encoder broke on p2")
+            return encode(state)
+
+        pipe.prepare_encode = recording
+        outs = [h.result(timeout=120) for h in omni.engine.submit(requests(4))]
+    assert [o.status for o in outs] == ["completed", "completed", "error", "completed"]
+    assert "encoder broke on p2" in outs[2].error
+    lanes = {name for _, name in seen}
+    assert len(seen) == 4 and len(lanes) == 2 and all(n.startswith("omni-lane") for n in lanes)
