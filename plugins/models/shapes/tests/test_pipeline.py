@@ -223,3 +223,33 @@ def test_tanh_gelu_is_torchs_tanh_approximation():
     y = x.clone().requires_grad_()  # training keeps an autograd-friendly form
     TanhGELU()(y).sum().backward()
     assert y.grad is not None and torch.isfinite(y.grad).all()
+
+
+def test_a_waves_texts_are_encoded_in_one_call_with_the_bits_of_each_alone(shapes_pipeline):
+    """Inside ``encoded_prompts`` the prompts and negative prompts of every request share one text-encoder call
+    (per ``max_sequence_length``), and each text's states are exactly those it gets encoded alone; outside the
+    window, or for a text the window did not see, nothing is shared."""
+    p = shapes_pipeline
+    states = [make_state(p, "a red circle in the top left", seed=0),
+              make_state(p, "a blue square in the center", seed=1, negative_prompt="blurry"),
+              make_state(p, "a green triangle", seed=2, guidance_scale=1.0),  # CFG off: no negative prompt
+              make_state(p, "a red circle in the top left", seed=3, max_sequence_length=5)]  # truncated
+    texts = [("a red circle in the top left", None), ("", None), ("a blue square in the center", None),
+             ("blurry", None), ("a green triangle", None), ("a red circle in the top left", 5), ("", 5)]
+    with torch.inference_mode():
+        alone = [p.encode_prompt(t, n) for t, n in texts]
+        calls = []
+        handle = p.text_encoder.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
+        try:
+            with p.encoded_prompts(states) as memo:
+                assert sorted(calls) == [2, 5]  # 5 distinct texts at the default length, 2 truncated to 5 tokens
+                got = [p.encode_prompt(t, n) for t, n in texts]
+                assert len(memo) == 7 and len(calls) == 2  # all read from the window
+                p.encode_prompt("a yellow cross", None)  # not in the window: encoded alone
+                assert calls[-1] == 1
+            p.encode_prompt(texts[0][0], None)
+            assert len(calls) == 4  # the window is closed
+        finally:
+            handle.remove()
+    for (a_states, a_mask), (g_states, g_mask) in zip(alone, got):
+        assert torch.equal(a_states, g_states) and torch.equal(a_mask, g_mask)
