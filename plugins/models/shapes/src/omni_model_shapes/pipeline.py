@@ -202,10 +202,13 @@ class ShapesPipeline(OmniPipeline):
         states = self.text_encoder(ids, mask)
         return [(states[i:i + 1], mask[i:i + 1]) for i in range(len(texts))]
 
+    def _guidance_scale(self, sp: SamplingParams) -> float:
+        return self.default_guidance_scale if sp.guidance_scale is None else sp.guidance_scale
+
     def _texts_of(self, state: StepState) -> list[tuple[str, int | None]]:
         """The ``(text, max_length)`` pairs :meth:`prepare_encode` encodes for ``state``."""
         sp = state.sampling_params
-        scale = self.default_guidance_scale if sp.guidance_scale is None else sp.guidance_scale
+        scale = self._guidance_scale(sp)
         texts = [(state.request.prompt, sp.max_sequence_length)]
         if scale > 1.0:
             texts.append((state.request.negative_prompt or "", sp.max_sequence_length))
@@ -239,7 +242,7 @@ class ShapesPipeline(OmniPipeline):
         height = sp.height or self.default_height
         width = sp.width or self.default_width
         steps = sp.num_inference_steps or self.default_num_inference_steps
-        scale = self.default_guidance_scale if sp.guidance_scale is None else sp.guidance_scale
+        scale = self._guidance_scale(sp)
         if height % self.size_multiple or width % self.size_multiple:
             raise ConfigError(f"height and width must be multiples of {self.size_multiple}, got {height}x{width}",
                               field="height" if height % self.size_multiple else "width")
