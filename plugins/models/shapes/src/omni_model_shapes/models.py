@@ -84,7 +84,9 @@ class PatchEmbed(nn.Module):
 class TanhGELU(nn.Module):
     """``GELU(approximate="tanh")`` written as ``x * sigmoid(2u)`` (the same function: ``0.5 (1 + tanh u) =
     sigmoid(2u)``). On CPUs without AVX-512, torch's tanh is slow enough that this form, in place, runs the
-    MLP activation ~1.9x faster at the same error against float64 (4.8e-7 max on N(0, 1) inputs)."""
+    MLP activation ~1.9x faster at the same error against float64 (4.8e-7 max on N(0, 1) inputs); with AVX-512
+    torch's fused ``gelu(approximate="tanh")`` is still the slower one (one thread, ``[512, 384]``: 783 us against
+    417 us for this form, docs/benchmarks.md, issue #14 seventh round)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training: the out-of-place form autograd can follow
