@@ -253,6 +253,10 @@ def test_a_model_declared_with_its_own_names_is_cached(dit):
 
     pipe = TwoStreamPipeline()
     plain = two_stream_run(pipe, [(two_stream_state(), 1), (two_stream_state(), 2)])
+    # the reference for computed steps: each request alone, uncached. The backend runs each request in a cache
+    # context of its own, and a batch of two is not bit-equal to each alone on every CPU (4.8e-7 on AVX-512 + AMX)
+    plain_alone = torch.cat([two_stream_run(pipe, [(two_stream_state(), seed)]) for seed in (1, 2)], dim=1)
+    assert (plain_alone - plain).abs().max() < 1e-5
     zero = dit(pipe, residual_diff_threshold=0)
     assert torch.equal(two_stream_run(pipe, [(two_stream_state(), 1), (two_stream_state(), 2)]), plain)
     zero.disable(pipe)
@@ -271,7 +275,7 @@ def test_a_model_declared_with_its_own_names_is_cached(dit):
     assert all(reused) and len(calls) == 16 - sum(map(len, reused))
     for row, steps in enumerate(reused):
         for step in range(8):
-            a, b = cached[step, row], plain[step, row]
+            a, b = cached[step, row], plain_alone[step, row]
             if step in steps:  # block 0 computed, the other blocks' cached residuals (of both streams) re-added
                 assert not torch.equal(a, b) and (a - b).abs().max() < 0.3  # outputs ~1
             else:  # a computed step: every block ran, streams in the declared order
