@@ -31,7 +31,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from omni_model_qwen_image.testing import build_tiny_qwen_image
+    from omni_core.testing.diffusers_folders import build_tiny_qwen_image
 
     return build_tiny_qwen_image(tmp_path_factory.mktemp("ray-qwen"), num_heads=4)
 
