@@ -15,16 +15,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def qwen_tokenizer():
-    """Byte-level BPE over the 256 byte symbols plus the ChatML specials; no merges, nothing fetched."""
-    from tokenizers import AddedToken, pre_tokenizers
-    from transformers import Qwen2Tokenizer
+    """The core's offline byte-level Qwen tokenizer (``omni_core.testing.diffusers_folders``) with the chat template
+    Z-Image's pipeline applies."""
+    from omni_core.testing.diffusers_folders import qwen_tokenizer as byte_level_qwen_tokenizer
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for t in specials:
-        vocab[t] = len(vocab)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    tok = byte_level_qwen_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
