@@ -47,3 +47,20 @@ class StepState:
     @property
     def done(self) -> bool:
         return self.step_index >= self.num_steps
+
+
+def remember_flow_step(state: StepState, sample: Any, sigma: Any, velocity: Any) -> None:
+    """Keep the inputs of a flow-matching step (references to tensors that exist anyway, no work) so that
+    :func:`flow_clean_estimate` can compute the clean image only for a preview somebody streams. Computing it
+    every step cost three tensor ops per request and step whether or not anyone looked (issue #14)."""
+    state.extra["flow_step"] = (sample, sigma, velocity)
+
+
+def flow_clean_estimate(state: StepState) -> Any:
+    """The current clean estimate ``sample - sigma * velocity`` of the step :func:`remember_flow_step` kept (at the
+    last step, the final image up to rounding), in float32; None before the first step."""
+    step = state.extra.get("flow_step")
+    if step is None:
+        return None
+    sample, sigma, velocity = step
+    return sample.float() - sigma * velocity

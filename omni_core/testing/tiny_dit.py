@@ -37,6 +37,7 @@ from omni_core.pipelines import OmniPipeline, StepState
 from omni_core.pipelines.base import read_model_index
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import dtype_kwarg, refuse_pickled_weights
+from omni_core.pipelines.state import flow_clean_estimate, remember_flow_step
 from omni_core.testing.tiny_dit_plugin import CONTEXT_SCALE, SAMPLING_FIELDS
 
 #: the pipeline component name (``model_index.json``'s ``_class_name``) and the short model name
@@ -323,8 +324,8 @@ class TinyDiTPipeline(OmniPipeline):
         return list(out.float().split(rows))
 
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
-        sigma = state.scheduler.sigmas[state.step_index]
-        state.extra["x0"] = state.latents.float() - sigma * noise_pred  # the current clean estimate (previews)
+        # the step's inputs, for a preview's clean estimate (computed only if someone streams previews)
+        remember_flow_step(state, state.latents, state.scheduler.sigmas[state.step_index], noise_pred)
         state.latents = state.scheduler.step(noise_pred, state.timesteps[state.step_index], state.latents.float(),
                                              return_dict=False)[0].to(self.dtype)
         state.step_index += 1
@@ -335,7 +336,7 @@ class TinyDiTPipeline(OmniPipeline):
                                step_index=state.step_index, num_steps=state.num_steps)
 
     def preview(self, state: StepState) -> torch.Tensor | None:
-        x0 = state.extra.get("x0")
+        x0 = flow_clean_estimate(state)
         return None if x0 is None else ((x0[0] + 1) / 2).clamp(0, 1).cpu()
 
 

@@ -155,8 +155,12 @@ def test_preview_is_the_current_clean_estimate(shapes_pipeline):
     p.prepare_encode(s)
     assert p.preview(s) is None
     while not s.done:
-        p.step_scheduler(s, p.denoise_step([s])[0])
-        assert p.preview(s).shape == (3, 32, 32)
+        before, sigma = s.latents, s.scheduler.sigmas[s.step_index]
+        velocity = p.denoise_step([s])[0]
+        p.step_scheduler(s, velocity)
+        # a step keeps its inputs and computes nothing for previews; a preview computes the estimate when asked
+        assert s.extra["flow_step"][0] is before and s.extra["flow_step"][2] is velocity
+        assert torch.equal(p.preview(s), ((before.float() - sigma * velocity)[0] + 1).div(2).clamp(0, 1))
     # at the last step the estimate is the result
     assert torch.allclose(p.preview(s), p.post_decode(s).tensor[0], atol=1e-5)
 

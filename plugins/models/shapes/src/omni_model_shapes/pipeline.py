@@ -24,6 +24,7 @@ from omni_core.pipelines import OmniPipeline, StepState
 from omni_core.pipelines.base import read_model_index
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_json, refuse_pickled_weights
+from omni_core.pipelines.state import flow_clean_estimate, remember_flow_step
 from omni_core.request import OmniDiffusionRequest
 from omni_model_shapes.models import ShapesTextEncoder, ShapesTransformer2DModel, velocity
 from omni_model_shapes.tokenizer import ShapesTokenizer
@@ -334,8 +335,8 @@ class ShapesPipeline(OmniPipeline):
         return state.extra["guidance_scale"] > 1.0
 
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
-        sigma = state.scheduler.sigmas[state.step_index]
-        state.extra["x0"] = state.latents.float() - sigma * noise_pred  # the current clean estimate (previews)
+        # the step's inputs, for a preview's clean estimate (computed only if someone streams previews)
+        remember_flow_step(state, state.latents, state.scheduler.sigmas[state.step_index], noise_pred)
         state.latents = state.scheduler.step(noise_pred, state.timesteps[state.step_index], state.latents.float(),
                                              return_dict=False)[0].to(self.dtype)
         state.step_index += 1
@@ -347,7 +348,7 @@ class ShapesPipeline(OmniPipeline):
 
     def preview(self, state: StepState) -> torch.Tensor | None:
         """The first image's current clean estimate (exact at the last step; no extra model call)."""
-        x0 = state.extra.get("x0")
+        x0 = flow_clean_estimate(state)
         if x0 is None:
             return None
         return ((x0[0] + 1) / 2).clamp(0, 1).cpu()
