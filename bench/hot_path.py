@@ -1,16 +1,20 @@
 """The hot path: per wave, the time inside the model's pipeline against the engine's own time.
 
-    python bench/hot_path.py [--model shapes] [--max-num-seqs 4] [--depths 1 4 16 64] [--profile]
+    python bench/hot_path.py [--model shapes] [--max-num-seqs 4] [--depths 1 4 16 64] [--rounds 3] [--profile]
 
-For each executor (uni, mp) and mode (request_batch, step_batch), a closed loop keeps ``depth`` requests in
-the engine (each finished request is replaced at once) until ``--requests`` have completed, after one
-warm-up round. From ``engine.wave_timing()`` (the runner times every pipeline call; the engine times each
-wave from scheduling to output delivery) it prints, per denoising step: the wall time, the time inside
-``denoise_step``, the rest of the pipeline (encode, scheduler step, decode), and the engine's own time
-(scheduling, transport, bookkeeping, progress and preview events, delivery). Throughput at each depth is
-shown against depth 4. ``--profile`` adds a cProfile of the engine's busy-loop thread at the largest depth
-(the first executor, the last mode): where the engine's own time goes; with ``mp`` also of the worker's wave
-loop (``OMNI_WORKER_PROFILE``), whose time outside the model is the rest of the engine's time there.
+For each executor (uni, mp) and mode (request_batch, step_batch), one engine is loaded and a closed loop keeps
+``depth`` requests in it (each finished request is replaced at once) until ``--requests`` have completed, for
+every depth in turn, after one warm-up round; ``--rounds`` repeats that, the order of the depths alternating, so
+the depths of one engine are measured side by side (this VM's speed moves by a third within minutes: depths
+measured one after another compared the machine's minutes as much as the queue depths). From
+``engine.wave_timing()`` (the runner times every pipeline call; the engine times each wave from scheduling to
+output delivery) it prints, per denoising step over all rounds: the wall time, the time inside ``denoise_step``,
+the rest of the pipeline (encode, scheduler step, decode), and the engine's own time (scheduling, transport,
+bookkeeping, progress and preview events, delivery). Throughput is the median over rounds, and each depth's
+against depth 4 is the median of the ratios within a round. ``--profile`` adds a cProfile of the engine's
+busy-loop thread at the largest depth (the first executor, the last mode; an extra engine after the table):
+where the engine's own time goes; with ``mp`` also of the worker's wave loop (``OMNI_WORKER_PROFILE``), whose
+time outside the model is the rest of the engine's time there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import tempfile
 import time
 
@@ -44,25 +49,37 @@ async def closed_loop(omni, params, depth: int, total: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model: str, params, depth: int, total: int, profile: bool = False, **config) -> dict:
+TIMING = ("waves", "denoise_calls", "wave_s", "pipeline_s", "denoise_s")
+
+
+def measure(model: str, params, depths: list[int], totals: dict[int, int], rounds: int = 1, profile: bool = False,
+            **config) -> dict[int, list[dict]]:
+    """One engine; ``rounds`` rounds of a closed loop at every depth (order alternating by round). Returns
+    ``{depth: [one dict per round]}`` with the round's wall time, throughput and ``wave_timing()`` deltas; with
+    ``profile``, the busy loop is profiled from the first measured wave on (``"prof"`` of the last round)."""
     from omni_core import AsyncOmni
 
     async def go():
         omni = AsyncOmni(model, **config)
         engine = omni.engine
         prof = None
+        out: dict[int, list[dict]] = {d: [] for d in depths}
         try:
-            await closed_loop(omni, params, min(depth, config["max_num_seqs"]), config["max_num_seqs"])  # warm up
+            seqs = config["max_num_seqs"]
+            await closed_loop(omni, params, min(max(depths), seqs), seqs)  # warm up
             if profile:
                 prof = _profile_busy_loop(engine)
-            before = engine.wave_timing()
-            wall = await closed_loop(omni, params, depth, total)
-            after = engine.wave_timing()
+            for r in range(rounds):
+                for depth in (depths if r % 2 == 0 else depths[::-1]):
+                    before = engine.wave_timing()
+                    wall = await closed_loop(omni, params, depth, totals[depth])
+                    after = engine.wave_timing()
+                    t = {k: after[k] - before[k] for k in TIMING}
+                    t.update(wall=wall, rps=totals[depth] / wall, prof=prof)
+                    out[depth].append(t)
         finally:
             await omni.close()
-        t = {k: after[k] - before[k] for k in ("waves", "denoise_calls", "wave_s", "pipeline_s", "denoise_s")}
-        t.update(wall=wall, rps=total / wall, prof=prof)
-        return t
+        return out
 
     return asyncio.run(go())
 
@@ -88,6 +105,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=4, help="wave capacity (default 4: depth 4 fills a wave)")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--requests", type=int, default=None, help="completed requests per row (default: 2x depth, >= 16)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the depths (medians and paired ratios)")
     p.add_argument("--executors", nargs="+", default=["uni", "mp"])
     p.add_argument("--modes", nargs="+", default=["request_batch", "step_batch"])
     p.add_argument("--profile", action="store_true",
@@ -98,29 +116,32 @@ def main() -> None:
     print(f"model={args.model or 'tiny test pipeline'} max_num_seqs={args.max_num_seqs}; {_common.thread_header(args)}")
     print(f"{'executor':8} {'mode':14} {'depth':>5} {'req/s':>6} {'vs d4':>6} {'steps':>6} {'wall':>7} "
           f"{'denoise':>8} {'pipe+':>6} {'engine':>7} {'engine%':>7}   (ms per denoising step)")
-    profile_out = worker_profile = None
+    totals = {d: args.requests or max(16, 2 * d) for d in args.depths}
     for executor in args.executors:
         for mode in args.modes:
-            rows = {}
-            for depth in args.depths:
-                total = args.requests or max(16, 2 * depth)
-                prof = args.profile and executor == args.executors[0] and mode == args.modes[-1] \
-                    and depth == max(args.depths)
-                if prof and executor != "uni":
-                    os.environ[WORKER_PROFILE_ENV] = worker_profile = os.path.join(tempfile.mkdtemp(), "worker")
-                rows[depth] = t = measure(model, params, depth, total, prof, **_common.engine_config(
-                    args, executor=executor, max_num_seqs=args.max_num_seqs, step_execution=mode == "step_batch"))
-                os.environ.pop(WORKER_PROFILE_ENV, None)
-                profile_out = t["prof"] or profile_out
-            base = rows.get(4, {}).get("rps")
-            for depth, t in rows.items():
+            config = _common.engine_config(args, executor=executor, max_num_seqs=args.max_num_seqs,
+                                           step_execution=mode == "step_batch")
+            rows = measure(model, params, args.depths, totals, args.rounds, **config)
+            for depth, runs in rows.items():
+                t = {k: sum(run[k] for run in runs) for k in TIMING}
                 steps = max(1, t["denoise_calls"])
                 engine_s = t["wave_s"] - t["pipeline_s"]
-                ratio = f"{t['rps'] / base:5.2f}x" if base else "     -"
-                print(f"{executor:8} {mode:14} {depth:5d} {t['rps']:6.2f} {ratio:>6} {steps:6d} "
+                rps = statistics.median(run["rps"] for run in runs)
+                ratio = (f"{statistics.median(a['rps'] / b['rps'] for a, b in zip(runs, rows[4])):5.2f}x"
+                         if 4 in rows else "     -")
+                print(f"{executor:8} {mode:14} {depth:5d} {rps:6.2f} {ratio:>6} {steps:6d} "
                       f"{t['wave_s'] / steps * 1e3:7.2f} {t['denoise_s'] / steps * 1e3:8.2f} "
                       f"{(t['pipeline_s'] - t['denoise_s']) / steps * 1e3:6.2f} {engine_s / steps * 1e3:7.3f} "
                       f"{100 * engine_s / max(t['wave_s'], 1e-9):6.1f}%", flush=True)
+    profile_out = worker_profile = None
+    if args.profile:  # an engine of its own, so the tables above are not measured under the profiler
+        executor, mode, depth = args.executors[0], args.modes[-1], max(args.depths)
+        if executor != "uni":
+            os.environ[WORKER_PROFILE_ENV] = worker_profile = os.path.join(tempfile.mkdtemp(), "worker")
+        rows = measure(model, params, [depth], totals, 1, True, **_common.engine_config(
+            args, executor=executor, max_num_seqs=args.max_num_seqs, step_execution=mode == "step_batch"))
+        os.environ.pop(WORKER_PROFILE_ENV, None)
+        profile_out = rows[depth][-1]["prof"]
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if profile_out is not None:
         buf = io.StringIO()
