@@ -117,11 +117,14 @@ def main() -> None:
     print(f"{'executor':8} {'mode':14} {'depth':>5} {'req/s':>6} {'vs d4':>6} {'steps':>6} {'wall':>7} "
           f"{'denoise':>8} {'pipe+':>6} {'engine':>7} {'engine%':>7}   (ms per denoising step)")
     totals = {d: args.requests or max(16, 2 * d) for d in args.depths}
+
+    def config(executor: str, mode: str) -> dict:
+        return _common.engine_config(args, executor=executor, max_num_seqs=args.max_num_seqs,
+                                     step_execution=mode == "step_batch")
+
     for executor in args.executors:
         for mode in args.modes:
-            config = _common.engine_config(args, executor=executor, max_num_seqs=args.max_num_seqs,
-                                           step_execution=mode == "step_batch")
-            rows = measure(model, params, args.depths, totals, args.rounds, **config)
+            rows = measure(model, params, args.depths, totals, args.rounds, **config(executor, mode))
             for depth, runs in rows.items():
                 t = {k: sum(run[k] for run in runs) for k in TIMING}
                 steps = max(1, t["denoise_calls"])
@@ -138,8 +141,7 @@ def main() -> None:
         executor, mode, depth = args.executors[0], args.modes[-1], max(args.depths)
         if executor != "uni":
             os.environ[WORKER_PROFILE_ENV] = worker_profile = os.path.join(tempfile.mkdtemp(), "worker")
-        rows = measure(model, params, [depth], totals, 1, True, **_common.engine_config(
-            args, executor=executor, max_num_seqs=args.max_num_seqs, step_execution=mode == "step_batch"))
+        rows = measure(model, params, [depth], totals, 1, True, **config(executor, mode))
         os.environ.pop(WORKER_PROFILE_ENV, None)
         profile_out = rows[depth][-1]["prof"]
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
