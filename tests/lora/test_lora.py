@@ -44,8 +44,8 @@ def submit(omni, cases, loras, base, on_progress=None):
     return omni.engine.submit(reqs, on_progress=on_progress)
 
 
-def run(omni, cases, loras, base):
-    outs = [h.result() for h in submit(omni, cases, loras, base)]
+def run(omni, cases, loras, base, on_progress=None):
+    outs = [h.result() for h in submit(omni, cases, loras, base, on_progress)]
     assert all(o.status == "finished" or o.error is None for o in outs), [o.error for o in outs]
     return outs
 
@@ -130,10 +130,12 @@ def test_mixed_batch_request_mode_equals_each_alone(qwen_omni, qwen_loras):
     assert_nothing_left(qwen_omni)
 
 
-@pytest.mark.parametrize("cases", [[("a", 1.0), (None, 1.0), ("a", 1.0)], [("a", 1.0), (None, 1.0), ("a", 0.5)]],
-                         ids=["same-scale", "per-row-scale"])
+@pytest.mark.parametrize("cases", [[("a", 1.0), (None, 1.0), ("a", 1.0)], [("a", 1.0), (None, 1.0), ("a", 0.5)],
+                                   [("b", 1.0), (None, 1.0), ("b", 1.0)], [("b", 1.0), (None, 1.0), ("b", 0.5)]],
+                         ids=["same-scale", "per-row-scale", "alpha-below-rank", "alpha-below-rank-per-row"])
 def test_interleaved_rows_of_one_adapter(qwen_omni, qwen_loras, cases):
-    """One adapter on rows 0, 2 (cond) and 3, 5 (uncond): the gathered path, with one scale or a scale per row."""
+    """One adapter on rows 0, 2 (cond) and 3, 5 (uncond): the gathered path, with one scale or a scale per row;
+    ``b`` (rank 8, alpha 4: peft's own scaling 0.5) checks that the adapter's scaling is kept next to the rows'."""
     outs = run(qwen_omni, cases, qwen_loras, QWEN)
     assert [o.metrics["batch_size"] for o in outs] == [3, 3, 3]
     for case, out in zip(cases, outs):
@@ -184,6 +186,21 @@ def test_lru_keeps_adapters_in_use_and_evicts_the_rest(qwen_step_omni, qwen_lora
     for case, out in zip(cases, outs):
         torch.testing.assert_close(out.tensor, alone(omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
     assert len(lora.loaded) == 2
+    assert_nothing_left(omni)
+
+
+def test_lru_evicts_an_idle_adapter_before_loading_another(qwen_step_omni, qwen_loras):
+    """max_loras=2 with two idle adapters loaded: a request for a third evicts the least recently used one first,
+    so no more than two are ever loaded while it runs."""
+    omni = qwen_step_omni
+    lora = omni.engine.executor.runner.lora
+    run(omni, [("a", 1.0), ("b", 1.0)], qwen_loras, QWEN)
+    assert len(lora.loaded) == 2 and not any(lora.users.values())
+    seen: list[int] = []
+    run(omni, [("c", 1.0)], qwen_loras, dict(QWEN, num_inference_steps=2),
+        on_progress=lambda rid, step, total: seen.append(len(lora.loaded)))
+    assert seen and max(seen) <= 2, f"adapters loaded while the third ran: {seen} (max_loras=2)"
+    assert qwen_loras["c"] in lora.loaded and qwen_loras["b"] in lora.loaded and len(lora.loaded) == 2
     assert_nothing_left(omni)
 
 
