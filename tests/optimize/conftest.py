@@ -20,6 +20,14 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image-optimize"))
 
 
+@pytest.fixture(scope="session")
+def wan22_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Wan 2.2 folder: two experts (``transformer`` and ``transformer_2``)."""
+    from omni_model_wan.testing import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan22-optimize"), two_experts=True)
+
+
 #: the Qwen-Image requests every option is compared on: two prompts of different lengths, one batch
 QWEN_PROMPTS = ["a red fox in the snow", "a cat"]
 QWEN_SEEDS = [1, 2]

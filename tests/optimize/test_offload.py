@@ -33,6 +33,19 @@ def test_offload_hooks_run_and_change_nothing(qwen_dir, plain, mode):
     torch.testing.assert_close(got, plain, atol=1e-6, rtol=0)
 
 
+def test_model_offload_chains_the_components_in_a_ring(qwen_dir):
+    """``"model"``: each component's hook evicts the one that ran before it, and the first (the next request's
+    text encoder) evicts the last (the previous request's VAE), so no component stays on the device between
+    requests. On CPU the eviction itself is a no-op, so the chain of accelerate's hooks is what is checked."""
+    pipe = load(qwen_dir, offload="model")
+    order = pipe.omni_optimizations["components"]
+    modules = [getattr(pipe.pipe, name) for name in order]
+    for i, module in enumerate(modules):
+        prev = module._hf_hook.prev_module_hook
+        assert prev is not None, f"{order[i]} evicts nothing"
+        assert prev.model is modules[i - 1], f"{order[i]} evicts {type(prev.model).__name__}, not {order[i - 1]}"
+
+
 def test_offload_with_several_ranks_on_one_device_is_refused_before_workers():
     from omni_core.entrypoints.omni import Omni
 

@@ -57,6 +57,16 @@ def test_qwen_int8_saves_memory_and_keeps_images(qwen_dir, qwen_plain):
     assert psnr(got, ref) >= 30
 
 
+def test_wan22_int8_quantizes_both_experts(wan22_dir):
+    """Wan 2.2 declares two denoisers: ``quantization="int8"`` shrinks each of them, and only them."""
+    plain, q = load(wan22_dir), load(wan22_dir, quantization="int8")
+    before, after = model_bytes(plain), model_bytes(q)
+    for expert in ("transformer", "transformer_2"):
+        assert after[expert] <= 0.5 * before[expert], (expert, before, after)
+    assert after["text_encoder"] == before["text_encoder"] and after["vae"] == before["vae"]
+    assert q.omni_optimizations["quantization"] == {"method": "int8", "components": ["transformer", "transformer_2"]}
+
+
 def test_text_encoder_too_and_bad_component_names(qwen_dir):
     q = load(qwen_dir, quantization="int8", quantize_components=["denoiser", "text_encoder"])
     assert q.omni_optimizations["quantization"] == {"method": "int8", "components": ["transformer", "text_encoder"]}
