@@ -87,6 +87,20 @@ def test_without_preemption_a_more_urgent_request_of_another_shape_stops_less_ur
     assert s.schedule().scheduled_ids == ["a"] and s.num_preemptions == 0
 
 
+def test_a_request_of_another_shape_more_urgent_than_part_of_the_wave_stops_less_urgent_ones_joining():
+    """The wave runs priorities 1 and 4; ``h`` (another shape, priority 2) is more urgent than part of it, so only
+    requests at least as urgent as ``h`` may still join the wave: ``late`` (3) waits, ``keen`` (2) joins."""
+    s = StepScheduler(max_num_seqs=4, max_preemptions=0)
+    s.add_request(req("a", 1))
+    s.add_request(req("b", 4))
+    step(s, s.schedule())
+    s.add_request(req("h", 2, size=8))
+    s.add_request(req("late", 3))
+    assert sorted(s.schedule().scheduled_ids) == ["a", "b"], "late joined ahead of a more urgent request"
+    s.add_request(req("keen", 2))
+    assert sorted(s.schedule().scheduled_ids) == ["a", "b", "keen"]
+
+
 def test_preemption_is_bounded_per_request():
     s = StepScheduler(max_num_seqs=1, max_preemptions=2)
     s.add_request(req("low", 9))

@@ -214,6 +214,22 @@ def test_a_running_request_ends_at_its_deadline_while_the_other_goes_on(engine):
         assert engine.stats()["step_waves_replaced"] == replaced + 1
 
 
+def test_the_earliest_deadline_fires_first_whatever_the_order_they_were_set(engine):
+    """A request with a 3 s deadline, then one with a 0.3 s deadline: the watcher wakes for the earliest one
+    (not the latest), so the second ends at 0.3 s while the first runs on."""
+    ev = Events()
+    (long_one,) = ev.submit(engine, long=req("long", 5, 200, 1, timeout=3.0))
+    ev.wait_steps("long", 1)
+    (short,) = ev.submit(engine, short=req("short", 5, 200, 2, timeout=0.3))
+    out = short.result(timeout=60)
+    assert out.status == "error" and out.metrics["timed_out"] is True
+    # at the latest 1.5 s after its submit, 1.2 s (well over a loaded machine's delay) before the long deadline
+    assert 0.3 <= out.metrics["e2e_latency_s"] <= 1.5, out.metrics
+    long_one.abort()
+    assert long_one.result(timeout=60).status == "aborted"  # its own deadline had not passed
+    assert_nothing_left(engine)
+
+
 def test_a_timeout_in_request_mode_stops_the_running_request_within_a_step(tiny_model):
     with Omni(tiny_model, max_num_seqs=1, warmup=False, cpu_threads=1) as omni:
         engine = omni.engine

@@ -79,6 +79,47 @@ def test_priority_is_a_request_field(live):
     assert r.status_code == 200, r.text
 
 
+def until(condition, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.005)
+
+
+def test_priority_sent_over_http_orders_the_queue(live):
+    """Two requests of priority 5 and then one of priority -3 queue behind a full wave (capacity 2): the urgent
+    one runs in the next wave, ahead of the second priority-5 one, which arrived before it."""
+    import threading
+
+    from omni_core import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+
+    engine, client = live
+    blockers = engine.submit([OmniDiffusionRequest(prompt=f"blocker {i}", sampling_params=SamplingParams(
+        seed=i, num_inference_steps=200, extra_args={"sleep_per_step": 0.04})) for i in range(2)])
+    until(lambda: engine.stats()["running"] == 2)
+    finished, threads = [], []
+
+    def post(name, priority):
+        r = client.post("/v1/images/generations", json={
+            "prompt": name, "priority": priority, "seed": 1, "num_inference_steps": 6,
+            "extra_args": {"sleep_per_step": 0.04}})
+        finished.append((name, r.status_code))
+
+    for n, (name, priority) in enumerate([("low1", 5), ("low2", 5), ("urgent", -3)], start=1):
+        threads.append(threading.Thread(target=post, args=(name, priority)))
+        threads[-1].start()
+        until(lambda: engine.stats()["waiting"] == n)  # arrival order is the order sent
+    for h in blockers:
+        h.abort()
+    for t in threads:
+        t.join(60)
+    assert [code for _, code in finished] == [200] * 3, finished
+    order = [name for name, _ in finished]
+    assert order.index("urgent") < order.index("low2"), f"finished in the order {order}: priority -3 was not used"
+    assert idle(engine)["tracked_requests"] == []
+
+
 def test_openapi_documents_the_fields_and_the_504(live):
     engine, client = live
     doc = client.get("/openapi.json").json()
