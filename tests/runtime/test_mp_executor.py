@@ -86,6 +86,32 @@ def test_abort_reaches_the_worker_mid_request(tiny_model):
         assert omni.stats()["tracked_requests"] == []
 
 
+def test_abort_reaches_each_requests_own_replica_in_request_mode(tiny_model):
+    """Two data-parallel replicas, one slow request each (request mode: a wave runs its requests to the end unless
+    the worker is told): aborting both stops both within a few steps, the one on replica 1 too."""
+    with Omni(tiny_model, executor="mp", max_num_seqs=2, parallel_config={"data_parallel_size": 2},
+              warmup=False, cpu_threads=1) as omni:
+        engine = omni.engine
+        reqs = [OmniDiffusionRequest(prompt=f"slow {i}", sampling_params=SamplingParams(
+            seed=i, num_inference_steps=60, extra_args={"sleep_per_step": 0.1})) for i in range(2)]
+        seen: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        streams = engine.submit(reqs, on_progress=lambda rid, step, total: seen[rid].append(step))
+        deadline = time.monotonic() + 60
+        while not all(seen.values()):
+            assert time.monotonic() < deadline, f"both replicas should be running a request (saw {seen})"
+            time.sleep(0.005)
+        replicas = dict(engine.executor._assigned)
+        assert sorted(replicas.values()) == [0, 1], replicas
+        at_abort = {rid: len(steps) for rid, steps in seen.items()}
+        for r in reqs:
+            engine.abort(r.request_id)
+        for r, stream in zip(reqs, streams):
+            out = final(stream)
+            assert out.status == "aborted", (replicas[r.request_id], out.status)
+            assert out.metrics["steps_run"] <= at_abort[r.request_id] + 5, (replicas[r.request_id], out.metrics)
+        assert omni.stats()["tracked_requests"] == []
+
+
 def test_progress_from_a_worker_reports_every_step_in_fewer_messages(tiny_model):
     """A worker batches a request's progress events (at most one message per ``PROGRESS_INTERVAL_S``, as
     tqdm refreshes; how often depends on the step time, see ``test_handles``): the listener still sees every
