@@ -92,7 +92,12 @@ def test_a_text_model_refuses_images(tiny_model):
     assert err.field == "image" and "TinyTestPipeline does not take input images" in str(err)
 
 
-def test_input_sizes_split_waves_when_the_model_declares_it(edit_model):
+@pytest.mark.parametrize("images", [
+    [picture(24, 20), picture(24, 20, seed=5), picture(32, 16)],
+    [[picture(24, 20), picture(24, 20, seed=1)], [picture(24, 20, seed=5), picture(24, 20, seed=6)],
+     [picture(24, 20, seed=7), picture(32, 16)]],  # the third differs in its second image only
+], ids=["one-image", "second-image-differs"])
+def test_input_sizes_split_waves_when_the_model_declares_it(edit_model, images):
     """Two requests with same-size inputs share each wave; a third with another input size runs in its own."""
     from omni_core import Omni
 
@@ -100,8 +105,7 @@ def test_input_sizes_split_waves_when_the_model_declares_it(edit_model):
     with Omni(edit_model, max_num_seqs=4, step_execution=True, warmup=False, cpu_threads=1) as omni:
         pipe = omni.engine.executor.runner.pipeline
         pipe.denoise_log.clear()
-        prompts = [{"prompt": f"p{i}", "image": image}
-                   for i, image in enumerate([picture(24, 20), picture(24, 20, seed=5), picture(32, 16)])]
+        prompts = [{"prompt": f"p{i}", "image": image} for i, image in enumerate(images)]
         outs = omni.generate(prompts, **QUICK)
         assert [o.status for o in outs] == ["completed"] * 3
         waves = [sorted(rid for rid, _ in wave) for wave in pipe.denoise_log]

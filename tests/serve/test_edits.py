@@ -92,6 +92,17 @@ def test_bad_uploads_are_400_naming_the_field(edit_server, files, param, words):
     assert err["param"] == param and words in err["message"], err
 
 
+@pytest.mark.parametrize("data", [png(300, 300), png(300, 300)[:120]], ids=["whole", "header-only"])
+def test_an_upload_over_max_image_pixels_is_refused_from_its_header(edit_server, data):
+    """The declared size is checked before the pixels are decoded: a file whose header declares 300x300 is refused
+    as too large even when its pixel data is missing (decoding it would fail differently, or cost memory)."""
+    r = post_edit(edit_server, [("image", ("x.png", data, "image/png"))])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "image" and err["code"] == "image_too_large", err
+    assert "300x300 = 90000 pixels, which exceeds max_image_pixels=65536" in err["message"], err
+
+
 def test_a_text_field_where_a_file_belongs(edit_server):
     r = post_edit(edit_server, [("dummy", ("d.txt", b"x", "text/plain"))], image="not-a-file")
     assert r.status_code == 400 and r.json()["error"]["param"] == "image"
