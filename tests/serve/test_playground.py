@@ -235,11 +235,15 @@ def test_a_bad_size_shows_the_servers_error_text(page, url):
     assert error.inner_text() == expected
     assert page.get_by_test_id("history").locator("li").count() == 0
 
+HISTORY_HAS = """(n) => { const i = document.querySelector('[data-testid=result]');
+  return document.querySelector('[data-testid=history]').children.length >= n && i.complete && i.naturalWidth > 0 }"""
+
 
 @needs_browser
-def test_an_edit_model_takes_the_input_image_from_the_page(browser, test_pipeline_site, start_server, tmp_path):
+def test_an_edit_model_takes_the_input_images_from_the_page(browser, test_pipeline_site, start_server, tmp_path):
     """An image-input model (the test-only edit pipeline, in-process: the same app ``omni serve`` builds) shows
-    the file field; the page's edit gives the same pixels as the same edit sent to the API directly."""
+    the file field; the page's edit, with one image and then with two, gives the same pixels as the same edit
+    sent to the API directly (two files: every one of them is sent, as OpenAI's ``image[]``)."""
     import numpy as np
     from PIL import Image
     from omni_test_pipeline.pipeline import TinyEditTestPipeline
@@ -248,28 +252,37 @@ def test_an_edit_model_takes_the_input_image_from_the_page(browser, test_pipelin
     TinyEditTestPipeline.save(str(folder))
     live = start_server(str(folder), {"streaming_output": True, "warmup": False}, served_model_name="tiny-edit",
                         api_key=None)
-    source = tmp_path / "red.png"
-    Image.fromarray(np.full((16, 16, 3), (220, 30, 30), np.uint8)).save(source)
+    red, blue = tmp_path / "red.png", tmp_path / "blue.png"
+    Image.fromarray(np.full((16, 16, 3), (220, 30, 30), np.uint8)).save(red)
+    Image.fromarray(np.full((20, 24, 3), (20, 40, 230), np.uint8)).save(blue)
+    cases = [[red], [red, blue]]
+    shown = []
     context = browser.new_context()
     page = context.new_page()
     try:
         page.goto(live.url + "/playground")
         page.wait_for_function("() => document.querySelector('[data-testid=model]').options.length > 0")
         assert page.get_by_test_id("image").is_visible()  # this model takes an input image
-        page.get_by_test_id("image").set_input_files(str(source))
         fill(page, "edit", size="16x16", steps=3, seed=4)
-        page.get_by_test_id("generate").click()
-        page.wait_for_function(RESULT_SHOWN, arg="", timeout=60_000)
-        assert page.get_by_test_id("preview").get_attribute("data-step") == "3"
-        shown = png_pixels(page.get_by_test_id("result").get_attribute("src"))
+        for n, files in enumerate(cases, start=1):
+            page.get_by_test_id("image").set_input_files([str(f) for f in files])
+            page.get_by_test_id("generate").click()
+            # the n-th result is in the history (its src may equal the previous one's)
+            page.wait_for_function(HISTORY_HAS, arg=n, timeout=60_000)
+            assert page.get_by_test_id("preview").get_attribute("data-step") == "3"
+            shown.append(png_pixels(page.get_by_test_id("result").get_attribute("src")))
     finally:
         context.close()
-    with live.client(key=None) as http:
-        r = http.post("/v1/images/edits", files=[("image", ("red.png", source.read_bytes(), "image/png"))],
-                      data={"prompt": "edit", "size": "16x16", "num_inference_steps": 3, "seed": 4,
-                            "model": "tiny-edit"})
-        (item,) = r.json()["data"]
-    assert np.array_equal(shown, png_pixels("data:image/png;base64," + item["b64_json"]))
+    for files, pixels in zip(cases, shown):
+        field = "image" if len(files) == 1 else "image[]"
+        with live.client(key=None) as http:
+            r = http.post("/v1/images/edits", files=[(field, (f.name, f.read_bytes(), "image/png")) for f in files],
+                          data={"prompt": "edit", "size": "16x16", "num_inference_steps": 3, "seed": 4,
+                                "model": "tiny-edit"})
+            (item,) = r.json()["data"]
+        assert np.array_equal(pixels, png_pixels("data:image/png;base64," + item["b64_json"])), \
+            f"the page's edit with {len(files)} image(s) differs from the API's"
+    assert not np.array_equal(shown[0], shown[1]), "the second image must change the edit"
 
 
 def test_the_page_ships_in_the_wheel():
