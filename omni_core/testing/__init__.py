@@ -13,9 +13,19 @@ Fixtures:
   name ``"tiny-dit"``), so ``Omni(tiny_dit_model, cache_backend=...)`` works with only the core and one cache
   plugin installed (spawned workers and ``omni`` subprocesses find it too).
 
+* ``one_torch_thread`` -- torch at ``OMNI_TEST_THREADS`` threads (default 1) for one test, restored after: tiny
+  models' kernels are microseconds long, and on a shared machine a second spinning thread costs several times
+  over. A plugin's ``conftest.py`` makes it autouse with
+  ``@pytest.fixture(autouse=True)`` / ``def _threads(one_torch_thread): pass``.
+
 Contract tests: subclass :class:`AttentionBackendContract` and set ``backend_name``;
-:class:`~omni_core.testing.pipeline_contract.PipelineContract` (model plugins) and
-:class:`~omni_core.testing.cache_contract.CacheBackendContract` (cache plugins) are imported from their modules.
+:class:`DiffusersParityContract` (a model plugin against diffusers' own pipeline, :mod:`.parity`),
+:class:`PipelineContract` (a model plugin in the engine, :mod:`.pipeline_contract`) and
+:class:`~omni_core.testing.cache_contract.CacheBackendContract` (cache plugins).
+
+Helpers: :func:`load_model` (a pipeline through the real resolver and loader, CPU float32),
+:func:`load_reference` (diffusers' own pipeline from a folder), :func:`make_state` (a ``StepState``; with
+``model_path=`` and ``images=``), :func:`run_step_batch`, :func:`run_request_batch`, :func:`enabled_cache_backend`.
 
 Markers: ``gpu`` tests are skipped when torch sees no accelerator. This module imports no torch; fixtures
 and contract tests import it when they run.
@@ -31,9 +41,20 @@ import pytest
 
 from omni_core.testing.attention import AttentionBackendContract, reference_attention
 from omni_core.testing.driver import enabled_cache_backend, make_state, run_request_batch, run_step_batch
+from omni_core.utils.lazy import lazy_dir, lazy_exports
 
-__all__ = ["AttentionBackendContract", "enabled_cache_backend", "make_state", "reference_attention",
-           "run_request_batch", "run_step_batch"]
+__all__ = ["AttentionBackendContract", "DiffusersParityContract", "PipelineContract", "enabled_cache_backend",
+           "levels_apart", "load_model", "load_reference", "make_state", "reference_attention", "run_request_batch",
+           "run_step_batch"]
+
+#: exported on first use (:mod:`omni_core.utils.lazy`): only contract suites need them
+_LAZY = {"DiffusersParityContract": "omni_core.testing.parity:DiffusersParityContract",
+         "levels_apart": "omni_core.testing.parity:levels_apart",
+         "load_reference": "omni_core.testing.parity:load_reference",
+         "PipelineContract": "omni_core.testing.pipeline_contract:PipelineContract",
+         "load_model": "omni_core.testing._model:load_model"}
+__getattr__ = lazy_exports(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
 
 _MARKERS = (
     "gpu: needs a real accelerator (skipped when none is present)",
@@ -68,6 +89,18 @@ def pytest_report_header(config: pytest.Config) -> str:
 
     eps = sorted(f"{ep.name}" for ep in md.entry_points(group=ENTRY_POINT_GROUP))
     return f"omni plugins (entry points): {', '.join(eps) or '(none)'}"
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[int]:
+    """torch at ``OMNI_TEST_THREADS`` threads (default 1) for the test; the previous count restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    threads = int(os.environ.get("OMNI_TEST_THREADS", "1"))
+    torch.set_num_threads(threads)
+    yield threads
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -16,16 +16,29 @@ import contextlib
 from typing import Any, Iterator, Sequence
 
 
-def make_state(pipeline: Any, prompt: str, *, seed: int = 0, negative_prompt: str | None = None, **params: Any):
-    """A ``StepState`` for ``prompt`` with ``SamplingParams(seed=seed, **params)`` checked by the pipeline class."""
+def make_state(pipeline: Any, prompt: str, *, seed: int = 0, negative_prompt: str | None = None,
+               model_path: str | None = None, images: Sequence[Any] | None = None, **params: Any):
+    """A ``StepState`` for ``prompt`` with ``SamplingParams(seed=seed, **params)`` checked by the pipeline class.
+
+    ``pipeline`` is a loaded pipeline or its class; ``model_path`` (default: the folder a loaded pipeline came
+    from, ``pipeline.omni_model_path``) is handed to ``check_sampling_params``, as a model's size multiples and
+    defaults can come from its folder; ``images`` (PIL images or ``[3, H, W]``
+    uint8 tensors) are the request's input images, as the engine hands them to an edit or image-to-video model.
+    """
     import torch
 
     from omni_core.config import SamplingParams
+    from omni_core.images import to_tensor
     from omni_core.pipelines import StepState
     from omni_core.request import OmniDiffusionRequest
 
-    sp = type(pipeline).check_sampling_params(SamplingParams(seed=seed, **params))
-    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=sp)
+    cls = pipeline if isinstance(pipeline, type) else type(pipeline)
+    if model_path is None:
+        model_path = getattr(pipeline, "omni_model_path", None)
+    sp = cls.check_sampling_params(SamplingParams(seed=seed, **params), model_path)
+    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=sp,
+                                   images=[im if isinstance(im, torch.Tensor) else to_tensor(im)
+                                           for im in images or ()])
     return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
 
 

@@ -1,0 +1,388 @@
+"""``DiffusersParityContract``: an Omni model pipeline computes what diffusers' own pipeline computes, in every
+way the engine batches it. A pytest class to subclass, as diffusers' ``PipelineTesterMixin`` is::
+
+    from omni_core.testing import DiffusersParityContract
+
+    class TestMyModelParity(DiffusersParityContract):
+        pipeline_class = "MyModelPipeline"          # diffusers' class name (= the Omni component name)
+        build_model = staticmethod(build_tiny_my_model)   # tiny-folder builder: build_model(path) -> folder
+        sampling = {"num_inference_steps": 3, "height": 32, "width": 32}   # tiny and fast
+        cfg_field, cfg_scale, cfg_off = "guidance_scale", 4.0, 1.0
+
+Every check runs the Omni pipeline (loaded through the real entry point, ``resolve_model`` and ``load_pipeline``)
+and diffusers' pipeline (``DiffusionPipeline.from_pretrained`` on the same folder, one prompt per call, the
+request's seed in a CPU generator) and holds each Omni output to at most ``levels`` of 255 from diffusers' and
+the final latents to ``latents_atol``:
+
+* ``test_request_batch_matches_diffusers[cfg-off|cfg-on]``: three prompts of different lengths as ONE request
+  batch (``pipeline.forward``), CFG off and on; the first alone too;
+* ``test_step_mode_staggered_matches_diffusers``: step mode, requests admitted at waves 0, 1, 2 (CFG on, off,
+  on; the last of another size, ``other_size``) so one ``denoise_step`` holds requests at different steps;
+  every wave calls each denoiser (expert) once, its rows each request's cond rows and the uncond rows of the
+  guided ones (``alone_folds_branches=False``: a request alone may run its branches as two calls);
+* ``test_several_outputs_non_square_matches_diffusers``: ``num_outputs_per_prompt=2`` at ``non_square``;
+* ``test_a_wave_is_one_call_per_step_and_equals_each_alone`` ("batched equals one by one", "CFG branches
+  folded"): four requests (different prompts, CFG scales, negatives, two outputs, one unguided) as one wave:
+  one denoiser call per step with every row, and each result equal to the request run alone;
+* ``test_parity_check_has_teeth``: another seed, or the CFG scale off by one, fails the parity assertion.
+
+Input images (edit, image-to-video): set ``images_per_request`` and override ``input_images()``; a case's
+images are handed to diffusers as ``image=`` and to Omni as ``request.images``.
+
+A subclass adds the model's own parity tests as methods using ``self.omni`` (the loaded Omni pipeline),
+``self.diffusers``, ``self.model_path``, ``self.case(...)``, ``self.make_state(case)``, ``self.reference(case)``
+and ``self.assert_parity(state, output, case)``. Folders and pipelines are built once per class (or taken from
+the fixtures named by ``model_fixture`` / ``pipeline_fixture`` / ``reference_fixture``, shared with the
+plugin's other tests), and diffusers' outputs are memoised per session: keep the cases of added tests equal to
+the contract's where possible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar, Iterator
+
+import pytest
+
+from omni_core.testing._model import load_model
+from omni_core.testing.driver import make_state, run_step_batch
+
+__all__ = ["DiffusersParityContract", "levels_apart", "load_reference"]
+
+#: diffusers' outputs of the session: (id of the reference pipeline, case key) -> (output, final latents)
+_REFERENCES: dict[tuple, tuple[Any, Any]] = {}
+#: tiny folders built by ``build_model``, once per session: builder -> folder
+_FOLDERS: dict[Any, str] = {}
+
+
+def load_reference(model_path: str, **components: Any) -> Any:
+    """diffusers' own pipeline from a folder (safetensors only, progress bar off); ``components`` are handed to
+    ``from_pretrained`` (e.g. a processor transformers cannot load here)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model_path, use_safetensors=True, **components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def levels_apart(a: Any, b: Any) -> float:
+    """The largest difference of two images in [0, 1], in levels of 255."""
+    return ((a * 255).round() - (b * 255).round()).abs().max().item()
+
+
+class DiffusersParityContract:
+    # ------------------------------------------------------------------ what a subclass sets
+    #: diffusers' pipeline class name; the folder's ``model_index.json`` and Omni's component carry it too
+    pipeline_class: ClassVar[str | None] = None
+    #: the tiny folder: ``build_model(path) -> folder`` (random weights, built once per session) ...
+    build_model: ClassVar[Callable[[str], str] | None] = None
+    #: ... or the name of a fixture returning one (shared with the plugin's other tests)
+    model_fixture: ClassVar[str | None] = None
+    #: fixtures returning the loaded Omni / diffusers pipelines of that folder (default: loaded per class)
+    pipeline_fixture: ClassVar[str | None] = None
+    reference_fixture: ClassVar[str | None] = None
+    #: Omni sampling fields of every case (diffusers takes them under the same names): steps, size, text length
+    sampling: ClassVar[dict[str, Any]] = {}
+    #: three prompts of different token lengths
+    prompts: ClassVar[tuple[str, ...]] = ("a red fox jumping over a lazy dog in a snowy forest at dawn", "a cat",
+                                          "an astronaut riding a green horse on the moon")
+    negative_prompt: ClassVar[str] = "blurry, low quality, watermark, jpeg artifacts"
+    #: the field that sets the CFG scale, a scale with CFG on, and the value that turns it off
+    cfg_field: ClassVar[str] = "guidance_scale"
+    cfg_scale: ClassVar[float] = 4.0
+    cfg_off: ClassVar[float] = 1.0
+    #: true CFG (FLUX, Qwen-Image): guided only with a negative prompt
+    cfg_needs_negative: ClassVar[bool] = False
+    #: diffusers' keyword for ``num_outputs_per_prompt``
+    outputs_kwarg: ClassVar[str] = "num_images_per_prompt"
+    #: a size that joins a step wave of ``sampling``-sized requests, and the size of the several-outputs check
+    #: (empty: the check is skipped)
+    other_size: ClassVar[dict[str, int]] = {}
+    non_square: ClassVar[dict[str, int]] = {}
+    #: input images per request (edit / image-to-video models); the images come from ``input_images()``
+    images_per_request: ClassVar[int] = 0
+    #: parity with diffusers: levels of 255 per value, and the final latents
+    levels: ClassVar[float] = 1
+    latents_atol: ClassVar[float] = 5e-5
+    #: a request in a wave against the same request alone: final latents, outputs
+    batch_latents_atol: ClassVar[float] = 2e-5
+    batch_atol: ClassVar[float] = 1e-4
+    #: False: a request alone may run its CFG branches as two calls (when its prompts differ in length and the
+    #: model folds them only with a padding mask, as diffusers' own shape)
+    alone_folds_branches: ClassVar[bool] = True
+    #: seeds of the three batch requests (each request draws its noise from its own generator)
+    seeds: ClassVar[tuple[int, ...]] = (10, 11, 12)
+
+    # ------------------------------------------------------------------ fixtures
+    @pytest.fixture(scope="class")
+    @classmethod
+    def parity_model_path(cls, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+        if cls.model_fixture:
+            return request.getfixturevalue(cls.model_fixture)
+        if cls.build_model is None:
+            raise pytest.UsageError(f"{cls.__name__}: set `build_model` (a tiny-folder builder) or `model_fixture`")
+        if cls.build_model not in _FOLDERS:
+            _FOLDERS[cls.build_model] = cls.build_model(str(tmp_path_factory.mktemp("parity") / "model"))
+        return _FOLDERS[cls.build_model]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def parity_pipeline(cls, request: pytest.FixtureRequest, parity_model_path: str) -> Any:
+        if cls.pipeline_fixture:
+            return request.getfixturevalue(cls.pipeline_fixture)
+        return cls.load_pipeline(parity_model_path)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def parity_reference(cls, request: pytest.FixtureRequest, parity_model_path: str) -> Any:
+        if cls.reference_fixture:
+            return request.getfixturevalue(cls.reference_fixture)
+        return cls.load_reference(parity_model_path)
+
+    @pytest.fixture(autouse=True)
+    def _bind_parity(self, parity_model_path: str, parity_pipeline: Any, parity_reference: Any) -> None:
+        self.bind(parity_model_path, parity_pipeline, parity_reference)
+
+    def bind(self, model_path: str, pipeline: Any, reference: Any) -> DiffusersParityContract:
+        """Set the folder and both pipelines (what the fixtures do; for calling the checks directly)."""
+        self.model_path, self.omni, self.diffusers = model_path, pipeline, reference
+        return self
+
+    @classmethod
+    def load_pipeline(cls, model_path: str) -> Any:
+        """Omni's pipeline through the real path: entry point, ``resolve_model``, ``load_pipeline`` (CPU, fp32)."""
+        return load_model(model_path)
+
+    @classmethod
+    def load_reference(cls, model_path: str) -> Any:
+        """diffusers' pipeline from the folder (override to hand in components, e.g. a processor)."""
+        return load_reference(model_path)
+
+    def input_images(self) -> list[Any]:
+        """The input images cases refer to by index (PIL images)."""
+        return []
+
+    # ------------------------------------------------------------------ cases, references, parity
+    def case(self, i: int, seed: int, *, cfg: bool | float = True, negative: str | None | bool = True,
+             images: tuple[int, ...] | None = None, **fields: Any) -> dict[str, Any]:
+        """A request: prompt ``i``, ``seed``, CFG on (``cfg_scale``), off, or at a given scale, the negative
+        prompt (True: ``negative_prompt``), input images by index (default: the first ``images_per_request``)
+        and Omni sampling fields over ``sampling``."""
+        scale = self.cfg_scale if cfg is True else self.cfg_off if cfg is False else cfg
+        if negative is True:
+            negative = self.negative_prompt if cfg is not False else None
+        if images is None:
+            images = tuple(range(self.images_per_request))
+        return {"prompt": self.prompts[i], "seed": seed, "negative_prompt": negative or None, "images": images,
+                **self.sampling, self.cfg_field: scale, **fields}
+
+    @staticmethod
+    def _split(case: dict[str, Any]) -> tuple[str, int, str | None, tuple[int, ...], dict[str, Any]]:
+        fields = dict(case)
+        return fields.pop("prompt"), fields.pop("seed"), fields.pop("negative_prompt"), fields.pop("images"), fields
+
+    def make_state(self, case: dict[str, Any]) -> Any:
+        """The Omni ``StepState`` of ``case`` (params checked by the pipeline class with the folder)."""
+        prompt, seed, negative, images, fields = self._split(case)
+        pics = self.input_images()
+        return make_state(self.omni, prompt, seed=seed, negative_prompt=negative, model_path=self.model_path,
+                          images=[pics[i] for i in images], **fields)
+
+    def reference_kwargs(self, case: dict[str, Any]) -> dict[str, Any]:
+        """diffusers' call keywords for ``case`` (besides prompt, negative prompt, generator, output type)."""
+        _, _, _, images, fields = self._split(case)
+        kwargs = {k: v for k, v in fields.items() if v is not None}
+        kwargs[self.outputs_kwarg] = kwargs.pop("num_outputs_per_prompt", 1)
+        if images:
+            pics = [self.input_images()[i] for i in images]
+            kwargs["image"] = pics[0] if len(pics) == 1 else pics
+        return kwargs
+
+    def reference(self, case: dict[str, Any]) -> tuple[Any, Any]:
+        """diffusers' output (``[n, 3, H, W]`` images or ``[n, F, 3, H, W]`` videos) and final latents for
+        ``case`` alone, memoised for the session."""
+        import torch
+
+        key = (id(self.diffusers), tuple(sorted(case.items())))
+        if key not in _REFERENCES:
+            prompt, seed, negative, _, _ = self._split(case)
+            final: dict[str, Any] = {}
+
+            def keep(_pipe: Any, _i: int, _t: Any, kwargs: dict) -> dict:
+                final["latents"] = kwargs["latents"]
+                return kwargs
+
+            out = self.diffusers(prompt=prompt, negative_prompt=negative, output_type="pt",
+                                 generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=keep,
+                                 **self.reference_kwargs(case))
+            _REFERENCES[key] = (out[0], final["latents"])
+        return _REFERENCES[key]
+
+    def compare_latents(self, latents: Any, ref_latents: Any) -> None:
+        import torch
+
+        torch.testing.assert_close(latents, ref_latents, atol=self.latents_atol, rtol=0)
+
+    def assert_parity(self, state: Any, output: Any, case: dict[str, Any]) -> None:
+        """``output`` (and ``state``'s final latents) equal diffusers' for ``case`` alone, within tolerance."""
+        ref, ref_latents = self.reference(case)
+        assert output.tensor.shape == ref.shape, f"shape {tuple(output.tensor.shape)}, diffusers {tuple(ref.shape)}"
+        diff = levels_apart(output.tensor, ref)
+        assert diff <= self.levels, f"{diff} levels of 255 apart from diffusers ({case['prompt']!r})"
+        self.compare_latents(state.latents, ref_latents)
+
+    def guided_at(self, state: Any, step: int) -> bool:
+        """Whether ``state`` runs an uncond branch at ``step`` (override for models that drop it on some steps)."""
+        sp = state.request.sampling_params
+        scale = getattr(sp, self.cfg_field, None)
+        if scale is None:
+            scale = sp.model_fields.get(self.cfg_field)
+        return scale is not None and scale > self.cfg_off and (bool(state.request.negative_prompt)
+                                                                or not self.cfg_needs_negative)
+
+    @contextlib.contextmanager
+    def denoiser_calls(self) -> Iterator[list[tuple[str, Any, int]]]:
+        """Inside the block, every call of a declared denoiser: ``(name, DenoiseCall, batch rows)``."""
+        from omni_core.forward_context import forward_context
+        from omni_core.pipelines.denoiser import denoisers_of
+
+        calls: list[tuple[str, Any, int]] = []
+
+        def hook(spec: Any) -> Callable:
+            def pre(module: Any, args: tuple, kwargs: dict) -> None:
+                x = args[0] if args else kwargs[spec.batch_args[0]]
+                calls.append((spec.name, forward_context().call, x.shape[0]))
+            return pre
+
+        handles = [spec.module.register_forward_pre_hook(hook(spec), with_kwargs=True)
+                   for spec in denoisers_of(self.omni)]
+        try:
+            yield calls
+        finally:
+            for h in handles:
+                h.remove()
+
+    def check_wave(self, calls: list[tuple[str, Any, int]], wave: list[tuple[Any, int]]) -> None:
+        """The calls of one wave (``(state, step)`` pairs): each denoiser called once per latent size (twice for a
+        request alone when ``alone_folds_branches`` is False), covering every state's cond rows and the guided
+        ones' uncond rows."""
+        per_expert: dict[str, int] = {}
+        rows: dict[tuple[int, str], int] = {}
+        for name, call, batch in calls:
+            assert call is not None and call.covers(batch), f"{name}: a call whose context does not cover its rows"
+            per_expert[name] = per_expert.get(name, 0) + 1
+            for g in call.groups:
+                rows[(id(g.state), g.branch)] = rows.get((id(g.state), g.branch), 0) + g.rows
+        sizes = len({tuple(state.latents.shape[1:]) for state, _ in wave})  # latents of another size: own call
+        most = sizes * (2 if len(wave) == 1 and not self.alone_folds_branches else 1)
+        assert per_expert and max(per_expert.values()) <= most, f"a wave of {len(wave)} requests ({sizes} " \
+            f"size(s)) made {per_expert} denoiser calls (expected one per denoiser and size)"
+        expected = {}
+        for state, step in wave:
+            n = state.request.sampling_params.num_outputs_per_prompt
+            expected[(id(state), "cond")] = n
+            if self.guided_at(state, step):
+                expected[(id(state), "uncond")] = n
+        assert rows == expected, "the wave's calls do not hold exactly each request's cond rows and the guided " \
+                                 f"ones' uncond rows: {sorted(rows.values())} vs {sorted(expected.values())}"
+
+    # ------------------------------------------------------------------ checks
+    def test_folder_resolves_to_the_omni_pipeline(self) -> None:
+        from omni_core.pipelines import resolve_model
+        from omni_core.pipelines.base import read_model_index
+
+        assert read_model_index(self.model_path)["_class_name"] == self.pipeline_class
+        assert resolve_model(self.model_path).spec.name == self.pipeline_class
+
+    @pytest.mark.parametrize("cfg", [False, True], ids=["cfg-off", "cfg-on"])
+    def test_request_batch_matches_diffusers(self, cfg: bool) -> None:
+        cases = [self.case(i, seed, cfg=cfg) for i, seed in enumerate(self.seeds)]
+        alone = self.make_state(cases[0])
+        (out,) = self.omni.forward([alone])
+        assert out.finished and out.status == "completed"
+        self.assert_parity(alone, out, cases[0])
+        states = [self.make_state(c) for c in cases]
+        with self.denoiser_calls() as calls:
+            outs = self.omni.forward(states)
+        steps = states[0].num_steps
+        assert len(calls) == steps, f"{len(calls)} denoiser calls for {steps} steps of one request batch"
+        for step, call in enumerate(calls):
+            self.check_wave([call], [(s, step) for s in states])
+        for state, out, case in zip(states, outs, cases):
+            assert out.finished and out.status == "completed" and out.num_steps == steps
+            self.assert_parity(state, out, case)
+
+    def staggered_cases(self) -> list[dict[str, Any]]:
+        """Requests of the step-mode check, admitted at waves 0, 1, 2, ... (CFG on, off, on at another scale
+        and size): the first two are batch cases, so their diffusers runs are shared."""
+        return [self.case(0, self.seeds[0]), self.case(1, self.seeds[1], cfg=False),
+                self.case(2, self.seeds[2] + 1, cfg=(self.cfg_scale + self.cfg_off) / 2 + 0.5, **self.other_size)]
+
+    def test_step_mode_staggered_matches_diffusers(self) -> None:
+        cases = self.staggered_cases()
+        states = [self.make_state(c) for c in cases]
+        waves: list[list[tuple[Any, int]]] = []
+        experts: list[set[str]] = []
+        denoise = self.omni.denoise_step
+        with self.denoiser_calls() as calls:
+            def spy(batch: list) -> list:
+                before = len(calls)
+                waves.append([(s, s.step_index) for s in batch])
+                out = denoise(batch)
+                self.check_wave(calls[before:], waves[-1])
+                experts.append({name for name, _, _ in calls[before:]})
+                return out
+
+            self.omni.denoise_step = spy
+            try:
+                outs = run_step_batch(self.omni, states, admit_at=list(range(len(states))))
+            finally:
+                del self.omni.denoise_step
+        assert any(len({step for _, step in w}) == len(states) for w in waves), \
+            "no denoise_step held every request, each at its own step"
+        if len(set().union(*experts)) > 1:
+            assert any(len(e) > 1 for e in experts), "no wave held requests on different experts"
+        for state, out, case in zip(states, outs, cases):
+            self.assert_parity(state, out, case)
+
+    def test_several_outputs_non_square_matches_diffusers(self) -> None:
+        if not self.non_square:
+            pytest.skip(f"{type(self).__name__}: no non_square size set")
+        case = self.case(2, 5, num_outputs_per_prompt=2, **self.non_square)
+        state = self.make_state(case)
+        (out,) = self.omni.forward([state])
+        assert out.tensor.shape[0] == 2 and tuple(out.tensor.shape[-2:]) == \
+            (self.non_square["height"], self.non_square["width"])
+        self.assert_parity(state, out, case)
+
+    def batch_cases(self) -> list[dict[str, Any]]:
+        """Four requests of one wave: prompts of different lengths, CFG scales, negative prompts, two outputs
+        per prompt, and one without CFG."""
+        return [self.case(0, 1), self.case(1, 2, cfg=(self.cfg_scale + self.cfg_off) / 2, num_outputs_per_prompt=2),
+                self.case(2, 3, negative="ugly"), self.case(1, 4, cfg=False)]
+
+    def test_a_wave_is_one_call_per_step_and_equals_each_alone(self) -> None:
+        import torch
+
+        cases = self.batch_cases()
+        batched = [self.make_state(c) for c in cases]
+        with self.denoiser_calls() as calls:
+            outs = self.omni.forward(batched)
+        steps = batched[0].num_steps
+        assert len(calls) == steps, f"{len(calls)} denoiser calls for {steps} steps of one wave"
+        for step, call in enumerate(calls):
+            self.check_wave([call], [(s, step) for s in batched])
+        for case, state, out in zip(cases, batched, outs):
+            alone = self.make_state(case)
+            (ref,) = self.omni.forward([alone])
+            torch.testing.assert_close(state.latents, alone.latents, atol=self.batch_latents_atol, rtol=0)
+            torch.testing.assert_close(out.tensor, ref.tensor, atol=self.batch_atol, rtol=0)
+
+    def test_parity_check_has_teeth(self) -> None:
+        """Another seed, or the CFG scale off by one, is far outside the parity tolerance."""
+        case = self.case(1, self.seeds[1])
+        for wrong in ({**case, "seed": case["seed"] + 1}, {**case, self.cfg_field: case[self.cfg_field] + 1}):
+            state = self.make_state(wrong)
+            (out,) = self.omni.forward([state])
+            with pytest.raises(AssertionError):
+                self.assert_parity(state, out, case)
