@@ -45,12 +45,13 @@ from omni_core.utils.lazy import lazy_dir, lazy_exports
 
 __all__ = ["AttentionBackendContract", "DiffusersParityContract", "PipelineContract", "enabled_cache_backend",
            "levels_apart", "load_model", "load_reference", "make_state", "reference_attention", "run_request_batch",
-           "run_step_batch"]
+           "run_step_batch", "tiny_model_fixtures"]
 
 #: exported on first use (:mod:`omni_core.utils.lazy`): only contract suites need them
 _LAZY = {"DiffusersParityContract": "omni_core.testing.parity:DiffusersParityContract",
          "levels_apart": "omni_core.testing.parity:levels_apart",
          "load_reference": "omni_core.testing.parity:load_reference",
+         "tiny_model_fixtures": "omni_core.testing.parity:tiny_model_fixtures",
          "PipelineContract": "omni_core.testing.pipeline_contract:PipelineContract",
          "load_model": "omni_core.testing._model:load_model"}
 __getattr__ = lazy_exports(__name__, _LAZY)

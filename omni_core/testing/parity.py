@@ -32,8 +32,8 @@ images are handed to diffusers as ``image=`` and to Omni as ``request.images``.
 A subclass adds the model's own parity tests as methods using ``self.omni`` (the loaded Omni pipeline),
 ``self.diffusers``, ``self.model_path``, ``self.case(...)``, ``self.make_state(case)``, ``self.reference(case)``
 and ``self.assert_parity(state, output, case)``. Folders and pipelines are built once per class (or taken from
-the fixtures named by ``model_fixture`` / ``pipeline_fixture`` / ``reference_fixture``, shared with the
-plugin's other tests), and diffusers' outputs are memoised per session: keep the cases of added tests equal to
+the session fixtures :func:`tiny_model_fixtures` makes, named by ``tiny_model``, shared with the plugin's
+other tests), and diffusers' outputs are memoised per session: keep the cases of added tests equal to
 the contract's where possible.
 """
 
@@ -47,7 +47,7 @@ import pytest
 from omni_core.testing._model import load_model
 from omni_core.testing.driver import make_state, run_step_batch
 
-__all__ = ["DiffusersParityContract", "levels_apart", "load_reference"]
+__all__ = ["DiffusersParityContract", "levels_apart", "load_reference", "tiny_model_fixtures"]
 
 #: diffusers' outputs of the session: (id of the reference pipeline, case key) -> (output, final latents)
 _REFERENCES: dict[tuple, tuple[Any, Any]] = {}
@@ -65,6 +65,33 @@ def load_reference(model_path: str, **components: Any) -> Any:
     return pipe
 
 
+def tiny_model_fixtures(name: str, builder: Callable[..., str], *,
+                        reference_components: Callable[[str], dict] | None = None, **build_kwargs: Any) -> tuple:
+    """Three session fixtures for a plugin's ``conftest.py``: ``<name>_dir`` (the folder
+    ``builder(path, **build_kwargs)`` saves), ``omni_<name>`` (Omni's pipeline from it, :func:`load_model`) and
+    ``diffusers_<name>`` (diffusers' own, :func:`load_reference` with ``reference_components(folder)``)::
+
+        flux_dir, omni_flux, diffusers_flux = tiny_model_fixtures("flux", build_tiny_flux, guidance_embeds=True)
+
+    A :class:`DiffusersParityContract` subclass uses them with ``tiny_model = "flux"``.
+    """
+
+    @pytest.fixture(scope="session", name=f"{name}_dir")
+    def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+        return builder(str(tmp_path_factory.mktemp(f"tiny-{name}")), **build_kwargs)
+
+    @pytest.fixture(scope="session", name=f"omni_{name}")
+    def omni(request: pytest.FixtureRequest) -> Any:
+        return load_model(request.getfixturevalue(f"{name}_dir"))
+
+    @pytest.fixture(scope="session", name=f"diffusers_{name}")
+    def diffusers(request: pytest.FixtureRequest) -> Any:
+        path = request.getfixturevalue(f"{name}_dir")
+        return load_reference(path, **(reference_components(path) if reference_components else {}))
+
+    return folder, omni, diffusers
+
+
 def levels_apart(a: Any, b: Any) -> float:
     """The largest difference of two images in [0, 1], in levels of 255."""
     return ((a * 255).round() - (b * 255).round()).abs().max().item()
@@ -76,11 +103,11 @@ class DiffusersParityContract:
     pipeline_class: ClassVar[str | None] = None
     #: the tiny folder: ``build_model(path) -> folder`` (random weights, built once per session) ...
     build_model: ClassVar[Callable[[str], str] | None] = None
-    #: ... or the name of a fixture returning one (shared with the plugin's other tests)
+    #: ... or the ``name`` of :func:`tiny_model_fixtures` in the plugin's conftest (folder and both pipelines
+    #: shared with the plugin's other tests)
+    tiny_model: ClassVar[str | None] = None
+    #: ... or the name of any fixture returning a folder (both pipelines then loaded once per class)
     model_fixture: ClassVar[str | None] = None
-    #: fixtures returning the loaded Omni / diffusers pipelines of that folder (default: loaded per class)
-    pipeline_fixture: ClassVar[str | None] = None
-    reference_fixture: ClassVar[str | None] = None
     #: Omni sampling fields of every case (diffusers takes them under the same names): steps, size, text length
     sampling: ClassVar[dict[str, Any]] = {}
     #: three prompts of different token lengths
@@ -117,10 +144,10 @@ class DiffusersParityContract:
     @pytest.fixture(scope="class")
     @classmethod
     def parity_model_path(cls, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-        if cls.model_fixture:
-            return request.getfixturevalue(cls.model_fixture)
+        if cls.tiny_model or cls.model_fixture:
+            return request.getfixturevalue(cls.model_fixture or f"{cls.tiny_model}_dir")
         if cls.build_model is None:
-            raise pytest.UsageError(f"{cls.__name__}: set `build_model` (a tiny-folder builder) or `model_fixture`")
+            raise pytest.UsageError(f"{cls.__name__}: set `build_model` (a tiny-folder builder) or `tiny_model`")
         if cls.build_model not in _FOLDERS:
             _FOLDERS[cls.build_model] = cls.build_model(str(tmp_path_factory.mktemp("parity") / "model"))
         return _FOLDERS[cls.build_model]
@@ -128,15 +155,15 @@ class DiffusersParityContract:
     @pytest.fixture(scope="class")
     @classmethod
     def parity_pipeline(cls, request: pytest.FixtureRequest, parity_model_path: str) -> Any:
-        if cls.pipeline_fixture:
-            return request.getfixturevalue(cls.pipeline_fixture)
+        if cls.tiny_model:
+            return request.getfixturevalue(f"omni_{cls.tiny_model}")
         return cls.load_pipeline(parity_model_path)
 
     @pytest.fixture(scope="class")
     @classmethod
     def parity_reference(cls, request: pytest.FixtureRequest, parity_model_path: str) -> Any:
-        if cls.reference_fixture:
-            return request.getfixturevalue(cls.reference_fixture)
+        if cls.tiny_model:
+            return request.getfixturevalue(f"diffusers_{cls.tiny_model}")
         return cls.load_reference(parity_model_path)
 
     @pytest.fixture(autouse=True)

@@ -13,4 +13,4 @@ class TestFluxPipelineContract(PipelineContract):
     #: diffusers' single-prompt run)
     batch_atol = 1e-4
     abort_steps = 20
-    engine_kwargs = {"warmup": False, "cpu_threads": 1}  # as conftest.TEST_THREADS
+    engine_kwargs = {"warmup": False, "cpu_threads": 1}  # as the one_torch_thread fixture
