@@ -1,8 +1,10 @@
 """Omni's ZImagePipeline against diffusers' own, on one tiny random folder (float32, CPU).
 
-Parity: each Omni image equals the image diffusers makes for the same prompt alone with
-``generator=torch.Generator("cpu").manual_seed(seed)`` -- at most one level of 255 apart per pixel -- and the
-final latents agree to 2e-4 (batching changes float summation order only).
+``TestZImageParity`` is the core's :class:`~omni_core.testing.DiffusersParityContract` (request and step mode,
+CFG on and off, three prompts of different lengths in a batch, staggered admission, several outputs at a
+non-square size, one call per wave equal to each request alone) plus Z-Image's own: cfg_truncation and
+cfg_normalization, its CFG form, and the engine end to end. Parity: at most one level of 255 per pixel, final
+latents within 2e-4 (batching changes float summation order only).
 """
 
 from __future__ import annotations
@@ -12,58 +14,96 @@ import torch
 
 from omni_core.config import OmniDiffusionConfig, SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import StepState, load_pipeline, resolve_model
-from omni_core.request import OmniDiffusionRequest
+from omni_core.pipelines import load_pipeline, resolve_model
+from omni_core.testing import DiffusersParityContract, levels_apart, make_state
 
 STEPS = 3
 #: every prompt below fits (with the chat template) and the text encoder runs on 128 padded tokens, not 512
 MSL = 128
+SAMPLING = {"num_inference_steps": STEPS, "height": 32, "width": 32, "max_sequence_length": MSL}
 NEG = "blurry, low quality, watermark, jpeg artifacts"
 #: token lengths differ (the byte tokenizer gives one token per character)
 PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinematic lighting",
            "a cat",
            "an astronaut riding a green horse on the moon"]
 
-_REFERENCES: dict = {}
+
+class TestZImageParity(DiffusersParityContract):
+    pipeline_class = "ZImagePipeline"
+    tiny_model = "zimage"
+    sampling = SAMPLING
+    prompts = tuple(PROMPTS)
+    negative_prompt = NEG
+    cfg_field, cfg_scale, cfg_off = "guidance_scale", 3.0, 0.0
+    other_size = {"width": 48}
+    non_square = {"height": 48, "width": 32}
+    latents_atol = 2e-4
+    batch_latents_atol, batch_atol = 2e-4, 1e-3
+
+    def batch_cases(self):
+        """The contract's four requests, one with cfg_truncation (no uncond rows on late steps)."""
+        cases = super().batch_cases()
+        cases[2]["cfg_truncation"] = 0.2
+        return cases
+
+    def guided_at(self, state, step):
+        """diffusers' truncation: no uncond rows on a step whose (1000 - t) / 1000 exceeds cfg_truncation."""
+        t = state.timesteps[step].item()
+        return super().guided_at(state, step) and (1000 - t) / 1000 <= state.extra["cfg_truncation"]
+
+    def test_cfg_truncation_and_renormalization_match_diffusers(self):
+        """diffusers' cfg_truncation (no CFG on late steps) and cfg_normalization (norm cap), per request in one
+        batch, with the default empty negative prompt."""
+        cases = [self.case(0, 30, cfg=4.0, negative=None, cfg_truncation=0.5),
+                 self.case(1, 31, cfg=4.0, negative=None, cfg_normalization=1.0),
+                 self.case(2, 32, cfg=2.0, negative=None)]
+        states = [self.make_state(c) for c in cases]
+        outs = self.omni.forward(states)
+        for case, state, out in zip(cases, states, outs):
+            self.assert_parity(state, out, case)
+        plain = self.reference(self.case(1, 31, cfg=4.0, negative=None))[0]
+        assert levels_apart(outs[1].tensor, plain) > 1  # the renormalization really acted
+
+    def test_z_image_parity_check_has_teeth(self, monkeypatch):
+        """Another prompt's text, or the other CFG form, moves the result far outside the tolerance (another
+        seed or CFG scale: the contract's check)."""
+        import omni_model_z_image.pipeline as mod
+
+        case = self.case(1, 11)
+        ref = self.reference(case)
+        # the standard CFG form neg + s * (pos - neg) instead of Z-Image's pos + s * (pos - neg)
+        monkeypatch.setattr(mod.ZImagePipeline, "cfg_scale", lambda self, s: s.extra["guidance"])
+        (out,) = self.omni.forward([self.make_state(case)])
+        assert levels_apart(out.tensor, ref[0]) > 5
+        monkeypatch.undo()
+        # rows given the wrong text: the prompt moves the image by many levels
+        (out,) = self.omni.forward([self.make_state({**case, "prompt": PROMPTS[0]})])
+        assert levels_apart(out.tensor, ref[0]) > 5
+
+    @pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
+    def test_engine_matches_diffusers(self, step_execution):
+        """``Omni(model=<folder>)`` end to end: three prompts batched, PIL images equal to diffusers' within 1
+        level."""
+        import numpy as np
+        from diffusers.image_processor import VaeImageProcessor
+
+        from omni_core import Omni
+
+        prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
+        with Omni(self.model_path, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution,
+                  cpu_threads=1) as omni:
+            outs = omni.generate(prompts, seed=21, guidance_scale=3.0, use_tqdm=False, **SAMPLING)
+        for i, out in enumerate(outs):
+            ref = self.reference(self.case(i, 21, negative=NEG if i == 0 else None))[0][0]
+            ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0],
+                             dtype=np.int16)
+            assert np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max() <= 1
 
 
-def reference(pipe, prompt, seed, *, negative=None, cfg=0.0, height=32, width=32, n=1, **extra):
-    """diffusers' image ``[n, 3, H, W]`` and its final latents (memoised for the session)."""
-    key = (id(pipe), prompt, seed, negative, cfg, height, width, n, tuple(sorted(extra.items())))
-    if key not in _REFERENCES:
-        final = {}
-
-        def keep(_pipe, _i, _t, kwargs):
-            final["latents"] = kwargs["latents"]
-            return kwargs
-
-        images = pipe(prompt, negative_prompt=negative, guidance_scale=cfg, height=height, width=width,
-                      num_inference_steps=STEPS, num_images_per_prompt=n, output_type="pt", max_sequence_length=MSL,
-                      generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=keep, **extra).images
-        _REFERENCES[key] = images, final["latents"]
-    return _REFERENCES[key]
-
-
-def make_state(model_dir, prompt, seed, *, negative=None, cfg=0.0, height=32, width=32, n=1, **extra):
-    from omni_model_z_image.pipeline import ZImagePipeline
-
-    params = ZImagePipeline.check_sampling_params(
-        SamplingParams(height=height, width=width, num_inference_steps=STEPS, guidance_scale=cfg, seed=seed,
-                       num_outputs_per_prompt=n, max_sequence_length=MSL, **extra), model_dir)
-    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
-    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
-
-
-def levels(a, b) -> float:
-    return ((a * 255).round() - (b * 255).round()).abs().max().item()
-
-
-def assert_parity(state, output, ref):
-    ref_images, ref_latents = ref
-    assert output.tensor.shape == ref_images.shape
-    diff = levels(output.tensor, ref_images)
-    assert diff <= 1, f"{diff} levels of 255 apart from diffusers"
-    torch.testing.assert_close(state.latents, ref_latents, atol=2e-4, rtol=0)
+def state_of(pipeline, prompt, seed, *, negative=None, cfg=0.0, n=1, **fields):
+    """A request's ``StepState`` at the tiny sizes (``SAMPLING`` overridden by ``fields``)."""
+    return make_state(pipeline, prompt, seed=seed, negative_prompt=negative, guidance_scale=cfg,
+                      num_outputs_per_prompt=n, **{**SAMPLING, **fields})
 
 
 def test_registered_through_entry_point(zimage_dir):
@@ -72,82 +112,6 @@ def test_registered_through_entry_point(zimage_dir):
     spec = get_plugin_manager().get_component("pipeline", "ZImagePipeline")
     assert spec.provider == "omni-model-z-image"
     assert resolve_model(zimage_dir).spec.name == "ZImagePipeline"
-
-
-@pytest.mark.parametrize("cfg", [0.0, 3.0], ids=["cfg-off", "cfg-on"])
-def test_request_batch_three_prompts_of_different_lengths(zimage_dir, omni_zimage, diffusers_zimage, cfg):
-    negative = NEG if cfg else None
-    states = [make_state(zimage_dir, p, 10 + i, negative=negative, cfg=cfg) for i, p in enumerate(PROMPTS)]
-    outs = omni_zimage.forward(states)
-    assert len({s.prompt_embeds.shape[0] for s in states}) == 3  # really different text lengths in one call
-    for i, (state, out) in enumerate(zip(states, outs)):
-        assert out.finished and out.status == "completed" and out.num_steps == STEPS
-        assert_parity(state, out, reference(diffusers_zimage, PROMPTS[i], 10 + i, negative=negative, cfg=cfg))
-
-
-def test_cfg_truncation_and_renormalization_match_diffusers(zimage_dir, omni_zimage, diffusers_zimage):
-    """diffusers' cfg_truncation (no CFG on late steps) and cfg_normalization (norm cap), per request in one
-    batch, with the default empty negative prompt."""
-    cases = [dict(cfg=4.0, cfg_truncation=0.5), dict(cfg=4.0, cfg_normalization=1.0), dict(cfg=2.0)]
-    states = [make_state(zimage_dir, PROMPTS[i], 30 + i, **c) for i, c in enumerate(cases)]
-    outs = omni_zimage.forward(states)
-    for i, (c, state, out) in enumerate(zip(cases, states, outs)):
-        assert_parity(state, out, reference(diffusers_zimage, PROMPTS[i], 30 + i, **c))
-    plain = reference(diffusers_zimage, PROMPTS[1], 31, cfg=4.0)[0]
-    assert levels(outs[1].tensor, plain) > 1  # the renormalization really acted
-
-
-def test_step_batch_requests_admitted_at_different_steps(zimage_dir, omni_zimage, diffusers_zimage):
-    from omni_core.testing.driver import run_step_batch
-
-    cases = [dict(prompt=PROMPTS[0], seed=1, negative=NEG, cfg=4.0),
-             dict(prompt=PROMPTS[1], seed=2),
-             dict(prompt=PROMPTS[2], seed=3, negative=NEG, cfg=3.0)]
-    states = [make_state(zimage_dir, **c) for c in cases]
-    seen_steps = []
-    denoise = omni_zimage.denoise_step
-
-    def spy(batch):
-        seen_steps.append(sorted(s.step_index for s in batch))
-        return denoise(batch)
-
-    omni_zimage.denoise_step = spy
-    try:
-        outs = run_step_batch(omni_zimage, states, admit_at=[0, 1, 2])
-    finally:
-        del omni_zimage.denoise_step
-    assert [0, 1, 2] in seen_steps  # one denoise_step held all three at different steps
-    for c, state, out in zip(cases, states, outs):
-        c = dict(c)
-        assert_parity(state, out, reference(diffusers_zimage, c.pop("prompt"), c.pop("seed"), **c))
-
-
-def test_non_square_and_several_outputs_per_prompt(zimage_dir, omni_zimage, diffusers_zimage):
-    state = make_state(zimage_dir, PROMPTS[2], 5, height=48, width=32, n=2, negative=NEG, cfg=3.0)
-    (out,) = omni_zimage.forward([state])
-    assert out.tensor.shape == (2, 3, 48, 32)
-    assert_parity(state, out, reference(diffusers_zimage, PROMPTS[2], 5, height=48, width=32, n=2, negative=NEG,
-                                        cfg=3.0))
-
-
-def test_parity_check_has_teeth(zimage_dir, omni_zimage, diffusers_zimage, monkeypatch):
-    """Another prompt's text, the other CFG form, or another seed moves the result far outside the tolerance."""
-    import omni_model_z_image.pipeline as mod
-
-    ref = reference(diffusers_zimage, PROMPTS[1], 11, negative=NEG, cfg=3.0)
-    # the standard CFG form neg + s * (pos - neg) instead of Z-Image's pos + s * (pos - neg)
-    monkeypatch.setattr(mod.ZImagePipeline, "cfg_scale", lambda self, s: s.extra["guidance"])
-    state = make_state(zimage_dir, PROMPTS[1], 11, negative=NEG, cfg=3.0)
-    (out,) = omni_zimage.forward([state])
-    assert levels(out.tensor, ref[0]) > 5
-    monkeypatch.undo()
-    # rows given the wrong text: the prompt moves the image by many levels
-    state = make_state(zimage_dir, PROMPTS[0], 11, negative=NEG, cfg=3.0)
-    (out,) = omni_zimage.forward([state])
-    assert levels(out.tensor, ref[0]) > 5
-    state = make_state(zimage_dir, PROMPTS[1], 12, negative=NEG, cfg=3.0)
-    (out,) = omni_zimage.forward([state])
-    assert levels(out.tensor, ref[0]) > 10
 
 
 def test_sizes_and_lengths_the_model_cannot_take_name_the_field(zimage_dir):
@@ -220,7 +184,7 @@ def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(z
         lambda mod, args, kwargs, out: calls.append((mod.role, kwargs.get("attn_mask") is not None)),
         with_kwargs=True) for layer in layers]
     try:
-        states = [make_state(zimage_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(zimage_dir, PROMPTS[1], 2)]
+        states = [state_of(pipe, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(pipe, PROMPTS[1], 2)]
         pipe.forward(states)
     finally:
         for h in hooks:
@@ -238,33 +202,13 @@ def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(z
 def test_preview_and_pil_output(zimage_dir, omni_zimage):
     from omni_model_z_image.pipeline import ZImagePipeline
 
-    state = make_state(zimage_dir, PROMPTS[1], 3, width=48)
+    state = state_of(omni_zimage, PROMPTS[1], 3, width=48)
     omni_zimage.prepare_encode(state)
     preview = omni_zimage.preview(state)
     assert preview.shape == (3, 32 // 2, 48 // 2) and 0 <= preview.min() and preview.max() <= 1
-    (out,) = omni_zimage.forward([make_state(zimage_dir, PROMPTS[1], 3, width=48)])
-    out = ZImagePipeline.post_process(out, make_state(zimage_dir, PROMPTS[1], 3).request)
+    (out,) = omni_zimage.forward([state_of(omni_zimage, PROMPTS[1], 3, width=48)])
+    out = ZImagePipeline.post_process(out, state_of(omni_zimage, PROMPTS[1], 3).request)
     assert out.images[0].size == (48, 32) and out.images[0].mode == "RGB"
-
-
-@pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
-def test_engine_matches_diffusers(zimage_dir, diffusers_zimage, step_execution):
-    """``Omni(model=<folder>)`` end to end: three prompts batched, PIL images equal to diffusers' within 1 level."""
-    import numpy as np
-    from diffusers.image_processor import VaeImageProcessor
-
-    from omni_core import Omni
-
-    prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
-    with Omni(zimage_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution,
-              cpu_threads=1) as omni:
-        outs = omni.generate(prompts, seed=21, height=32, width=32, num_inference_steps=STEPS, guidance_scale=3.0,
-                             max_sequence_length=MSL, use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        p = p if isinstance(p, dict) else {"prompt": p}
-        ref = reference(diffusers_zimage, p["prompt"], 21, negative=p.get("negative_prompt"), cfg=3.0)[0][0]
-        ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0], dtype=np.int16)
-        assert np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max() <= 1
 
 
 def test_denoiser_spec_matches_the_transformer(zimage_dir, omni_zimage):
@@ -294,7 +238,7 @@ def test_denoiser_spec_matches_the_transformer(zimage_dir, omni_zimage):
 
     hook = spec.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        omni_zimage.forward([make_state(zimage_dir, PROMPTS[0], 1), make_state(zimage_dir, PROMPTS[1], 2, n=2)])
+        omni_zimage.forward([state_of(omni_zimage, PROMPTS[0], 1), state_of(omni_zimage, PROMPTS[1], 2, n=2)])
     finally:
         hook.remove()
     assert seen["signal"].shape[0] == 3  # one row per image of the call
@@ -304,17 +248,20 @@ def test_every_transformer_call_carries_the_typed_context(zimage_dir, omni_zimag
     """Each call says which requests its rows belong to, the CFG branch and the expert."""
     from omni_core.forward_context import forward_context
 
-    calls = []
+    calls, inner = [], []
     module = omni_zimage.experts["transformer"]
-    hook = module.register_forward_pre_hook(
+    hooks = [module.register_forward_pre_hook(
         lambda mod, args, kwargs: calls.append((forward_context().call, kwargs["hidden_states"].shape[0])),
-        with_kwargs=True)
-    states = [make_state(zimage_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(zimage_dir, PROMPTS[1], 2, n=2)]
+        with_kwargs=True),
+        omni_zimage.transformer.register_forward_pre_hook(lambda mod, args: inner.append(len(args[0])))]
+    states = [state_of(omni_zimage, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(omni_zimage, PROMPTS[1], 2, n=2)]
     try:
         omni_zimage.forward(states)
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
     assert len(calls) == STEPS  # the CFG branches are folded into one call per step
+    assert inner == [batch for _, batch in calls]  # one diffusers transformer call inside each, with every row
     for call, batch in calls:
         assert call.expert == "transformer" and call.covers(batch)
     assert [(g.state, g.rows, g.branch) for g in calls[0][0].groups] == [
@@ -324,7 +271,7 @@ def test_every_transformer_call_carries_the_typed_context(zimage_dir, omni_zimag
 def test_renormalization_on_a_cfg_parallel_rank_without_the_cond_branch(zimage_dir, omni_zimage):
     """A cfg-parallel rank that ran only the uncond rows recovers the cond prediction from the guided one and
     caps the norm exactly as the rank that has it."""
-    state = make_state(zimage_dir, PROMPTS[1], 1, cfg=4.0, cfg_normalization=1.0)
+    state = state_of(omni_zimage, PROMPTS[1], 1, cfg=4.0, cfg_normalization=1.0)
     omni_zimage.prepare_encode(state)
     g = torch.Generator().manual_seed(0)
     pos, neg = torch.randn(2, 16, 1, 16, 16, generator=g), torch.randn(2, 16, 1, 16, 16, generator=g)
