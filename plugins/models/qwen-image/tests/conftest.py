@@ -1,45 +1,39 @@
-"""Session fixtures: one tiny Qwen-Image folder, diffusers' pipeline and Omni's pipeline loaded from it."""
+"""Session fixtures: tiny Qwen-Image, Qwen-Image-Edit and Edit Plus folders, Omni's and diffusers' pipelines
+loaded from each (``qwen_dir``, ``omni_qwen``, ``diffusers_qwen``; ``edit_*``; ``plus_*``), and the edit tests'
+input image; torch at one thread per test (``one_torch_thread``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
+from omni_core.testing import tiny_model_fixtures
+from omni_model_qwen_image.testing import build_tiny_qwen_image, build_tiny_qwen_image_edit
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(scope="session")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from omni_model_qwen_image.testing import build_tiny_qwen_image
+def _processor(path: str) -> dict:
+    """diffusers' edit pipelines get the processor handed in: transformers cannot load ``Qwen2VLProcessor``
+    without torchvision (see ``processor.py``)."""
+    from omni_model_qwen_image.processor import load_processor
 
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image"))
-
-
-@pytest.fixture(scope="session")
-def diffusers_qwen(qwen_dir: str):
-    from omni_core.pipelines.diffusers_folder import load_diffusers_pipeline
-
-    return load_diffusers_pipeline(qwen_dir)
+    return {"processor": load_processor(path)}
 
 
-@pytest.fixture(scope="session")
-def omni_qwen(qwen_dir: str):
-    """Omni's pipeline through the real path: entry-point discovery, ``resolve_model``, ``load_pipeline``."""
-    import torch
-
-    from omni_core.config import OmniDiffusionConfig
-    from omni_core.pipelines import load_pipeline, resolve_model
-
-    config = OmniDiffusionConfig(model=qwen_dir, dtype="float32")
-    return load_pipeline(resolve_model(qwen_dir), config, "cpu", torch.float32)
+qwen_dir, omni_qwen, diffusers_qwen = tiny_model_fixtures("qwen", build_tiny_qwen_image)
+edit_dir, omni_edit, diffusers_edit = tiny_model_fixtures("edit", build_tiny_qwen_image_edit,
+                                                          reference_components=_processor)
+plus_dir, omni_plus, diffusers_plus = tiny_model_fixtures("plus", functools.partial(build_tiny_qwen_image_edit,
+                                                                                    plus=True),
+                                                          reference_components=_processor)
 
 
-@pytest.fixture(scope="session")
-def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from omni_model_qwen_image.testing import build_tiny_qwen_image_edit
-
-    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny-qwen-image-edit"))
+@pytest.fixture(autouse=True)
+def _threads(one_torch_thread):
+    """The tiny model's kernels are microseconds long: a second thread only spins on a shared machine."""
 
 
 @pytest.fixture(scope="session")
@@ -55,57 +49,3 @@ def edit_image():
     rgb[10:30, 20:44] = 1.0
     rgb = rgb + 0.05 * np.random.RandomState(0).randn(48, 64, 3)
     return Image.fromarray((rgb.clip(0, 1) * 255).astype(np.uint8))
-
-
-@pytest.fixture(scope="session")
-def diffusers_edit(edit_dir: str):
-    """diffusers' own ``QwenImageEditPipeline`` from the folder; the processor is handed in because
-    transformers cannot load ``Qwen2VLProcessor`` without torchvision (see ``processor.py``)."""
-    from diffusers import DiffusionPipeline
-
-    from omni_model_qwen_image.processor import load_processor
-
-    pipe = DiffusionPipeline.from_pretrained(edit_dir, processor=load_processor(edit_dir), use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture(scope="session")
-def omni_edit(edit_dir: str):
-    """Omni's edit pipeline through the real path: entry point, ``resolve_model``, ``load_pipeline``."""
-    import torch
-
-    from omni_core.config import OmniDiffusionConfig
-    from omni_core.pipelines import load_pipeline, resolve_model
-
-    return load_pipeline(resolve_model(edit_dir), OmniDiffusionConfig(model=edit_dir, dtype="float32"), "cpu",
-                         torch.float32)
-
-
-@pytest.fixture(scope="session")
-def plus_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from omni_model_qwen_image.testing import build_tiny_qwen_image_edit
-
-    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny-qwen-image-edit-plus"), plus=True)
-
-
-@pytest.fixture(scope="session")
-def diffusers_plus(plus_dir: str):
-    from diffusers import DiffusionPipeline
-
-    from omni_model_qwen_image.processor import load_processor
-
-    pipe = DiffusionPipeline.from_pretrained(plus_dir, processor=load_processor(plus_dir), use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture(scope="session")
-def omni_plus(plus_dir: str):
-    import torch
-
-    from omni_core.config import OmniDiffusionConfig
-    from omni_core.pipelines import load_pipeline, resolve_model
-
-    return load_pipeline(resolve_model(plus_dir), OmniDiffusionConfig(model=plus_dir, dtype="float32"), "cpu",
-                         torch.float32)

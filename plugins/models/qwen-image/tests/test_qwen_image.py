@@ -1,8 +1,10 @@
 """Omni's QwenImagePipeline against diffusers' own, on one tiny random folder (float32, CPU).
 
-Parity: each Omni image equals the image diffusers makes for the same prompt alone with
-``generator=torch.Generator("cpu").manual_seed(seed)`` -- at most one level of 255 apart per pixel -- and the
-final latents agree to 5e-5 (batching changes float summation order only).
+``TestQwenImageParity`` is the core's :class:`~omni_core.testing.DiffusersParityContract` (request and step mode,
+CFG on and off, three prompts of different lengths padded and masked in a batch, staggered admission, several
+outputs at a non-square size, one call per wave equal to each request alone) plus Qwen-Image's own: the
+key-padding mask, branches folded alone only without a mask, the single-frame VAE, the engine end to end.
+Parity: at most one level of 255 per pixel, final latents within 5e-5.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import torch
 
 from omni_core.config import OmniDiffusionConfig, SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import StepState, load_pipeline, resolve_model
+from omni_core.pipelines import load_pipeline, resolve_model
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing import DiffusersParityContract, make_state
 
 STEPS = 3
+SAMPLING = {"num_inference_steps": STEPS, "height": 32, "width": 32}
 NEG = "blurry, low quality, watermark, jpeg artifacts"
 #: token lengths differ (the byte tokenizer gives one token per character)
 PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinematic lighting",
@@ -23,46 +27,91 @@ PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinemat
            "an astronaut riding a green horse on the moon"]
 
 
-_REFERENCES: dict = {}
+class TestQwenImageParity(DiffusersParityContract):
+    pipeline_class = "QwenImagePipeline"
+    tiny_model = "qwen"
+    sampling = SAMPLING
+    prompts = tuple(PROMPTS)
+    negative_prompt = NEG
+    cfg_field, cfg_scale, cfg_off, cfg_needs_negative = "true_cfg_scale", 4.0, 1.0, True
+    other_size = {"width": 48}
+    non_square = {"height": 48, "width": 32}
+    #: alone, prompts of different lengths run their branches as two unmasked calls, as diffusers does
+    alone_folds_branches = False
+
+    def test_prompts_are_padded_and_masked_in_one_call(self):
+        states = [self.make_state(self.case(i, seed)) for i, seed in enumerate(self.seeds)]
+        self.omni.forward(states)
+        assert len({s.prompt_embeds.shape[1] for s in states}) == 3  # really padded and masked
+
+    def test_qwen_parity_check_has_teeth(self, monkeypatch):
+        """Dropping the key-padding mask moves the result far outside the parity tolerance (another seed or CFG
+        scale: the contract's check)."""
+        import omni_model_qwen_image.pipeline as mod
+
+        cases = [self.case(i, seed, cfg=False) for i, seed in enumerate(self.seeds)]
+        pad = mod.QwenImagePipeline.pad_text
+        monkeypatch.setattr(mod.QwenImagePipeline, "pad_text", staticmethod(lambda *a: (pad(*a)[0], None)))
+        states = [self.make_state(c) for c in cases]
+        self.omni.forward(states)
+        assert (states[1].latents - self.reference(cases[1])[1]).abs().max() > 1e-3
+
+    def test_a_request_alone_folds_its_branches_only_when_no_mask_is_needed(self):
+        """Alone, the branches share one call when the prompts have the same token length (no padding), and run
+        as two unmasked calls (diffusers' shape) when they differ."""
+        with self.denoiser_calls() as calls:
+            self.omni.forward([self.make_state({**self.case(1, 1), "negative_prompt": "a dog"})])  # 5 tokens each
+            same = [batch for _, _, batch in calls]
+            calls.clear()
+            self.omni.forward([self.make_state(self.case(0, 1))])
+        assert same == [2] * STEPS
+        assert [batch for _, _, batch in calls] == [1, 1] * STEPS
+
+    def test_vae_single_frame_convs_match_diffusers_conv3d(self, monkeypatch):
+        """The decoder's causal Conv3d on one frame with no cache runs as conv2d (the last temporal kernel
+        slice) and gives diffusers' own decode up to float summation order."""
+        from omni_core.pipelines.diffusers_step import _SingleFrameCausalConv
+
+        omni_qwen, diffusers_qwen = self.omni, self.diffusers
+        convs = [m for m in omni_qwen.pipe.vae.modules()
+                 if isinstance(m.__dict__.get("forward"), _SingleFrameCausalConv)]
+        assert convs and not any("forward" in m.__dict__ for m in diffusers_qwen.vae.modules()
+                                 if isinstance(m, torch.nn.Conv3d))
+        conv2d = torch.nn.functional.conv2d
+        used = []
+        monkeypatch.setattr(torch.nn.functional, "conv2d", lambda *a, **k: used.append(1) or conv2d(*a, **k))
+        z = torch.randn(2, 4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            fast = omni_qwen.pipe.vae.decode(z, return_dict=False)[0]
+            monkeypatch.undo()
+            ref = diffusers_qwen.vae.decode(z, return_dict=False)[0]
+        assert len(used) >= len([m for m in convs if m in set(omni_qwen.pipe.vae.decoder.modules())])
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=0)
+
+    @pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
+    def test_engine_matches_diffusers(self, step_execution):
+        """``Omni(model=<folder>)`` end to end: three prompts batched, PIL images equal to diffusers' within 1
+        level."""
+        import numpy as np
+        from diffusers.image_processor import VaeImageProcessor
+
+        from omni_core import Omni
+
+        prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
+        with Omni(self.model_path, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution,
+                  cpu_threads=1) as omni:
+            outs = omni.generate(prompts, seed=21, use_tqdm=False, **SAMPLING)
+        for i, out in enumerate(outs):
+            ref = self.reference(self.case(i, 21, negative=NEG if i == 0 else None))[0][0]
+            ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0],
+                             dtype=np.int16)
+            assert np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max() <= 1
 
 
-def reference(pipe, prompt, seed, *, negative=None, cfg=1.0, height=32, width=32, n=1):
-    """diffusers' image ``[n, 3, H, W]`` and its final (packed) latents (memoised for the session)."""
-    key = (id(pipe), prompt, seed, negative, cfg, height, width, n)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(pipe, prompt, seed, negative, cfg, height, width, n)
-    return _REFERENCES[key]
-
-
-def _reference(pipe, prompt, seed, negative, cfg, height, width, n):
-    final = {}
-
-    def keep(_pipe, _i, _t, kwargs):
-        final["latents"] = kwargs["latents"]
-        return kwargs
-
-    images = pipe(prompt, negative_prompt=negative, true_cfg_scale=cfg, height=height, width=width,
-                  num_inference_steps=STEPS, num_images_per_prompt=n, output_type="pt",
-                  generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=keep).images
-    return images, final["latents"]
-
-
-def make_state(model_dir, prompt, seed, *, negative=None, cfg=1.0, height=32, width=32, n=1):
-    from omni_model_qwen_image.pipeline import QwenImagePipeline
-
-    params = QwenImagePipeline.check_sampling_params(
-        SamplingParams(height=height, width=width, num_inference_steps=STEPS, true_cfg_scale=cfg, seed=seed,
-                       num_outputs_per_prompt=n), model_dir)
-    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
-    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
-
-
-def assert_parity(state, output, ref):
-    ref_images, ref_latents = ref
-    assert output.tensor.shape == ref_images.shape
-    levels = ((output.tensor * 255).round() - (ref_images * 255).round()).abs().max().item()
-    assert levels <= 1, f"{levels} levels of 255 apart from diffusers"
-    torch.testing.assert_close(state.latents, ref_latents, atol=5e-5, rtol=0)
+def state_of(pipeline, prompt, seed, *, negative=None, cfg=1.0, n=1, **fields):
+    """A request's ``StepState`` at the tiny sizes (``SAMPLING`` overridden by ``fields``)."""
+    return make_state(pipeline, prompt, seed=seed, negative_prompt=negative, true_cfg_scale=cfg,
+                      num_outputs_per_prompt=n, **{**SAMPLING, **fields})
 
 
 def test_registered_through_entry_point(qwen_dir):
@@ -71,74 +120,6 @@ def test_registered_through_entry_point(qwen_dir):
     spec = get_plugin_manager().get_component("pipeline", "QwenImagePipeline")
     assert spec.provider == "omni-model-qwen-image"
     assert resolve_model(qwen_dir).spec.name == "QwenImagePipeline"
-
-
-@pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["cfg-off", "cfg-on"])
-def test_request_batch_one_prompt(qwen_dir, omni_qwen, diffusers_qwen, cfg):
-    negative = NEG if cfg > 1 else None
-    state = make_state(qwen_dir, PROMPTS[0], 7, negative=negative, cfg=cfg)
-    (out,) = omni_qwen.forward([state])
-    assert out.finished and out.status == "completed" and out.num_steps == STEPS
-    assert_parity(state, out, reference(diffusers_qwen, PROMPTS[0], 7, negative=negative, cfg=cfg))
-
-
-@pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["cfg-off", "cfg-on"])
-def test_request_batch_three_prompts_of_different_lengths(qwen_dir, omni_qwen, diffusers_qwen, cfg):
-    negative = NEG if cfg > 1 else None
-    states = [make_state(qwen_dir, p, 10 + i, negative=negative, cfg=cfg) for i, p in enumerate(PROMPTS)]
-    outs = omni_qwen.forward(states)
-    assert len({s.prompt_embeds.shape[1] for s in states}) == 3  # really padded and masked
-    for i, (state, out) in enumerate(zip(states, outs)):
-        assert_parity(state, out, reference(diffusers_qwen, PROMPTS[i], 10 + i, negative=negative, cfg=cfg))
-
-
-def test_step_batch_requests_admitted_at_different_steps(qwen_dir, omni_qwen, diffusers_qwen):
-    from omni_core.testing.driver import run_step_batch
-
-    cases = [dict(prompt=PROMPTS[0], seed=1, negative=NEG, cfg=4.0),
-             dict(prompt=PROMPTS[1], seed=2),
-             dict(prompt=PROMPTS[2], seed=3, negative=NEG, cfg=3.0, width=48)]  # a different size joins too
-    states = [make_state(qwen_dir, **c) for c in cases]
-    seen_steps = []
-    denoise = omni_qwen.denoise_step
-
-    def spy(batch):
-        seen_steps.append(sorted(s.step_index for s in batch))
-        return denoise(batch)
-
-    omni_qwen.denoise_step = spy
-    try:
-        outs = run_step_batch(omni_qwen, states, admit_at=[0, 1, 2])
-    finally:
-        del omni_qwen.denoise_step
-    assert [0, 1, 2] in seen_steps  # one denoise_step held all three at different steps
-    for c, state, out in zip(cases, states, outs):
-        c = dict(c)
-        assert_parity(state, out, reference(diffusers_qwen, c.pop("prompt"), c.pop("seed"), **c))
-
-
-def test_non_square_and_several_outputs_per_prompt(qwen_dir, omni_qwen, diffusers_qwen):
-    state = make_state(qwen_dir, PROMPTS[2], 5, height=48, width=32, n=2, negative=NEG, cfg=4.0)
-    (out,) = omni_qwen.forward([state])
-    assert out.tensor.shape == (2, 3, 48, 32)
-    assert_parity(state, out, reference(diffusers_qwen, PROMPTS[2], 5, height=48, width=32, n=2, negative=NEG,
-                                        cfg=4.0))
-
-
-def test_parity_check_has_teeth(qwen_dir, omni_qwen, diffusers_qwen, monkeypatch):
-    """Dropping the key-padding mask, or the seed, moves the result far outside the parity tolerance."""
-    import omni_model_qwen_image.pipeline as mod
-
-    ref = reference(diffusers_qwen, PROMPTS[1], 11)
-    pad = mod.QwenImagePipeline.pad_text
-    monkeypatch.setattr(mod.QwenImagePipeline, "pad_text", staticmethod(lambda *a: (pad(*a)[0], None)))
-    states = [make_state(qwen_dir, p, 10 + i) for i, p in enumerate(PROMPTS)]
-    omni_qwen.forward(states)
-    assert (states[1].latents - ref[1]).abs().max() > 1e-3
-    monkeypatch.undo()
-    state = make_state(qwen_dir, PROMPTS[1], 12)
-    (out,) = omni_qwen.forward([state])
-    assert ((out.tensor - ref[0]).abs().max() * 255) > 10
 
 
 def test_sizes_the_model_cannot_take_name_the_multiple(qwen_dir):
@@ -202,7 +183,7 @@ def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(q
                                          with_kwargs=True)
              for layer in layers]
     try:
-        states = [make_state(qwen_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(qwen_dir, PROMPTS[1], 2)]
+        states = [state_of(pipe, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(pipe, PROMPTS[1], 2)]
         pipe.forward(states)
     finally:
         for h in hooks:
@@ -219,32 +200,13 @@ def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(q
 def test_preview_and_pil_output(qwen_dir, omni_qwen):
     from omni_model_qwen_image.pipeline import QwenImagePipeline
 
-    state = make_state(qwen_dir, PROMPTS[1], 3, width=48)
+    state = state_of(omni_qwen, PROMPTS[1], 3, width=48)
     omni_qwen.prepare_encode(state)
     preview = omni_qwen.preview(state)
     assert preview.shape == (3, 32 // 4, 48 // 4) and 0 <= preview.min() and preview.max() <= 1
-    (out,) = omni_qwen.forward([make_state(qwen_dir, PROMPTS[1], 3, width=48)])
-    out = QwenImagePipeline.post_process(out, make_state(qwen_dir, PROMPTS[1], 3).request)
+    (out,) = omni_qwen.forward([state_of(omni_qwen, PROMPTS[1], 3, width=48)])
+    out = QwenImagePipeline.post_process(out, state_of(omni_qwen, PROMPTS[1], 3).request)
     assert out.images[0].size == (48, 32) and out.images[0].mode == "RGB"
-
-
-@pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
-def test_engine_matches_diffusers(qwen_dir, diffusers_qwen, step_execution):
-    """``Omni(model=<folder>)`` end to end: three prompts batched, PIL images equal to diffusers' within 1 level."""
-    import numpy as np
-
-    from omni_core import Omni
-    from diffusers.image_processor import VaeImageProcessor
-
-    prompts = [{"prompt": PROMPTS[0], "negative_prompt": NEG}, PROMPTS[1], {"prompt": PROMPTS[2]}]
-    with Omni(qwen_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=step_execution) as omni:
-        outs = omni.generate(prompts, seed=21, height=32, width=32, num_inference_steps=STEPS, use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        p = p if isinstance(p, dict) else {"prompt": p}
-        ref = reference(diffusers_qwen, p["prompt"], 21, negative=p.get("negative_prompt"), cfg=4.0)[0][0]
-        ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0], dtype=np.int16)
-        diff = np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max()
-        assert diff <= 1
 
 
 def test_denoiser_spec_matches_the_transformer(qwen_dir, omni_qwen):
@@ -274,7 +236,7 @@ def test_denoiser_spec_matches_the_transformer(qwen_dir, omni_qwen):
 
     hook = spec.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        omni_qwen.forward([make_state(qwen_dir, PROMPTS[0], 1), make_state(qwen_dir, PROMPTS[1], 2, n=2)])
+        omni_qwen.forward([state_of(omni_qwen, PROMPTS[0], 1), state_of(omni_qwen, PROMPTS[1], 2, n=2)])
     finally:
         hook.remove()
     assert seen["signal"].shape[0] == 3  # one row per image of the call
@@ -288,7 +250,7 @@ def test_every_transformer_call_carries_the_typed_context(qwen_dir, omni_qwen):
     hook = omni_qwen.transformer.register_forward_pre_hook(
         lambda mod, args, kwargs: calls.append((forward_context().call, kwargs["hidden_states"].shape[0])),
         with_kwargs=True)
-    states = [make_state(qwen_dir, PROMPTS[0], 1, negative=NEG, cfg=4.0), make_state(qwen_dir, PROMPTS[1], 2, n=2)]
+    states = [state_of(omni_qwen, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(omni_qwen, PROMPTS[1], 2, n=2)]
     try:
         omni_qwen.forward(states)
     finally:

@@ -1,10 +1,10 @@
 """Omni's QwenImageEditPipeline against diffusers' own, on one tiny random folder and one PIL input image.
 
-Parity: each Omni image equals the image diffusers' ``QwenImageEditPipeline`` makes for the same prompt and
-image alone with ``generator=torch.Generator("cpu").manual_seed(seed)`` -- at most one level of 255 apart --
-and the final latents agree to 5e-5. diffusers' call costs seconds of CPU here (its VAE encodes a ~1 MP copy
-of the input), so three references serve every test: a request batch of three prompts
-of different lengths, two guided (true CFG, different negative prompts) and one not.
+``TestQwenImageEditParity`` is the core's :class:`~omni_core.testing.DiffusersParityContract` with one input
+image per request (request and step mode, CFG on and off, three prompts of different lengths padded and masked
+in one call per step, staggered admission, one call per wave equal to each request alone) plus the edit's own:
+the image stream of a row (noisy + condition tokens), the condition path and the mask in the parity check, the
+engine end to end. Parity: at most one level of 255, final latents within 5e-5.
 """
 
 from __future__ import annotations
@@ -16,58 +16,102 @@ from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState, resolve_model
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing import DiffusersParityContract, levels_apart
 
 STEPS = 3
 SIZE = 64  # output side; the tiny VAE's packing multiple is 32
 #: one seed for all (``Omni.generate`` gives every prompt of a call the same seed, so the engine test reuses the
 #: references); each request still draws its noise from its own generator
 SEED = 7
-#: prompt, seed, negative prompt (None: CFG off); one byte token per character, so the lengths differ
-CASES = [("turn the fox into a red fox jumping over a lazy dog in the snow", SEED, "blurry, low quality"),
-         ("make it night", SEED, None),
-         ("add a green horse on the moon", SEED, "ugly")]
-CFG = 4.0
-
-_REFERENCES: dict = {}
+#: one byte token per character, so the lengths differ
+PROMPTS = ("turn the fox into a red fox jumping over a lazy dog in the snow", "make it night",
+           "add a green horse on the moon")
 
 
-def reference(pipe, image, prompt, seed, negative):
-    """diffusers' image ``[1, 3, H, W]`` and final packed latents for one case (memoised for the session)."""
-    key = (prompt, seed, negative)
-    if key not in _REFERENCES:
-        final = {}
+class TestQwenImageEditParity(DiffusersParityContract):
+    pipeline_class = "QwenImageEditPipeline"
+    tiny_model = "edit"
+    sampling = {"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}
+    prompts = PROMPTS
+    negative_prompt = "blurry, low quality"
+    cfg_field, cfg_scale, cfg_off, cfg_needs_negative = "true_cfg_scale", 4.0, 1.0, True
+    seeds = (SEED, SEED, SEED)
+    images_per_request = 1
+    alone_folds_branches = False
+    #: diffusers' edit run costs ~1 s here (its VAE encodes a ~1 MP copy of the input): one request batch with
+    #: CFG on, off, on serves every check (staggered admission and the engine reuse its three references)
+    cfg_modes = ("mixed",)
 
-        def keep(_pipe, _i, _t, kwargs):
-            final["latents"] = kwargs["latents"]
-            return kwargs
+    def staggered_cases(self):
+        return self.request_cases("mixed")
 
-        images = pipe(image=image, prompt=prompt, negative_prompt=negative, true_cfg_scale=CFG, height=SIZE,
-                      width=SIZE, num_inference_steps=STEPS, output_type="pt",
-                      generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=keep).images
-        _REFERENCES[key] = (images, final["latents"])
-    return _REFERENCES[key]
+    def batch_cases(self):
+        return [*self.request_cases("mixed")[:2], self.case(2, SEED, negative="ugly")]
 
+    @pytest.fixture(autouse=True)
+    def _edit_image(self, edit_image):
+        self.image = edit_image
 
-def make_state(model_dir, image, prompt, seed, negative=None):
-    from omni_core.images import to_tensor
-    from omni_model_qwen_image.edit import QwenImageEditPipeline
+    def input_images(self):
+        return [self.image]
 
-    params = QwenImageEditPipeline.check_sampling_params(
-        SamplingParams(height=SIZE, width=SIZE, num_inference_steps=STEPS, true_cfg_scale=CFG, seed=seed), model_dir)
-    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
-    request.images = [to_tensor(image)]
-    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
+    def test_a_rows_image_stream_is_noisy_then_condition_tokens(self):
+        """One wave: the cond rows of all three and the uncond rows of the guided ones in ONE transformer call
+        per step (text padded and masked), each row's image stream = 4 noisy + 1036 condition tokens."""
+        cases = self.request_cases("mixed")
+        states = [self.make_state(c) for c in cases]
+        calls = []
+        hook = self.omni.transformer.register_forward_pre_hook(
+            lambda mod, args, kwargs: calls.append((tuple(kwargs["hidden_states"].shape[:2]), kwargs["img_shapes"][0],
+                                                    kwargs["encoder_hidden_states_mask"] is not None)),
+            with_kwargs=True)
+        try:
+            outs = self.omni.forward(states)
+        finally:
+            hook.remove()
+        assert len({s.prompt_embeds.shape[1] for s in states}) == 3
+        assert calls == [((5, 4 + 37 * 28), [(1, 2, 2), (1, 28, 37)], True)] * STEPS  # 1184x896 input -> 37x28
+        for state, out, case in zip(states, outs, cases):
+            self.assert_parity(state, out, case)
 
+    def test_edit_parity_check_has_teeth(self, monkeypatch):
+        """Another input image (the condition path), or dropping the text padding mask, moves the result far
+        outside the tolerance (another seed or CFG scale: the contract's check)."""
+        from PIL import ImageOps
 
-def levels_apart(a, b):
-    return ((a * 255).round() - (b * 255).round()).abs().max().item()
+        import omni_model_qwen_image.pipeline as mod
 
+        case = self.request_cases("mixed")[1]
+        ref = self.reference(case)
+        self.image, image = ImageOps.invert(self.image), self.image
+        try:
+            inverted = self.make_state(case)
+        finally:
+            self.image = image
+        (out,) = self.omni.forward([inverted])
+        assert levels_apart(out.tensor, ref[0]) > 3 and (inverted.latents - ref[1]).abs().max() > 1e-2
+        pad = mod.QwenImagePipeline.pad_text
+        monkeypatch.setattr(mod.QwenImagePipeline, "pad_text", staticmethod(lambda *a: (pad(*a)[0], None)))
+        states = [self.make_state(c) for c in self.request_cases("mixed")[:2]]
+        self.omni.forward(states)
+        assert (states[1].latents - ref[1]).abs().max() > 1e-3
 
-def assert_parity(state, output, ref):
-    ref_images, ref_latents = ref
-    assert output.tensor.shape == ref_images.shape
-    assert levels_apart(output.tensor, ref_images) <= 1
-    torch.testing.assert_close(state.latents, ref_latents, atol=5e-5, rtol=0)
+    def test_engine_matches_diffusers(self, omni_engine):
+        """``Omni(model=<folder>).generate`` with ``{"prompt", "image"}`` dicts, step-wise: PIL images within 1
+        level of diffusers'."""
+        import numpy as np
+        from diffusers.image_processor import VaeImageProcessor
+
+        cases = self.request_cases("mixed")
+        prompts = [{"prompt": c["prompt"], "image": self.image,
+                    **({"negative_prompt": c["negative_prompt"]} if c["negative_prompt"] else {})} for c in cases]
+        outs = omni_engine.generate(prompts, seed=SEED, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                                    true_cfg_scale=4.0, use_tqdm=False)
+        for out, case in zip(outs, cases):
+            ref = self.reference(case)[0][0]
+            ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0],
+                             dtype=np.int16)
+            assert np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max() <= 1
 
 
 def test_registered_through_entry_point(edit_dir):
@@ -80,89 +124,12 @@ def test_registered_through_entry_point(edit_dir):
     assert QwenImageEditPipeline.image_input.size_splits_batch and QwenImageEditPipeline.image_input.max_images == 1
 
 
-def test_request_batch_of_three_prompts_is_one_call_per_step_and_matches_diffusers(
-        edit_dir, edit_image, omni_edit, diffusers_edit):
-    """One wave: the cond rows of all three and the uncond rows of the two guided ones in ONE transformer
-    call per step (text padded and masked), each row's image stream = 4 noisy + 1036 condition tokens."""
-    states = [make_state(edit_dir, edit_image, *c) for c in CASES]
-    calls = []
-    hook = omni_edit.transformer.register_forward_pre_hook(
-        lambda mod, args, kwargs: calls.append((tuple(kwargs["hidden_states"].shape[:2]), kwargs["img_shapes"][0],
-                                                kwargs["encoder_hidden_states_mask"] is not None)),
-        with_kwargs=True)
-    try:
-        outs = omni_edit.forward(states)
-    finally:
-        hook.remove()
-    assert len({s.prompt_embeds.shape[1] for s in states}) == 3
-    assert calls == [((5, 4 + 37 * 28), [(1, 2, 2), (1, 28, 37)], True)] * STEPS  # 1184x896 input -> 37x28
-    for state, out, case in zip(states, outs, CASES):
-        assert_parity(state, out, reference(diffusers_edit, edit_image, *case))
-
-
-def test_step_batch_requests_admitted_at_different_steps(edit_dir, edit_image, omni_edit, diffusers_edit):
-    from omni_core.testing.driver import run_step_batch
-
-    states = [make_state(edit_dir, edit_image, *c) for c in CASES]
-    seen = []
-    denoise = omni_edit.denoise_step
-
-    def spy(batch):
-        seen.append(sorted(s.step_index for s in batch))
-        return denoise(batch)
-
-    omni_edit.denoise_step = spy
-    try:
-        outs = run_step_batch(omni_edit, states, admit_at=[0, 1, 2])
-    finally:
-        del omni_edit.denoise_step
-    assert [0, 1, 2] in seen  # one denoise_step held all three at different steps
-    for state, out, case in zip(states, outs, CASES):
-        assert_parity(state, out, reference(diffusers_edit, edit_image, *case))
-
-
-def test_parity_check_has_teeth(edit_dir, edit_image, omni_edit, diffusers_edit):
-    """Another input image (the condition path), or dropping the text padding mask, moves the result far
-    outside the tolerance."""
-    from PIL import ImageOps
-
-    import omni_model_qwen_image.pipeline as mod
-
-    ref = reference(diffusers_edit, edit_image, *CASES[1])
-    inverted = make_state(edit_dir, ImageOps.invert(edit_image), *CASES[1])
-    (out,) = omni_edit.forward([inverted])
-    assert levels_apart(out.tensor, ref[0]) > 3 and (inverted.latents - ref[1]).abs().max() > 1e-2
-    pad = mod.QwenImagePipeline.pad_text
-    mod.QwenImagePipeline.pad_text = staticmethod(lambda *a: (pad(*a)[0], None))
-    try:
-        states = [make_state(edit_dir, edit_image, *c) for c in CASES[:2]]
-        omni_edit.forward(states)
-    finally:
-        mod.QwenImagePipeline.pad_text = staticmethod(pad)
-    assert (states[1].latents - ref[1]).abs().max() > 1e-3
-
-
 @pytest.fixture(scope="module")
 def omni_engine(edit_dir):
     from omni_core import Omni
 
     with Omni(edit_dir, dtype="float32", warmup=False, max_num_seqs=3, step_execution=True) as omni:
         yield omni
-
-
-def test_engine_matches_diffusers(edit_image, omni_engine, diffusers_edit):
-    """``Omni(model=<folder>).generate`` with ``{"prompt", "image"}`` dicts, step-wise: PIL images within 1
-    level of diffusers'."""
-    import numpy as np
-    from diffusers.image_processor import VaeImageProcessor
-
-    prompts = [{"prompt": p, "image": edit_image, **({"negative_prompt": n} if n else {})} for p, _, n in CASES]
-    outs = omni_engine.generate(prompts, seed=SEED, height=SIZE, width=SIZE, num_inference_steps=STEPS,
-                                true_cfg_scale=CFG, use_tqdm=False)
-    for out, case in zip(outs, CASES):
-        ref = reference(diffusers_edit, edit_image, *case)[0][0]
-        ref = np.asarray(VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref[None]))[0], dtype=np.int16)
-        assert np.abs(np.asarray(out.images[0], dtype=np.int16) - ref).max() <= 1
 
 
 @pytest.mark.parametrize("image, match", [

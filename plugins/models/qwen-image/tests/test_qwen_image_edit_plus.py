@@ -2,66 +2,73 @@
 
 Two input images of different sizes: each seen by the VL encoder at ~384x384 and by the VAE at ~1 MP, so
 the image stream of a row is the noisy latents then both images' latents (4 + 1036 + 1036 tokens here).
-Parity as for the one-image edit pipeline: <= 1 level of 255, final latents within 5e-5.
+``TestQwenImageEditPlusParity`` is the core's :class:`~omni_core.testing.DiffusersParityContract` with both
+images in every request (request and step mode, CFG on and off, staggered admission, one call per wave equal to
+each request alone). Parity as for the one-image edit pipeline: <= 1 level of 255, final latents within 5e-5.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import StepState, resolve_model
+from omni_core.pipelines import resolve_model
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing import DiffusersParityContract
 
 STEPS = 3
-SIZE = 64
-CFG = 4.0
-CASES = [("put the cat from picture 2 into picture 1", 5, "blurry"), ("make both red", 6, None)]
-
-_REFERENCES: dict = {}
 
 
-@pytest.fixture(scope="module")
-def images(edit_image):
-    from PIL import ImageOps
+class TestQwenImageEditPlusParity(DiffusersParityContract):
+    pipeline_class = "QwenImageEditPlusPipeline"
+    tiny_model = "plus"
+    sampling = {"num_inference_steps": STEPS, "height": 64, "width": 64}
+    prompts = ("put the cat from picture 2 into picture 1", "make both red", "swap the two pictures' colours")
+    negative_prompt = "blurry"
+    cfg_field, cfg_scale, cfg_off, cfg_needs_negative = "true_cfg_scale", 4.0, 1.0, True
+    seeds = (5, 6, 7)
+    images_per_request = 2
+    alone_folds_branches = False
+    #: diffusers' run costs ~2 s here (its VAE encodes two ~1 MP images): two requests, CFG on and off, serve
+    #: every check
+    request_batch, cfg_modes = 2, ("mixed",)
 
-    return [edit_image, ImageOps.flip(edit_image).resize((40, 56))]
+    #: the parity tolerance's teeth on the edit path are checked by ``TestQwenImageEditParity`` (same model code,
+    #: one image); here each wrong run costs two ~1 MP VAE encodes
+    test_parity_check_has_teeth = None
 
+    def staggered_cases(self):
+        return self.request_cases("mixed")
 
-def reference(pipe, images, prompt, seed, negative):
-    key = (prompt, seed, negative)
-    if key not in _REFERENCES:
-        final = {}
+    def batch_cases(self):
+        return [*self.request_cases("mixed"), self.case(2, 7, negative="ugly")]
 
-        def keep(_pipe, _i, _t, kwargs):
-            final["latents"] = kwargs["latents"]
-            return kwargs
+    @pytest.fixture(autouse=True)
+    def _images(self, edit_image):
+        from PIL import ImageOps
 
-        out = pipe(image=list(images), prompt=prompt, negative_prompt=negative, true_cfg_scale=CFG, height=SIZE,
-                   width=SIZE, num_inference_steps=STEPS, output_type="pt",
-                   generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=keep).images
-        _REFERENCES[key] = (out, final["latents"])
-    return _REFERENCES[key]
+        self.images = [edit_image, ImageOps.flip(edit_image).resize((40, 56))]
 
+    def input_images(self):
+        return self.images
 
-def make_state(model_dir, images, prompt, seed, negative=None):
-    from omni_core.images import to_tensor
-    from omni_model_qwen_image.edit import QwenImageEditPlusPipeline
-
-    params = QwenImageEditPlusPipeline.check_sampling_params(
-        SamplingParams(height=SIZE, width=SIZE, num_inference_steps=STEPS, true_cfg_scale=CFG, seed=seed), model_dir)
-    request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative, sampling_params=params)
-    request.images = [to_tensor(im) for im in images]
-    return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
-
-
-def assert_parity(state, output, ref):
-    ref_images, ref_latents = ref
-    assert output.tensor.shape == ref_images.shape
-    assert ((output.tensor * 255).round() - (ref_images * 255).round()).abs().max().item() <= 1
-    torch.testing.assert_close(state.latents, ref_latents, atol=5e-5, rtol=0)
+    def test_two_images_are_one_image_stream_per_row(self):
+        """64x48 -> 1184x896 (37x28 tokens); 40x56 -> 864x1216 (27x38 tokens); both after the 2x2 noisy tokens,
+        in one call per step."""
+        cases = self.request_cases("mixed")
+        states = [self.make_state(c) for c in cases]
+        calls = []
+        hook = self.omni.transformer.register_forward_pre_hook(
+            lambda mod, args, kwargs: calls.append((tuple(kwargs["hidden_states"].shape[:2]), kwargs["img_shapes"][0])),
+            with_kwargs=True)
+        try:
+            outs = self.omni.forward(states)
+        finally:
+            hook.remove()
+        assert calls == [((3, 4 + 37 * 28 + 27 * 38), [(1, 2, 2), (1, 28, 37), (1, 38, 27)])] * STEPS
+        for state, out, case in zip(states, outs, cases):
+            self.assert_parity(state, out, case)
 
 
 def test_registered_through_entry_point(plus_dir):
@@ -69,32 +76,6 @@ def test_registered_through_entry_point(plus_dir):
 
     assert get_plugin_manager().get_component("pipeline", "QwenImageEditPlusPipeline").provider == "omni-model-qwen-image"
     assert resolve_model(plus_dir).spec.name == "QwenImageEditPlusPipeline"
-
-
-def test_two_images_request_batch_is_one_call_per_step_and_matches_diffusers(plus_dir, images, omni_plus,
-                                                                            diffusers_plus):
-    states = [make_state(plus_dir, images, *c) for c in CASES]
-    calls = []
-    hook = omni_plus.transformer.register_forward_pre_hook(
-        lambda mod, args, kwargs: calls.append((tuple(kwargs["hidden_states"].shape[:2]), kwargs["img_shapes"][0])),
-        with_kwargs=True)
-    try:
-        outs = omni_plus.forward(states)
-    finally:
-        hook.remove()
-    # 64x48 -> 1184x896 (37x28 tokens); 40x56 -> 864x1216 (27x38 tokens); both after the 2x2 noisy tokens
-    assert calls == [((3, 4 + 37 * 28 + 27 * 38), [(1, 2, 2), (1, 28, 37), (1, 38, 27)])] * STEPS
-    for state, out, case in zip(states, outs, CASES):
-        assert_parity(state, out, reference(diffusers_plus, images, *case))
-
-
-def test_step_batch_requests_admitted_at_different_steps(plus_dir, images, omni_plus, diffusers_plus):
-    from omni_core.testing.driver import run_step_batch
-
-    states = [make_state(plus_dir, images, *c) for c in CASES]
-    outs = run_step_batch(omni_plus, states, admit_at=[0, 1])
-    for state, out, case in zip(states, outs, CASES):
-        assert_parity(state, out, reference(diffusers_plus, images, *case))
 
 
 @pytest.mark.parametrize("count, match", [(0, r"needs the images to edit: give 'image' with 1 to 3 images \(got 0\)"),
