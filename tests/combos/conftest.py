@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from omni_core.testing import load_model
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -24,20 +26,11 @@ def wan22_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_wan(tmp_path_factory.mktemp("combo-wan22"), two_experts=True)
 
 
-def load(path: str):
-    import torch
-
-    from omni_core.config import OmniDiffusionConfig
-    from omni_core.pipelines import load_pipeline, resolve_model
-
-    return load_pipeline(resolve_model(path), OmniDiffusionConfig(model=path, dtype="float32"), "cpu", torch.float32)
-
-
 @pytest.fixture(scope="session")
 def qwen(qwen_dir: str):
-    return load(qwen_dir)
+    return load_model(qwen_dir)
 
 
 @pytest.fixture(scope="session")
 def wan22(wan22_dir: str):
-    return load(wan22_dir)
+    return load_model(wan22_dir)

@@ -10,11 +10,8 @@ import contextlib
 import pytest
 import torch
 
-from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import StepState
-from omni_core.request import OmniDiffusionRequest
-from omni_core.testing.driver import enabled_cache_backend, run_request_batch, run_step_batch
+from omni_core.testing import enabled_cache_backend, make_state, run_request_batch, run_step_batch
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
 NEG = "blurry, low quality"
@@ -22,26 +19,15 @@ NEG = "blurry, low quality"
 
 def qwen_states(pipeline, qwen_dir, prompts, *, steps=8, seed=0):
     """States for the loaded Qwen-Image ``pipeline`` (its class checks the params; no model-plugin import)."""
-    out = []
-    for i, prompt in enumerate(prompts):
-        n = steps if isinstance(steps, int) else steps[i]
-        params = type(pipeline).check_sampling_params(
-            SamplingParams(height=32, width=32, num_inference_steps=n, seed=seed + i, max_sequence_length=64),
-            qwen_dir)
-        req = OmniDiffusionRequest(prompt=prompt, negative_prompt=NEG, sampling_params=params)
-        out.append(StepState(request=req, generator=torch.Generator().manual_seed(seed + i)))
-    return out
+    return [make_state(pipeline, p, seed=seed + i, negative_prompt=NEG, model_path=qwen_dir, height=32, width=32,
+                       num_inference_steps=steps if isinstance(steps, int) else steps[i], max_sequence_length=64)
+            for i, p in enumerate(prompts)]
 
 
 def wan_states(pipeline, wan_dir, prompts, *, steps=8, seed=0):
-    out = []
-    for i, prompt in enumerate(prompts):
-        params = type(pipeline).check_sampling_params(
-            SamplingParams(height=16, width=16, num_frames=5, num_inference_steps=steps, guidance_scale=5.0,
-                           seed=seed + i, max_sequence_length=32), wan_dir)
-        req = OmniDiffusionRequest(prompt=prompt, negative_prompt=NEG, sampling_params=params)
-        out.append(StepState(request=req, generator=torch.Generator().manual_seed(seed + i)))
-    return out
+    return [make_state(pipeline, p, seed=seed + i, negative_prompt=NEG, model_path=wan_dir, height=16, width=16,
+                       num_frames=5, num_inference_steps=steps, guidance_scale=5.0, max_sequence_length=32)
+            for i, p in enumerate(prompts)]
 
 
 def run(pipeline, states, backend=None):
