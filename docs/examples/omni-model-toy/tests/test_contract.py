@@ -1,4 +1,4 @@
-from omni_core.testing.pipeline_contract import PipelineContract
+from omni_core.testing import PipelineContract
 
 
 class TestToyContract(PipelineContract):
