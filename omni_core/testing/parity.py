@@ -25,6 +25,8 @@ the final latents to ``latents_atol``:
 * ``test_a_wave_is_one_call_per_step_and_equals_each_alone`` ("batched equals one by one", "CFG branches
   folded"): four requests (different prompts, CFG scales, negatives, two outputs, one unguided) as one wave:
   one denoiser call per step with every row, and each result equal to the request run alone;
+* ``test_engine_matches_diffusers[request-batch|step-batch]``: ``Omni(<folder>).generate`` end to end, PIL
+  images (video frames) within one level of diffusers';
 * ``test_parity_check_has_teeth``: another seed, or the CFG scale off by one, fails the parity assertion.
 
 Input images (edit, image-to-video): set ``images_per_request`` and override ``input_images()``; a case's
@@ -138,6 +140,11 @@ class DiffusersParityContract:
     #: False: a request alone may run its CFG branches as two calls (when its prompts differ in length and the
     #: model folds them only with a padding mask, as diffusers' own shape)
     alone_folds_branches: ClassVar[bool] = True
+    #: the engine check: requests (the first with the negative prompt; one seed for all, as ``Omni.generate``
+    #: gives it), more sampling fields, and ``Omni(...)`` keywords
+    engine_requests: ClassVar[int] = 3
+    engine_fields: ClassVar[dict[str, Any]] = {}
+    engine_kwargs: ClassVar[dict[str, Any]] = {"cpu_threads": 1}
     #: seeds of the three batch requests (each request draws its noise from its own generator)
     seeds: ClassVar[tuple[int, ...]] = (10, 11, 12)
     #: requests in the request-batch check, and its CFG modes: all off, all on, mixed (on, off, on: its
@@ -427,3 +434,29 @@ class DiffusersParityContract:
             (out,) = self.omni.forward([state])
             with pytest.raises(AssertionError):
                 self.assert_parity(state, out, case)
+
+    @pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
+    def test_engine_matches_diffusers(self, step_execution: bool) -> None:
+        import numpy as np
+        from diffusers.image_processor import VaeImageProcessor
+
+        from omni_core import Omni
+
+        seed = self.seeds[0] + 11
+        cases = [self.case(i, seed, negative=self.negative_prompt if i == 0 else None, **self.engine_fields)
+                 for i in range(self.engine_requests)]
+        pics = self.input_images()
+        prompts = [{"prompt": c["prompt"], **({"negative_prompt": c["negative_prompt"]} if c["negative_prompt"] else {}),
+                    **({"image": [pics[i] for i in c["images"]]} if c["images"] else {})} for c in cases]
+        _, _, _, _, fields = self._split(cases[0])
+        with Omni(self.model_path, dtype="float32", warmup=False, max_num_seqs=len(cases),
+                  step_execution=step_execution, **self.engine_kwargs) as omni:
+            outs = omni.generate(prompts, seed=seed, use_tqdm=False, **fields)
+        for out, case in zip(outs, cases):
+            ref = self.reference(case)[0][0]
+            want = VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(ref if ref.dim() == 4 else ref[None]))
+            got = out.images[0] if isinstance(out.images[0], list) else [out.images[0]]
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                diff = np.abs(np.asarray(g, dtype=np.int16) - np.asarray(w, dtype=np.int16)).max()
+                assert diff <= self.levels, f"{diff} levels of 255 apart from diffusers ({case['prompt']!r})"

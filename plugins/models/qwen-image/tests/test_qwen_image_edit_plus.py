@@ -37,6 +37,8 @@ class TestQwenImageEditPlusParity(DiffusersParityContract):
     #: the parity tolerance's teeth on the edit path are checked by ``TestQwenImageEditParity`` (same model code,
     #: one image); here each wrong run costs two ~1 MP VAE encodes
     test_parity_check_has_teeth = None
+    #: the engine with input images end to end: ``TestQwenImageEditParity`` (the same engine path)
+    test_engine_matches_diffusers = None
 
     def staggered_cases(self):
         return self.request_cases("mixed")
