@@ -134,10 +134,14 @@ def _preset_report(pm, model: str, platform) -> dict[str, Any]:
 
 
 def _thread_report() -> dict[str, Any]:
-    from omni_core.platforms.threads import threads_per_process, usable_cpu_cores
+    from omni_core.platforms.threads import CGROUP_ROOT, ContentionGauge, threads_per_process, usable_cpu_cores
 
+    gauge = ContentionGauge()
     return {"usable_cores": usable_cpu_cores(), "per_model_process": threads_per_process(None),
-            "policy": "cpu_threads, else usable cores / model processes (--cpu-threads N)"}
+            "policy": "cpu_threads, else usable cores (affinity, capped by the cgroup CPU quota) / model processes, "
+                      "one while the CPU is contended (--cpu-threads N fixes it)",
+            "cgroup_root": os.environ.get("OMNI_CGROUP_ROOT") or CGROUP_ROOT,
+            "contention_signal": gauge.path if gauge.available else "none (no /proc/pressure/cpu): never lowered"}
 
 
 def _backend_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -27,10 +27,14 @@ from omni_core.worker.timing import WaveClock, on_lane_clock
 class CpuLanes:
     """Runs ``fn(sub_batch)`` for contiguous sub-batches of a wave on up to ``threads`` lanes."""
 
-    def __init__(self, threads: int, enabled: bool) -> None:
+    def __init__(self, threads: int, enabled: bool, gauge: Any = None) -> None:
         #: the process's torch thread budget (the ``cpu_threads`` policy)
-        self.threads = max(1, threads)
-        self.enabled = enabled and self.threads > 1
+        self.budget = max(1, threads)
+        #: the count the next wave runs with: the budget, or 1 while ``gauge`` (a
+        #: :class:`~omni_core.platforms.threads.ContentionGauge`, None = never lower it) says the CPU is contended
+        self.threads = self.budget
+        self.enabled = enabled and self.budget > 1
+        self.gauge = gauge
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def lanes_for(self, n: int) -> int:
@@ -40,6 +44,8 @@ class CpuLanes:
         """``fn`` over sub-batches of ``items`` side by side; results in the order of ``items``. The caller
         times the whole call; each lane counts its own denoiser calls and runner callbacks, and the wave is
         charged the slowest lane's (as data-parallel replicas are)."""
+        if self.gauge is not None:
+            self.threads = self.gauge.threads(self.budget)
         lanes = self.lanes_for(len(items))
         if lanes == 1:
             # the policy's count whatever another thread set (torch's count for threads not yet initialised is
@@ -55,7 +61,7 @@ class CpuLanes:
         if self._pool is None:
             # every lane on a pool thread, the caller waiting: each thread keeps its count from wave to wave
             # (the caller's would otherwise go to one thread and back every split wave: see _use_threads)
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="omni-lane")
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.budget, thread_name_prefix="omni-lane")
         import torch
 
         intra = max(1, self.threads // lanes)

@@ -121,10 +121,13 @@ class ModelRunner:
     def load_model(self) -> None:
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
-        from omni_core.platforms.threads import threads_per_process
+        from omni_core.platforms.threads import ContentionGauge, threads_per_process
 
+        # the budget drops to one thread while the CPU is contended, unless the user fixed it (cpu_threads)
+        gauge = (ContentionGauge() if self.config.cpu_threads is None
+                 and getattr(self.device, "type", str(self.device)) == "cpu" else None)
         self.lanes = CpuLanes(threads_per_process(self.config, self.world_size),
-                              enabled=lanes_allowed(self.config, self.pipeline, self.device))
+                              enabled=lanes_allowed(self.config, self.pipeline, self.device), gauge=gauge)
         from omni_core.plugins.availability import check_component
 
         name = self.config.cache_backend
