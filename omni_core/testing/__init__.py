@@ -25,7 +25,8 @@ Contract tests: subclass :class:`AttentionBackendContract` and set ``backend_nam
 
 Helpers: :func:`load_model` (a pipeline through the real resolver and loader, CPU float32),
 :func:`load_reference` (diffusers' own pipeline from a folder), :func:`make_state` (a ``StepState``; with
-``model_path=`` and ``images=``), :func:`run_step_batch`, :func:`run_request_batch`, :func:`enabled_cache_backend`.
+``model_path=`` and ``images=``), :func:`run_step_batch`, :func:`run_request_batch`, :func:`enabled_cache_backend`; :func:`wait_for`,
+:func:`abort_after_steps` and :func:`sse_events` for suites that drive a running engine or server.
 
 Markers: ``gpu`` tests are skipped when torch sees no accelerator. This module imports no torch; fixtures
 and contract tests import it when they run.
@@ -45,7 +46,7 @@ from omni_core.utils.lazy import lazy_dir, lazy_exports
 
 __all__ = ["AttentionBackendContract", "DiffusersParityContract", "PipelineContract", "enabled_cache_backend",
            "levels_apart", "load_model", "load_reference", "make_state", "reference_attention", "run_request_batch",
-           "run_step_batch", "tiny_model_fixtures"]
+           "run_step_batch", "tiny_model_fixtures", "wait_for", "abort_after_steps", "sse_events"]
 
 #: exported on first use (:mod:`omni_core.utils.lazy`): only contract suites need them
 _LAZY = {"DiffusersParityContract": "omni_core.testing.parity:DiffusersParityContract",
@@ -53,7 +54,10 @@ _LAZY = {"DiffusersParityContract": "omni_core.testing.parity:DiffusersParityCon
          "load_reference": "omni_core.testing.parity:load_reference",
          "tiny_model_fixtures": "omni_core.testing.parity:tiny_model_fixtures",
          "PipelineContract": "omni_core.testing.pipeline_contract:PipelineContract",
-         "load_model": "omni_core.testing._model:load_model"}
+         "load_model": "omni_core.testing._model:load_model",
+         "wait_for": "omni_core.testing.waiting:wait_for",
+         "abort_after_steps": "omni_core.testing.waiting:abort_after_steps",
+         "sse_events": "omni_core.testing.waiting:sse_events"}
 __getattr__ = lazy_exports(__name__, _LAZY)
 __dir__ = lazy_dir(__name__, _LAZY)
 

@@ -12,6 +12,7 @@ import pytest
 
 from omni_core import AsyncOmni, Omni, SamplingParams
 from omni_core.errors import ConfigError, RequestFailedError
+from omni_core.testing import wait_for
 
 PROMPTS = ["a red circle", {"prompt": "a blue square in the top left corner", "negative_prompt": "blurry"}, "x"]
 
@@ -103,13 +104,6 @@ def _final(stream):
             return out
 
 
-def wait_for(condition, what, timeout=30.0):
-    """Poll ``condition`` until true; fail the test (instead of hanging) after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("step_execution", [False, True])

@@ -12,6 +12,7 @@ import pytest
 
 from omni_core import Omni, SamplingParams
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing import abort_after_steps
 
 pytestmark = pytest.mark.dist
 
@@ -73,14 +74,7 @@ def test_abort_reaches_the_worker_mid_request(tiny_model):
         engine = omni.engine
         req = OmniDiffusionRequest(prompt="slow", sampling_params=SamplingParams(
             num_inference_steps=60, extra_args={"sleep_per_step": 0.15}))  # > the progress interval
-        seen = []
-        (stream,) = engine.submit([req], on_progress=lambda rid, step, total: seen.append(step))
-        deadline = time.monotonic() + 60
-        while len(seen) < 3:
-            assert time.monotonic() < deadline, f"no 3 steps within 60 s (saw {seen})"
-            time.sleep(0.005)
-        at_abort = seen[-1]
-        engine.abort(req.request_id)
+        stream, at_abort = abort_after_steps(engine, req)
         out = final(stream)
         assert out.status == "aborted" and out.metrics["steps_run"] <= at_abort + 2
         assert omni.stats()["tracked_requests"] == []

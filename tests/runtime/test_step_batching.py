@@ -10,14 +10,9 @@ import pytest
 
 from omni_core import AsyncOmni, Omni, SamplingParams
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing import wait_for
 
 
-def wait_for(condition, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def final(stream):

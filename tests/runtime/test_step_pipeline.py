@@ -13,6 +13,7 @@ import pytest
 
 from omni_core import Omni, SamplingParams
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing import abort_after_steps
 
 pytestmark = pytest.mark.dist
 
@@ -71,14 +72,7 @@ def test_abort_ends_a_running_request_within_two_steps(pipelined):
     engine = pipelined.engine
     req = OmniDiffusionRequest(prompt="slow", sampling_params=SamplingParams(
         num_inference_steps=200, extra_args={"sleep_per_step": 0.05}))
-    seen = []
-    (handle,) = engine.submit([req], on_progress=lambda rid, step, total: seen.append(step))
-    deadline = time.monotonic() + 60
-    while len(seen) < 3:
-        assert time.monotonic() < deadline, f"no 3 steps within 60 s (saw {seen})"
-        time.sleep(0.005)
-    at_abort = seen[-1]
-    engine.abort(req.request_id)
+    handle, at_abort = abort_after_steps(engine, req)
     out = handle.result(timeout=60)
     assert out.status == "aborted" and out.metrics["steps_run"] <= at_abort + 3
     deadline = time.monotonic() + 10

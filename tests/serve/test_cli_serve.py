@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from omni_core.testing import sse_events
+
 openai = pytest.importorskip("openai")
 
 KEY = "cli-secret"
@@ -228,16 +230,6 @@ def _worker_pids(pid: int) -> list[int]:
     return out
 
 
-def _sse(response) -> list[tuple[str, dict]]:
-    import json
-
-    events, name = [], None
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            events.append((name, json.loads(line[5:])))
-    return events
 
 
 def _in_flight(url: str, headers: dict, slow: dict) -> tuple[dict, "object", "object"]:
@@ -258,7 +250,7 @@ def _in_flight(url: str, headers: dict, slow: dict) -> tuple[dict, "object", "ob
         t = time.monotonic()
         with httpx.stream("POST", f"{url}/v1/images/generations", json={**slow, "stream": True}, headers=headers,
                           timeout=120) as s:
-            results["stream"] = (s.status_code, _sse(s), time.monotonic() - t)
+            results["stream"] = (s.status_code, sse_events(s), time.monotonic() - t)
 
     threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
     for t in threads:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from omni_core.serve.protocol import APIError
+from omni_core.testing import sse_events, wait_for
 
 API_KEY = "test-key"
 
@@ -26,22 +27,8 @@ def open_request(url: str, path: str, body: dict, key: str | None = API_KEY) -> 
     return sock
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
-def sse_events(response) -> list[tuple[str, dict]]:
-    events, name = [], None
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            events.append((name, json.loads(line[5:])))
-    return events
 
 
 def slow(steps: int = 200, sleep: float = 0.02, **extra) -> dict:
