@@ -119,14 +119,20 @@ def test_wan_equals_diffusers(wan_omni, diffusers_wan, wan_loras, case):
     assert levels(out, alone(wan_omni, (None, 1.0), wan_loras, WAN)) >= 3
 
 
+def assert_each_alone(omni, cases, outs, loras, cfg, distinct: bool = True) -> None:
+    """Each output equals its request run alone; with ``distinct``, the three outputs differ visibly too."""
+    for case, out in zip(cases, outs):
+        torch.testing.assert_close(out.tensor, alone(omni, case, loras, cfg), atol=1e-5, rtol=0)
+    if distinct:
+        for i in range(len(outs)):
+            for j in range(i + 1, len(outs)):
+                assert levels(outs[i].tensor, outs[j].tensor) >= 3
+
+
 def test_mixed_batch_request_mode_equals_each_alone(qwen_omni, qwen_loras):
     outs = run(qwen_omni, MIX, qwen_loras, QWEN)
     assert [o.metrics["batch_size"] for o in outs] == [3, 3, 3], "one wave"
-    for case, out in zip(MIX, outs):
-        torch.testing.assert_close(out.tensor, alone(qwen_omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
-    for i in range(3):
-        for j in range(i + 1, 3):
-            assert levels(outs[i].tensor, outs[j].tensor) >= 3
+    assert_each_alone(qwen_omni, MIX, outs, qwen_loras, QWEN)
     assert_nothing_left(qwen_omni)
 
 
@@ -138,15 +144,13 @@ def test_interleaved_rows_of_one_adapter(qwen_omni, qwen_loras, cases):
     ``b`` (rank 8, alpha 4: peft's own scaling 0.5) checks that the adapter's scaling is kept next to the rows'."""
     outs = run(qwen_omni, cases, qwen_loras, QWEN)
     assert [o.metrics["batch_size"] for o in outs] == [3, 3, 3]
-    for case, out in zip(cases, outs):
-        torch.testing.assert_close(out.tensor, alone(qwen_omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
+    assert_each_alone(qwen_omni, cases, outs, qwen_loras, QWEN, distinct=False)
 
 
 def test_wan_mixed_batch_equals_each_alone(wan_omni, wan_loras):
     outs = run(wan_omni, MIX, wan_loras, WAN)
     assert [o.metrics["batch_size"] for o in outs] == [3, 3, 3]
-    for case, out in zip(MIX, outs):
-        torch.testing.assert_close(out.tensor, alone(wan_omni, case, wan_loras, WAN), atol=1e-5, rtol=0)
+    assert_each_alone(wan_omni, MIX, outs, wan_loras, WAN, distinct=False)
 
 
 def test_mixed_step_mode_staggered_admission_equals_each_alone(qwen_step_omni, qwen_loras):
@@ -168,11 +172,7 @@ def test_mixed_step_mode_staggered_admission_equals_each_alone(qwen_step_omni, q
     outs = [h.result() for h in handles]
     waves = omni.stats()["timing"]["waves"] - waves0
     assert waves < 3 * QWEN["num_inference_steps"], f"{waves} waves: the requests never shared a step wave"
-    for case, out in zip(MIX, outs):
-        torch.testing.assert_close(out.tensor, alone(omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
-    for i in range(3):
-        for j in range(i + 1, 3):
-            assert levels(outs[i].tensor, outs[j].tensor) >= 3
+    assert_each_alone(omni, MIX, outs, qwen_loras, QWEN)
     assert_nothing_left(omni)
 
 
@@ -183,8 +183,7 @@ def test_lru_keeps_adapters_in_use_and_evicts_the_rest(qwen_step_omni, qwen_lora
     outs = run(omni, cases, qwen_loras, QWEN)
     lora = omni.engine.executor.runner.lora
     assert len(lora.loaded) == 2
-    for case, out in zip(cases, outs):
-        torch.testing.assert_close(out.tensor, alone(omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
+    assert_each_alone(omni, cases, outs, qwen_loras, QWEN, distinct=False)
     assert len(lora.loaded) == 2
     assert_nothing_left(omni)
 
@@ -280,8 +279,7 @@ def test_mp_workers_load_adapters_on_demand(qwen_dir, qwen_omni, qwen_loras):
               loras={"a": qwen_loras["a"]}) as mp:
         outs = run(mp, MIX, qwen_loras, QWEN)
         assert mp.stats()["tracked_requests"] == []
-    for case, out in zip(MIX, outs):
-        torch.testing.assert_close(out.tensor, alone(qwen_omni, case, qwen_loras, QWEN), atol=1e-5, rtol=0)
+    assert_each_alone(qwen_omni, MIX, outs, qwen_loras, QWEN, distinct=False)
 
 
 def test_tea_cache_mixed_batch_keeps_state_per_request(qwen_dir, qwen_loras):
