@@ -21,7 +21,8 @@ Fixtures:
 Contract tests: subclass :class:`AttentionBackendContract` and set ``backend_name``;
 :class:`DiffusersParityContract` (a model plugin against diffusers' own pipeline, :mod:`.parity`),
 :class:`PipelineContract` (a model plugin in the engine, :mod:`.pipeline_contract`) and
-:class:`~omni_core.testing.cache_contract.CacheBackendContract` (cache plugins).
+:class:`~omni_core.testing.cache_contract.CacheBackendContract` (cache plugins) and :class:`PlatformContract`
+(platform plugins: detection, resolution, the error when absent).
 
 Helpers: :func:`load_model` (a pipeline through the real resolver and loader, CPU float32),
 :func:`load_reference` (diffusers' own pipeline from a folder), :func:`make_state` (a ``StepState``; with
@@ -46,7 +47,8 @@ from omni_core.utils.lazy import lazy_dir, lazy_exports
 
 __all__ = ["AttentionBackendContract", "DiffusersParityContract", "PipelineContract", "enabled_cache_backend",
            "levels_apart", "load_model", "load_reference", "make_state", "reference_attention", "run_request_batch",
-           "run_step_batch", "tiny_model_fixtures", "wait_for", "abort_after_steps", "sse_events"]
+           "run_step_batch", "tiny_model_fixtures", "wait_for", "abort_after_steps", "sse_events",
+           "PlatformContract"]
 
 #: exported on first use (:mod:`omni_core.utils.lazy`): only contract suites need them
 _LAZY = {"DiffusersParityContract": "omni_core.testing.parity:DiffusersParityContract",
@@ -57,7 +59,8 @@ _LAZY = {"DiffusersParityContract": "omni_core.testing.parity:DiffusersParityCon
          "load_model": "omni_core.testing._model:load_model",
          "wait_for": "omni_core.testing.waiting:wait_for",
          "abort_after_steps": "omni_core.testing.waiting:abort_after_steps",
-         "sse_events": "omni_core.testing.waiting:sse_events"}
+         "sse_events": "omni_core.testing.waiting:sse_events",
+         "PlatformContract": "omni_core.testing.platform_contract:PlatformContract"}
 __getattr__ = lazy_exports(__name__, _LAZY)
 __dir__ = lazy_dir(__name__, _LAZY)
 

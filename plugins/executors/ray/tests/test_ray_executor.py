@@ -144,25 +144,32 @@ def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left
     assert ours_left() == ([], [])
 
 
+def submit_long_requests(omni, n: int) -> tuple[list, set, list]:
+    """``n`` requests of 1000 steps; returns (their streams, the ids that stepped, every step reported) once two
+    of them run (one per replica)."""
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+    from omni_core.testing import wait_for
+
+    stepped, steps = set(), []
+    streams = omni.engine.submit(
+        [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
+            num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(n)],
+        on_progress=lambda rid, step, total: (stepped.add(rid), steps.append(step)))
+    wait_for(lambda: len(stepped) >= 2, "both replicas running a request", timeout=120)
+    return streams, stepped, steps
+
+
 def test_request_mode_abort_reaches_each_requests_own_replica(ray_cluster, ours_left):
     """Two data-parallel replicas in request mode (a wave runs its requests to the end unless the replica's
     leader is told), one long request on each: aborting both ends both within a few steps."""
     from omni_core import Omni
-    from omni_core.config import SamplingParams
-    from omni_core.request import OmniDiffusionRequest
 
     ray_cluster.wait_idle()
     omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1,
                 limits={"max_steps": 1000}, max_num_seqs=2)
     try:
-        stepped, steps = set(), []
-        streams = omni.engine.submit(
-            [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
-                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(2)],
-            on_progress=lambda rid, step, n: (stepped.add(rid), steps.append(step)))
-        deadline = time.monotonic() + 120
-        while len(stepped) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        streams, stepped, steps = submit_long_requests(omni, 2)
         assert len(stepped) == 2, "both replicas should be running a request"
         assert sorted(omni.engine.executor._assigned.values()) == [0, 1]
         at = len(steps)
@@ -182,8 +189,6 @@ def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
     """The second node's Ray processes are SIGKILLed (as a machine that drops off) while its replica runs a
     request: the engine is dead within 10 s, naming a rank on that node. Last in the module: the node is gone."""
     from omni_core import Omni
-    from omni_core.config import SamplingParams
-    from omni_core.request import OmniDiffusionRequest
 
     ray_cluster.wait_idle()
     # step mode, one wave holds them all: both replicas run at once, and an aborted request ends at its next
@@ -191,16 +196,7 @@ def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
     omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1,
                 limits={"max_steps": 1000}, max_num_seqs=4, step_execution=True)
     try:
-        stepped = set()
-        steps = []
-        streams = omni.engine.submit(
-            [OmniDiffusionRequest(prompt=f"a red circle {i}", sampling_params=SamplingParams(
-                num_inference_steps=1000, height=64, width=64, seed=i)) for i in range(3)],
-            on_progress=lambda rid, step, n: (stepped.add(rid), steps.append(step)))
-        deadline = time.monotonic() + 120
-        while len(stepped) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(stepped) >= 2, "both replicas should be running a request"
+        streams, stepped, steps = submit_long_requests(omni, 3)
         running = [s for s in streams if s.request_id in stepped]
         _abort_within_steps(omni, running[0], steps)
         streams = [s for s in streams if s is not running[0]]

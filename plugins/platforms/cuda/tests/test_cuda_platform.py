@@ -10,34 +10,10 @@ import pytest
 
 import omni_platform_cuda.hooks as cuda_hooks
 import omni_platform_cuda.platform as cp
-from omni_core.errors import ComponentUnavailableError
-from omni_core.platforms import resolve_platform
-from omni_core.plugins.manager import OmniPluginManager, create_plugin_manager
+from omni_core.testing import PlatformContract
+from omni_core.plugins.manager import create_plugin_manager
 
 CUDA_BOX = cp.CudaProbe("2.8.0+cu128", "12.8", None, 2)
-
-
-def fresh_pm(*plugins: tuple[object, str, str]) -> OmniPluginManager:
-    """Built-ins plus exactly the given ``(module, entry point name, distribution)`` plugins."""
-    pm = OmniPluginManager(strict=True)
-    pm.load_builtins()
-    for module, name, dist in plugins:
-        pm.register_plugin(module, name, dist=dist)
-    return pm
-
-
-@pytest.mark.parametrize(("probe", "detected", "reason"), [
-    (cp.CudaProbe(None, None, None, 0), False, "torch is not installed"),
-    (cp.CudaProbe("2.8.0+cpu", None, None, 0), False, "torch 2.8.0+cpu is built without CUDA"),
-    (cp.CudaProbe("2.8.0+rocm6.4", None, "6.4.1", 1), False, "is a ROCm build (HIP 6.4.1); the rocm platform"),
-    (cp.CudaProbe("2.8.0+cu128", "12.8", None, 0), False, "sees no CUDA device"),
-    (CUDA_BOX, True, "2 CUDA device(s), torch 2.8.0+cu128 (CUDA 12.8)"),
-])
-def test_detect(monkeypatch, probe, detected, reason):
-    monkeypatch.setattr(cp, "probe", lambda: probe)
-    ok, why = cp.detect()
-    assert ok is detected and reason in why
-    assert cp.CudaPlatform().is_available() == (ok, why)
 
 
 def test_real_detection_here_says_why():
@@ -102,22 +78,6 @@ def test_registered_through_its_entry_point():
     assert spec.load() is cp.CudaPlatform
 
 
-def test_the_only_detected_platform_wins(monkeypatch):
-    monkeypatch.delenv("OMNI_PLATFORM", raising=False)
-    monkeypatch.setattr(cp, "probe", lambda: CUDA_BOX)
-    res = resolve_platform(fresh_pm((cuda_hooks, "platform-cuda", "omni-platform-cuda")))
-    assert res.name == "cuda" and isinstance(res.platform, cp.CudaPlatform)
-    assert "cuda (omni-platform-cuda): detected: 2 CUDA device(s)" in "\n".join(res.trace)
-
-
-def test_requesting_cuda_here_is_a_clear_error(monkeypatch):
-    if cp.detect()[0]:
-        pytest.skip("a CUDA device is present")
-    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
-    with pytest.raises(ComponentUnavailableError, match="platform 'cuda' was requested but cannot run here: torch"):
-        resolve_platform(fresh_pm((cuda_hooks, "platform-cuda", "omni-platform-cuda")))
-
-
 @pytest.mark.gpu
 def test_device_methods_on_a_real_gpu():
     import torch
@@ -136,3 +96,19 @@ def test_device_methods_on_a_real_gpu():
     p.empty_cache()
     assert p.memory_stats()["reserved"] <= after["reserved"]
     assert p.default_attention_backend(128, torch.bfloat16) in ("FLASH_ATTN", "TORCH_SDPA")
+
+
+class TestCudaContract(PlatformContract):
+    platform_module, hooks_module = cp, cuda_hooks
+    entry_point, dist = "platform-cuda", "omni-platform-cuda"
+    platform_name, platform_class = "cuda", "CudaPlatform"
+    detect_cases = [
+        (cp.CudaProbe(None, None, None, 0), False, "torch is not installed"),
+        (cp.CudaProbe("2.8.0+cpu", None, None, 0), False, "torch 2.8.0+cpu is built without CUDA"),
+        (cp.CudaProbe("2.8.0+rocm6.4", None, "6.4.1", 1), False, "is a ROCm build (HIP 6.4.1); the rocm platform"),
+        (cp.CudaProbe("2.8.0+cu128", "12.8", None, 0), False, "sees no CUDA device"),
+        (CUDA_BOX, True, "2 CUDA device(s), torch 2.8.0+cu128 (CUDA 12.8)"),
+    ]
+    detected_probe = CUDA_BOX
+    unavailable_words = "platform 'cuda' was requested but cannot run here: torch"
+    detected_trace = "cuda (omni-platform-cuda): detected: 2 CUDA device(s)"

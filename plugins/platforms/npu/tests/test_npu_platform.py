@@ -5,32 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 import omni_platform_npu.hooks as npu_hooks
 import omni_platform_npu.platform as npu
-from omni_core.errors import ComponentUnavailableError
-from omni_core.platforms import resolve_platform
-from omni_core.plugins.manager import OmniPluginManager, create_plugin_manager
-
-
-def fresh_pm() -> OmniPluginManager:
-    pm = OmniPluginManager(strict=True)
-    pm.load_builtins()
-    pm.register_plugin(npu_hooks, "platform-npu", dist="omni-platform-npu")
-    return pm
-
-
-@pytest.mark.parametrize(("probe", "detected", "reason"), [
-    (npu.NpuProbe(False, ()), False, "torch_npu (Ascend's PyTorch adapter) is not installed"),
-    (npu.NpuProbe(True, ()), False, "torch_npu is installed but no Ascend device is present"),
-    (npu.NpuProbe(True, ("/dev/davinci0", "/dev/davinci1")), True, "2 Ascend NPU(s) (/dev/davinci0, /dev/davinci1)"),
-])
-def test_detect(monkeypatch, probe, detected, reason):
-    monkeypatch.setattr(npu, "probe", lambda: probe)
-    ok, why = npu.detect()
-    assert ok is detected and reason in why
-    assert npu.NpuPlatform().is_available() == (ok, why)
+from omni_core.testing import PlatformContract
+from omni_core.plugins.manager import create_plugin_manager
 
 
 def test_probe_counts_device_nodes_only(monkeypatch, tmp_path):
@@ -64,16 +42,14 @@ def test_registered_through_its_entry_point():
     assert spec.provider == "omni-platform-npu" and spec.load() is npu.NpuPlatform
 
 
-def test_the_only_detected_platform_wins(monkeypatch):
-    monkeypatch.delenv("OMNI_PLATFORM", raising=False)
-    monkeypatch.setattr(npu, "probe", lambda: npu.NpuProbe(True, ("/dev/davinci0",)))
-    res = resolve_platform(fresh_pm())
-    assert res.name == "npu" and isinstance(res.platform, npu.NpuPlatform)
-
-
-def test_requesting_npu_here_is_a_clear_error(monkeypatch):
-    if npu.detect()[0]:
-        pytest.skip("an Ascend NPU is present")
-    monkeypatch.setenv("OMNI_PLATFORM", "npu")
-    with pytest.raises(ComponentUnavailableError, match="platform 'npu' was requested but cannot run here: torch_npu"):
-        resolve_platform(fresh_pm())
+class TestNpuContract(PlatformContract):
+    platform_module, hooks_module = npu, npu_hooks
+    entry_point, dist = "platform-npu", "omni-platform-npu"
+    platform_name, platform_class = "npu", "NpuPlatform"
+    detect_cases = [
+        (npu.NpuProbe(False, ()), False, "torch_npu (Ascend's PyTorch adapter) is not installed"),
+        (npu.NpuProbe(True, ()), False, "torch_npu is installed but no Ascend device is present"),
+        (npu.NpuProbe(True, ("/dev/davinci0", "/dev/davinci1")), True, "2 Ascend NPU(s) (/dev/davinci0, /dev/davinci1)"),
+    ]
+    detected_probe = npu.NpuProbe(True, ("/dev/davinci0",))
+    unavailable_words = "platform 'npu' was requested but cannot run here: torch_npu"

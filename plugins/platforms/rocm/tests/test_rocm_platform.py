@@ -10,31 +10,10 @@ import pytest
 
 import omni_platform_rocm.hooks as rocm_hooks
 import omni_platform_rocm.platform as rp
-from omni_core.errors import ComponentUnavailableError
-from omni_core.platforms import resolve_platform
-from omni_core.plugins.manager import OmniPluginManager, create_plugin_manager
+from omni_core.testing import PlatformContract
+from omni_core.plugins.manager import create_plugin_manager
 
 ROCM_BOX = rp.RocmProbe("2.8.0+rocm6.4", "6.4.1", 8)
-
-
-def fresh_pm() -> OmniPluginManager:
-    pm = OmniPluginManager(strict=True)
-    pm.load_builtins()
-    pm.register_plugin(rocm_hooks, "platform-rocm", dist="omni-platform-rocm")
-    return pm
-
-
-@pytest.mark.parametrize(("probe", "detected", "reason"), [
-    (rp.RocmProbe(None, None, 0), False, "torch is not installed"),
-    (rp.RocmProbe("2.8.0+cu128", None, 0), False, "torch 2.8.0+cu128 is not a ROCm build"),
-    (rp.RocmProbe("2.8.0+rocm6.4", "6.4.1", 0), False, "sees no AMD GPU"),
-    (ROCM_BOX, True, "8 AMD GPU(s), torch 2.8.0+rocm6.4 (HIP 6.4.1)"),
-])
-def test_detect(monkeypatch, probe, detected, reason):
-    monkeypatch.setattr(rp, "probe", lambda: probe)
-    ok, why = rp.detect()
-    assert ok is detected and reason in why
-    assert rp.RocmPlatform().is_available() == (ok, why)
 
 
 def test_real_detection_here_says_why():
@@ -77,16 +56,15 @@ def test_registered_through_its_entry_point():
     assert spec.provider == "omni-platform-rocm" and spec.load() is rp.RocmPlatform
 
 
-def test_the_only_detected_platform_wins(monkeypatch):
-    monkeypatch.delenv("OMNI_PLATFORM", raising=False)
-    monkeypatch.setattr(rp, "probe", lambda: ROCM_BOX)
-    res = resolve_platform(fresh_pm())
-    assert res.name == "rocm" and isinstance(res.platform, rp.RocmPlatform)
-
-
-def test_requesting_rocm_here_is_a_clear_error(monkeypatch):
-    if rp.detect()[0]:
-        pytest.skip("an AMD GPU is present")
-    monkeypatch.setenv("OMNI_PLATFORM", "rocm")
-    with pytest.raises(ComponentUnavailableError, match="platform 'rocm' was requested but cannot run here"):
-        resolve_platform(fresh_pm())
+class TestRocmContract(PlatformContract):
+    platform_module, hooks_module = rp, rocm_hooks
+    entry_point, dist = "platform-rocm", "omni-platform-rocm"
+    platform_name, platform_class = "rocm", "RocmPlatform"
+    detect_cases = [
+        (rp.RocmProbe(None, None, 0), False, "torch is not installed"),
+        (rp.RocmProbe("2.8.0+cu128", None, 0), False, "torch 2.8.0+cu128 is not a ROCm build"),
+        (rp.RocmProbe("2.8.0+rocm6.4", "6.4.1", 0), False, "sees no AMD GPU"),
+        (ROCM_BOX, True, "8 AMD GPU(s), torch 2.8.0+rocm6.4 (HIP 6.4.1)"),
+    ]
+    detected_probe = ROCM_BOX
+    unavailable_words = "platform 'rocm' was requested but cannot run here"
