@@ -131,3 +131,13 @@ def tiny_model(test_pipeline_site, tmp_path_factory: pytest.TempPathFactory) -> 
     path = tmp_path_factory.mktemp("tiny-model")
     TinyTestPipeline.save(str(path))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def edit_model(test_pipeline_site, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A saved model folder of the test-only ``TinyEditTestPipeline`` (an edit model: takes input images)."""
+    from omni_test_pipeline.pipeline import TinyEditTestPipeline
+
+    path = tmp_path_factory.mktemp("tiny-edit")
+    TinyEditTestPipeline.save(str(path))
+    return str(path)

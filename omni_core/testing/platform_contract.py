@@ -45,6 +45,12 @@ class PlatformContract:
         pm.register_plugin(self.hooks_module, self.entry_point, dist=self.dist)
         return pm
 
+    def test_registered_through_its_entry_point(self) -> None:
+        from omni_core.plugins.manager import create_plugin_manager
+
+        spec = create_plugin_manager(load_entrypoints=True, strict=True).get_component("platform", self.platform_name)
+        assert spec.provider == self.dist and spec.load() is getattr(self.platform_module, self.platform_class)
+
     def test_detect_gives_its_reason(self, monkeypatch: Any) -> None:
         cls = getattr(self.platform_module, self.platform_class)
         for probe, detected, reason in self.detect_cases:

@@ -22,14 +22,6 @@ def picture(width: int = 24, height: int = 20, seed: int = 0, mode: str = "RGB")
     return image.convert(mode) if mode != "RGB" else image
 
 
-@pytest.fixture(scope="module")
-def edit_model(test_pipeline_site, tmp_path_factory) -> str:
-    from omni_test_pipeline.pipeline import TinyEditTestPipeline
-
-    path = tmp_path_factory.mktemp("tiny-edit")
-    TinyEditTestPipeline.save(str(path))
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def omni(edit_model):

@@ -29,14 +29,6 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-@pytest.fixture(scope="module")
-def edit_model(test_pipeline_site, tmp_path_factory) -> str:
-    from omni_test_pipeline.pipeline import TinyEditTestPipeline
-
-    path = tmp_path_factory.mktemp("tiny-edit-serve")
-    TinyEditTestPipeline.save(str(path))
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def edit_server(edit_model, start_server):

@@ -8,7 +8,6 @@ import sys
 import omni_platform_npu.hooks as npu_hooks
 import omni_platform_npu.platform as npu
 from omni_core.testing import PlatformContract
-from omni_core.plugins.manager import create_plugin_manager
 
 
 def test_probe_counts_device_nodes_only(monkeypatch, tmp_path):
@@ -36,10 +35,6 @@ def test_platform_facts():
     assert (p.name, p.device_type, p.dist_backend, p.default_dtype) == ("npu", "npu", "hccl", "bfloat16")
     assert p.default_attention_backend(128, "bfloat16") == "TORCH_SDPA"
 
-
-def test_registered_through_its_entry_point():
-    spec = create_plugin_manager(load_entrypoints=True, strict=True).get_component("platform", "npu")
-    assert spec.provider == "omni-platform-npu" and spec.load() is npu.NpuPlatform
 
 
 class TestNpuContract(PlatformContract):

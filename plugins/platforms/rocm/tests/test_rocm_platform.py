@@ -11,7 +11,6 @@ import pytest
 import omni_platform_rocm.hooks as rocm_hooks
 import omni_platform_rocm.platform as rp
 from omni_core.testing import PlatformContract
-from omni_core.plugins.manager import create_plugin_manager
 
 ROCM_BOX = rp.RocmProbe("2.8.0+rocm6.4", "6.4.1", 8)
 
@@ -50,10 +49,6 @@ def test_platform_facts():
     p = rp.RocmPlatform()
     assert (p.name, p.device_type, p.dist_backend, p.default_dtype) == ("rocm", "cuda", "nccl", "bfloat16")
 
-
-def test_registered_through_its_entry_point():
-    spec = create_plugin_manager(load_entrypoints=True, strict=True).get_component("platform", "rocm")
-    assert spec.provider == "omni-platform-rocm" and spec.load() is rp.RocmPlatform
 
 
 class TestRocmContract(PlatformContract):
