@@ -350,12 +350,7 @@ class DiffusersParityContract:
         assert out.finished and out.status == "completed"
         self.assert_parity(alone, out, cases[0])
         states = [self.make_state(c) for c in cases]
-        with self.denoiser_calls() as calls:
-            outs = self.omni.forward(states)
-        steps = states[0].num_steps
-        assert len(calls) == steps, f"{len(calls)} denoiser calls for {steps} steps of one request batch"
-        for step, call in enumerate(calls):
-            self.check_wave([call], [(s, step) for s in states])
+        outs, steps = self.forward_one_call_per_step(states, "one request batch")
         for state, out, case in zip(states, outs, cases):
             assert out.finished and out.status == "completed" and out.num_steps == steps
             self.assert_parity(state, out, case)
@@ -409,17 +404,23 @@ class DiffusersParityContract:
         return [self.case(0, 1), self.case(1, 2, cfg=(self.cfg_scale + self.cfg_off) / 2, num_outputs_per_prompt=2),
                 self.case(2, 3, negative="ugly"), self.case(1, 4, cfg=False)]
 
+    def forward_one_call_per_step(self, states: list, what: str) -> tuple[list, int]:
+        """Run ``states`` as one batch and check the denoiser ran once per step with every state in the call;
+        (the outputs, the step count)."""
+        with self.denoiser_calls() as calls:
+            outs = self.omni.forward(states)
+        steps = states[0].num_steps
+        assert len(calls) == steps, f"{len(calls)} denoiser calls for {steps} steps of {what}"
+        for step, call in enumerate(calls):
+            self.check_wave([call], [(s, step) for s in states])
+        return outs, steps
+
     def test_a_wave_is_one_call_per_step_and_equals_each_alone(self) -> None:
         import torch
 
         cases = self.batch_cases()
         batched = [self.make_state(c) for c in cases]
-        with self.denoiser_calls() as calls:
-            outs = self.omni.forward(batched)
-        steps = batched[0].num_steps
-        assert len(calls) == steps, f"{len(calls)} denoiser calls for {steps} steps of one wave"
-        for step, call in enumerate(calls):
-            self.check_wave([call], [(s, step) for s in batched])
+        outs, steps = self.forward_one_call_per_step(batched, "one wave")
         for case, state, out in zip(cases, batched, outs):
             alone = self.make_state(case)
             (ref,) = self.omni.forward([alone])
