@@ -13,6 +13,10 @@ Fixtures:
   name ``"tiny-dit"``), so ``Omni(tiny_dit_model, cache_backend=...)`` works with only the core and one cache
   plugin installed (spawned workers and ``omni`` subprocesses find it too).
 
+* ``enable_cache`` -- ``enable_cache(name, pipeline, **config)``: the cache backend registered as ``name``, built
+  from ``config`` and enabled on ``pipeline``; every backend it enabled is disabled after the test (so a test never
+  imports the cache plugin, and a failed test leaves the shared pipeline uncached).
+
 * ``one_torch_thread`` -- torch at ``OMNI_TEST_THREADS`` threads (default 1) for one test, restored after: tiny
   models' kernels are microseconds long, and on a shared machine a second spinning thread costs several times
   over. A plugin's ``conftest.py`` makes it autouse with
@@ -26,7 +30,8 @@ Contract tests: subclass :class:`AttentionBackendContract` and set ``backend_nam
 
 Helpers: :func:`load_model` (a pipeline through the real resolver and loader, CPU float32),
 :func:`load_reference` (diffusers' own pipeline from a folder), :func:`make_state` (a ``StepState``; with
-``model_path=`` and ``images=``), :func:`run_step_batch`, :func:`run_request_batch`, :func:`enabled_cache_backend`; :func:`wait_for`,
+``model_path=`` and ``images=``), :func:`run_step_batch`, :func:`run_request_batch`, :func:`output_tensors`,
+:func:`enabled_cache_backend`; :func:`wait_for`,
 :func:`abort_after_steps` and :func:`sse_events` for suites that drive a running engine or server.
 
 Markers: ``gpu`` tests are skipped when torch sees no accelerator. This module imports no torch; fixtures
@@ -42,11 +47,13 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from omni_core.testing.attention import AttentionBackendContract, reference_attention
-from omni_core.testing.driver import enabled_cache_backend, make_state, run_request_batch, run_step_batch
+from omni_core.testing.driver import (enabled_cache_backend, make_state, output_tensors, run_request_batch,
+                                     run_step_batch)
 from omni_core.utils.lazy import lazy_dir, lazy_exports
 
 __all__ = ["AttentionBackendContract", "DiffusersParityContract", "PipelineContract", "enabled_cache_backend",
-           "levels_apart", "load_model", "load_reference", "make_state", "reference_attention", "run_request_batch",
+           "levels_apart", "load_model", "load_reference", "make_state", "output_tensors", "reference_attention",
+           "run_request_batch",
            "run_step_batch", "tiny_model_fixtures", "wait_for", "abort_after_steps", "sse_events",
            "PlatformContract"]
 
@@ -147,6 +154,15 @@ def register_omni_plugin(omni_plugin_manager: Any) -> Iterator[Callable[..., Any
     for name in reversed(names):
         if omni_plugin_manager.has_plugin(name):
             omni_plugin_manager.unregister(name=name)
+
+
+@pytest.fixture
+def enable_cache() -> Iterator[Callable[..., Any]]:
+    """``enable_cache(name, pipeline, **config)`` -> an enabled cache backend, disabled after the test."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        yield lambda name, pipeline, **config: stack.enter_context(enabled_cache_backend(name, pipeline, **config))
 
 
 @pytest.fixture(scope="session")

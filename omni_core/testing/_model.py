@@ -18,12 +18,13 @@ def contract_model(owner: Any, request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(name)
 
 
-def load_model(model: str) -> Any:
-    """The pipeline loaded through the real resolver and loader (CPU, float32), as a worker loads it."""
+def load_model(model: str, **config: Any) -> Any:
+    """The pipeline loaded through the real resolver and loader (CPU, float32), as a worker loads it; ``config``:
+    more ``OmniDiffusionConfig`` fields (e.g. ``attention_config``)."""
     import torch
 
     from omni_core.config import OmniDiffusionConfig
     from omni_core.pipelines import load_pipeline, resolve_model
 
     resolved = resolve_model(model)
-    return load_pipeline(resolved, OmniDiffusionConfig(model=model, dtype="float32"), "cpu", torch.float32)
+    return load_pipeline(resolved, OmniDiffusionConfig(model=model, dtype="float32", **config), "cpu", torch.float32)

@@ -6,6 +6,8 @@
   at different steps share ``denoise_step`` calls), with an optional cache backend told of each request;
 * :func:`run_request_batch` -- the request path: ``pipeline.forward`` over whole requests, the cache backend
   told of each request after it is encoded;
+* :func:`output_tensors` -- either path under ``torch.inference_mode``, each request's output tensor (what a cache
+  or model test compares);
 * :func:`enabled_cache_backend` -- a cache backend by component name, enabled on a pipeline for a ``with``
   block and disabled after it (so a test never imports the backend's plugin).
 """
@@ -92,6 +94,20 @@ def run_request_batch(pipeline: Any, states: Sequence[Any], *, cache_backend: An
     return pipeline.forward(list(states), _BeginRequests(cache_backend))
 
 
+def output_tensors(pipeline: Any, states: Sequence[Any], cache_backend: Any = None,
+                   admit_at: Sequence[int] | None = None) -> list[Any]:
+    """Each state's output tensor, in order: one request batch (:func:`run_request_batch`), or step waves
+    (:func:`run_step_batch`) when ``admit_at`` is given, under ``torch.inference_mode`` as the runner runs."""
+    import torch
+
+    with torch.inference_mode():
+        if admit_at is None:
+            outputs = run_request_batch(pipeline, states, cache_backend=cache_backend)
+        else:
+            outputs = run_step_batch(pipeline, states, admit_at, cache_backend=cache_backend)
+    return [o.tensor for o in outputs]
+
+
 @contextlib.contextmanager
 def enabled_cache_backend(name: str, pipeline: Any, **config: Any) -> Iterator[Any]:
     """The cache backend registered as ``name`` (e.g. ``"tea_cache"``), built from ``config`` and enabled on
@@ -107,4 +123,4 @@ def enabled_cache_backend(name: str, pipeline: Any, **config: Any) -> Iterator[A
             backend.disable(pipeline)
 
 
-__all__ = ["enabled_cache_backend", "make_state", "run_request_batch", "run_step_batch"]
+__all__ = ["enabled_cache_backend", "make_state", "output_tensors", "run_request_batch", "run_step_batch"]

@@ -11,6 +11,13 @@ Checked: the declared ``DenoiserSpec``s match the model (block signature, ``batc
 a step wave late give the same image (within ``batch_atol``; 0 = bit-identical); an abort stops a running
 request within a step; bad sampling params are refused before any work; streaming gives one preview per step;
 a height/width that is not a multiple of ``size_multiple`` is refused with the field named.
+
+What the model declares is what the engine uses: the ``sampling_fields`` on its ``PipelineSpec`` record are its
+class's, fields declared ``splits_batch`` split waves (and others do not), a field another installed model
+declares is refused naming the field and this pipeline; every attention module of every declared denoiser runs
+an Omni processor through an ``OmniAttention`` layer chosen by its role (``per_role`` by role and by role
+category), one call per layer and step for a batch of requests; the preview and the output of a non-square
+request keep its aspect ratio.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class PipelineContract:
     batch_atol: ClassVar[float] = 0.0
     #: steps of the request aborted mid-run (long enough that the abort lands while it runs)
     abort_steps: ClassVar[int] = 30
+    #: the fixture of a folder on which every declared sampling field is valid, where the contract's model is not
+    #: one (e.g. a second-expert guidance scale only a two-expert folder takes); default: the contract's model
+    fields_model_fixture: ClassVar[str | None] = None
     #: ``Omni(...)`` keyword arguments of every engine the suite starts
     engine_kwargs: ClassVar[dict[str, Any]] = {"warmup": False}
 
@@ -217,6 +227,159 @@ class PipelineContract:
         with pytest.raises(ConfigError, match=f"multiple of {m}") as err:
             cls.check_sampling_params(base.replace(**{field: bad}))
         assert err.value.field == field and str(bad) in str(err.value)
+
+    # ------------------------------------------------------------------ declarations
+    def test_sampling_fields_are_declared_once_and_key_batches(self, contract_model_path: str,
+                                                               request: pytest.FixtureRequest) -> None:
+        from omni_core.config import SamplingParams
+        from omni_core.plugins import get_plugin_manager
+        from omni_core.request import OmniDiffusionRequest
+        from omni_core.sched import RequestScheduler, StepScheduler
+
+        folder = request.getfixturevalue(self.fields_model_fixture) if self.fields_model_fixture \
+            else contract_model_path
+        cls = load_model_cls(folder)
+        record = get_plugin_manager().get_component("pipeline", cls.__name__)
+        assert tuple(record.sampling_fields) == tuple(cls.sampling_fields), \
+            f"{cls.__name__}: the PipelineSpec record's sampling_fields differ from the class's"
+
+        def req(**fields: Any) -> OmniDiffusionRequest:
+            params = cls.check_sampling_params(SamplingParams(**{**self.sampling, **fields}), folder)
+            return OmniDiffusionRequest(prompt="p", sampling_params=params)
+
+        for field in cls.sampling_fields:
+            assert getattr(req().sampling_params, field.name) == field.default, \
+                f"{field.name}: an unset field must take the declared default {field.default!r}"
+            one, other = _two_values(field)
+            for sched in (RequestScheduler(), StepScheduler()):
+                key = sched.batch_key
+                assert key(req(**{field.name: one})) == key(req(**{field.name: one}))
+                split = key(req(**{field.name: one})) != key(req(**{field.name: other}))
+                assert split == field.splits_batch, \
+                    f"{field.name}={one!r} and {other!r} {'share' if not split else 'split'} a wave, but the field " \
+                    f"declares splits_batch={field.splits_batch}"
+                if field.default is not None:
+                    assert key(req()) == key(req(**{field.name: field.default}))
+
+    def test_fields_of_other_models_are_refused_naming_the_field(self, contract_model_path: str) -> None:
+        from omni_core.config import SamplingParams, registered_sampling_fields
+        from omni_core.errors import ConfigError
+
+        cls = load_model_cls(contract_model_path)
+        own = {f.name for f in cls.sampling_fields}
+        foreign = {name: owners[0][1] for name, owners in registered_sampling_fields().items() if name not in own}
+        if not foreign:
+            pytest.skip(f"no installed model declares a sampling field {cls.__name__} does not")
+        for name, field in foreign.items():
+            with pytest.raises(ConfigError) as err:
+                cls.check_sampling_params(SamplingParams(**{**self.sampling, name: _two_values(field)[1]}),
+                                          contract_model_path)
+            assert err.value.field == name
+            assert f"{name} is not used by {cls.__name__}" in str(err.value)
+            if cls.undeclared_field_hint:
+                assert str(err.value).endswith(cls.undeclared_field_hint)
+
+    def test_attention_runs_through_omni_layers_chosen_by_role(self, contract_model_path: str) -> None:
+        import collections
+
+        from omni_core.pipelines.denoiser import denoisers_of
+
+        first = load_model(contract_model_path)
+        specs = denoisers_of(first)
+        layers = omni_layers(first)
+        assert layers, f"{type(first).__name__}'s denoisers hold no OmniAttention layer"
+        for spec in specs:
+            for name, processor in getattr(spec.module, "attn_processors", {}).items():
+                assert not type(processor).__module__.startswith("diffusers."), \
+                    f"{spec.name}.{name} still runs diffusers' {type(processor).__name__}, not an Omni processor"
+        # per_role by role, then by role category: the selection names where it came from
+        role = layers[0].role
+        by_role = load_model(contract_model_path, attention_config={"per_role": {role: "TORCH_SDPA"}})
+        for layer in omni_layers(by_role):
+            if layer.role == role:
+                assert (layer.backend_name, layer.selection.source) == ("TORCH_SDPA", f"per_role[{role!r}]")
+            else:
+                assert layer.selection.source != f"per_role[{role!r}]"
+        categorised = next((layer for layer in layers if layer.role_category not in (None, layer.role)), None)
+        if categorised is not None:  # a model role (e.g. "joint") is chosen by its category too
+            category = categorised.role_category
+            by_category = load_model(contract_model_path, attention_config={"per_role": {category: "TORCH_SDPA"}})
+            assert {layer.selection.source for layer in omni_layers(by_category) if layer.role_category == category
+                    } == {f"per_role[{category!r}] (role category)"}
+        # a batch of requests (one with a negative prompt) is one call per layer and step
+        calls: collections.Counter = collections.Counter()
+        hooks = [layer.register_forward_pre_hook(lambda mod, args, i=i: calls.update([i]))
+                 for i, layer in enumerate(layers)]
+        steps = 2
+        prompts = self._prompts(type(first))
+        states = [make_state(first, prompts[0], seed=1, negative_prompt="blurry",
+                             **{**self.sampling, "num_inference_steps": steps}),
+                  make_state(first, prompts[1], seed=2, **{**self.sampling, "num_inference_steps": steps})]
+        try:
+            first.forward(states)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert set(calls.values()) <= set(range(1, steps + 1)), \
+            f"a layer ran more than once per step for one batch: {dict(calls)}"
+        assert sum(calls.values()) == steps * len(layers) // len(specs), \
+            f"{sum(calls.values())} attention calls for {steps} steps over {len(layers)} layers in {len(specs)} " \
+            f"denoiser(s): the requests' rows were not one call per layer and step"
+
+    def test_preview_and_output_keep_a_non_square_size(self, contract_pipeline: Any) -> None:
+        from omni_core.config import SamplingParams
+
+        p = contract_pipeline
+        cls = type(p)
+        base = cls.check_sampling_params(SamplingParams(**self.sampling), getattr(p, "omni_model_path", None))
+        height, width = base.height, base.width + max(cls.size_multiple, 8)
+        state = make_state(p, self._prompts(cls)[0], seed=4,
+                           **{**self.sampling, "height": height, "width": width, "num_inference_steps": 2})
+        p.prepare_encode(state)
+        for st, pred in zip([state], p.denoise_step([state])):  # a preview may need one step's estimate
+            p.step_scheduler(st, pred)
+        preview = p.preview(state)
+        assert preview is not None, f"{cls.__name__}.preview gave None after a step"
+        assert preview.dim() == 3 and preview.shape[0] == 3
+        assert preview.shape[1] * width == preview.shape[2] * height, \
+            f"a {height} x {width} request's preview is {tuple(preview.shape[1:])}: another aspect ratio"
+        assert 0 <= float(preview.min()) and float(preview.max()) <= 1
+        (out,) = p.forward([make_state(p, self._prompts(cls)[0], seed=4, **{**self.sampling, "height": height,
+                                                                              "width": width,
+                                                                              "num_inference_steps": 2})])
+        assert tuple(out.tensor.shape[-2:]) == (height, width)
+        out = cls.post_process(out, state.request)
+        first = out.images[0] if out.images else None
+        if first is not None and hasattr(first, "size") and not callable(first.size):  # a PIL image
+            assert first.mode == "RGB" and first.size[0] * height == first.size[1] * width, \
+                f"a {height} x {width} request gave a {first.size[1]} x {first.size[0]} image"
+
+
+def _two_values(field: Any) -> tuple[Any, Any]:
+    """Two different valid values of a declared ``SamplingField`` (the default first where it has one)."""
+    if field.type == "choice":
+        return field.choices[0], field.choices[-1]
+    if field.type == "bool":
+        return False, True
+    if field.type == "str":
+        return "a", "b"
+    lo = field.min if field.min is not None else 0
+    hi = field.max if field.max is not None else lo + 2
+    first = field.default if field.default is not None else lo + (hi - lo) / 4
+    second = lo + (hi - lo) / 2 if first != lo + (hi - lo) / 2 else lo + (hi - lo) / 4
+    return (int(first), int(second) if int(second) != int(first) else int(first) + 1) if field.type == "int" \
+        else (float(first), float(second))
+
+
+def omni_layers(pipeline: Any) -> list[Any]:
+    """The ``OmniAttention`` layers inside the pipeline's declared denoisers, in module order."""
+    from omni_core.attention import Attention
+    from omni_core.pipelines.denoiser import denoisers_of
+
+    seen: dict[int, Any] = {}
+    for spec in denoisers_of(pipeline):
+        seen.update((id(m), m) for m in spec.module.modules() if isinstance(m, Attention))
+    return list(seen.values())
 
 
 def load_model_cls(model: str) -> type:

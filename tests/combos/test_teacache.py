@@ -4,48 +4,22 @@ command (config errors: plugins/cache/teacache/tests/test_teacache_config.py).""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 
 import attrs
 import pytest
 import torch
 
-from omni_core.testing import enabled_cache_backend, make_state, run_request_batch, run_step_batch
+from omni_core.testing import output_tensors
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
-NEG = "blurry, low quality"
-
-
-def qwen_states(pipeline, qwen_dir, prompts, *, steps=8, seed=0, negative=NEG):
-    """States for the loaded Qwen-Image ``pipeline`` (its class checks the params; no model-plugin import)."""
-    return [make_state(pipeline, p, seed=seed + i, negative_prompt=negative, model_path=qwen_dir, height=32, width=32,
-                       num_inference_steps=steps if isinstance(steps, int) else steps[i], max_sequence_length=64)
-            for i, p in enumerate(prompts)]
-
-
-def wan_states(pipeline, wan_dir, prompts, *, steps=8, seed=0):
-    return [make_state(pipeline, p, seed=seed + i, negative_prompt=NEG, model_path=wan_dir, height=16, width=16,
-                       num_frames=5, num_inference_steps=steps, guidance_scale=5.0, max_sequence_length=32)
-            for i, p in enumerate(prompts)]
-
-
-def run(pipeline, states, backend=None):
-    with torch.inference_mode():
-        return [o.tensor for o in run_request_batch(pipeline, states, cache_backend=backend)]
-
-
-def run_steps(pipeline, states, backend, admit_at):
-    """STEP_BATCH as the runner drives it: state i joins at global step admit_at[i]."""
-    with torch.inference_mode():
-        return [o.tensor for o in run_step_batch(pipeline, states, admit_at, cache_backend=backend)]
 
 
 @pytest.fixture
-def tea():
+def tea(enable_cache):
     """``tea(pipeline, **config)``: a fresh enabled ``tea_cache`` backend, disabled after the test."""
-    with contextlib.ExitStack() as stack:
-        yield lambda pipeline, **config: stack.enter_context(enabled_cache_backend("tea_cache", pipeline, **config))
+    return functools.partial(enable_cache, "tea_cache")
 
 
 def patterns(state):
@@ -54,69 +28,19 @@ def patterns(state):
             if hasattr(v, "pattern")}
 
 
-# ---------------------------------------------------------------------------------------------- exactness
-def test_threshold_zero_and_disable_are_bit_identical(qwen, qwen_dir, tea):
-    base = run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:3]))
-    backend = tea(qwen, rel_l1_thresh=0)
-    states = qwen_states(qwen, qwen_dir, PROMPTS[:3])
-    zero = run(qwen, states, backend)
-    assert all(torch.equal(a, b) for a, b in zip(base, zero))
-    assert backend.mode_counts["all"] > 0 and backend.mode_counts["slice"] == 0
-    assert all(set(p) == {"C"} for s in states for p in patterns(s).values())
-    backend.disable(qwen)
-    assert all("forward" not in b.__dict__ for b in qwen.transformer.transformer_blocks)
-    assert "forward" not in qwen.transformer.__dict__
-    assert all(torch.equal(a, b) for a, b in zip(base, run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:3]))))
-
-
-def test_engine_threshold_zero_bit_identical(qwen_dir):
-    from omni_core import Omni
-
-    prompts = [{"prompt": p, "negative_prompt": NEG} for p in PROMPTS[:2]]
-    kw = dict(seed=5, height=32, width=32, num_inference_steps=6, use_tqdm=False, output_type="pt")
-    outs = {}
-    for cache in (None, "tea_cache"):
-        extra = {"cache_backend": cache, "cache_config": {"rel_l1_thresh": 0}} if cache else {}
-        with Omni(qwen_dir, dtype="float32", warmup=False, max_num_seqs=2, **extra) as o:
-            outs[cache] = o.generate(prompts, **kw)
-    for a, b in zip(outs[None], outs["tea_cache"]):
-        assert torch.equal(a.images[0], b.images[0])
-        assert b.metrics["cache_backend"] == "tea_cache"
-        assert b.metrics["steps_computed"] == 12 and b.metrics["steps_reused"] == 0
-
-
-@pytest.mark.parametrize("step_execution", [False, True], ids=["request-batch", "step-batch"])
-def test_engine_batch_of_four_matches_each_alone(qwen_dir, step_execution):
-    """``Omni(max_num_seqs=4)`` with tea_cache: every request gets the decisions and image it gets alone."""
-    from omni_core import Omni
-
-    prompts = [{"prompt": p, "negative_prompt": NEG} for p in PROMPTS]
-    kw = dict(seed=11, height=32, width=32, num_inference_steps=8, use_tqdm=False, output_type="pt")
-    outs = {}
-    for n in (4, 1):
-        with Omni(qwen_dir, dtype="float32", warmup=False, max_num_seqs=n, step_execution=step_execution,
-                  cache_backend="tea_cache", cache_config={"rel_l1_thresh": 0.45}) as o:
-            outs[n] = o.generate(prompts, **kw)
-    assert [o.metrics["batch_size"] for o in outs[4]] == [4] * 4
-    for batched, alone in zip(outs[4], outs[1]):
-        assert batched.metrics["cache_branches"] == alone.metrics["cache_branches"]
-        torch.testing.assert_close(batched.images[0], alone.images[0], atol=2e-4, rtol=0)
-    assert sum(o.metrics["steps_reused"] for o in outs[4]) > 0
-
-
 # ---------------------------------------------------------------------------------------------- skipping
-def test_skipping_really_happens_and_is_counted(qwen, qwen_dir, tea):
+def test_skipping_really_happens_and_is_counted(qwen, qwen_dir, tea, qwen_states):
     """Rows through the second block's MLP drop by exactly the reused evaluations; output stays close."""
     rows = []
     hook = qwen.transformer.transformer_blocks[1].img_mlp.register_forward_pre_hook(
         lambda m, a: rows.append(a[0].shape[0]))
     try:
-        base = run(qwen, qwen_states(qwen, qwen_dir, PROMPTS[:2], steps=10))
+        base = output_tensors(qwen, qwen_states(PROMPTS[:2], steps=10))
         base_rows = sum(rows)
         rows.clear()
         backend = tea(qwen, rel_l1_thresh=0.6)
-        states = qwen_states(qwen, qwen_dir, PROMPTS[:2], steps=10)
-        cached = run(qwen, states, backend)
+        states = qwen_states(PROMPTS[:2], steps=10)
+        cached = output_tensors(qwen, states, backend)
     finally:
         hook.remove()
     metrics = [backend.request_metrics(s) for s in states]
@@ -132,10 +56,10 @@ def test_skipping_really_happens_and_is_counted(qwen, qwen_dir, tea):
         assert (a - b).abs().max() < 0.1
 
 
-def test_cfg_branches_and_wan22_experts_keep_separate_state(wan22, wan22_dir, tea):
+def test_cfg_branches_and_wan22_experts_keep_separate_state(wan22, wan22_dir, tea, wan_states):
     backend = tea(wan22, rel_l1_thresh=0.45, coefficients=[1.0, 0.0], warmup_steps=1)
-    states = wan_states(wan22, wan22_dir, PROMPTS[:2], steps=8)
-    run(wan22, states, backend)
+    states = wan_states(PROMPTS[:2], steps=8)
+    output_tensors(wan22, states, backend)
     for state in states:
         keys = set(patterns(state))
         assert keys == {("cond", "transformer"), ("uncond", "transformer"),
@@ -152,16 +76,16 @@ def test_cfg_branches_and_wan22_experts_keep_separate_state(wan22, wan22_dir, te
 
 
 # ---------------------------------------------------------------------------------------------- per request
-def test_batch_decides_per_request_request_mode(qwen, qwen_dir, tea, monkeypatch):
+def test_batch_decides_per_request_request_mode(qwen, qwen_dir, tea, monkeypatch, qwen_states):
     """Four prompts batched decide exactly as each alone; rows that compute are sliced from the batch."""
     backend = tea(qwen, rel_l1_thresh=0.45)
     alone, alone_patterns = [], []
     for i in range(4):
-        (state,) = qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])
-        alone += run(qwen, [state], backend)
+        (state,) = qwen_states([PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])
+        alone += output_tensors(qwen, [state], backend)
         alone_patterns.append(patterns(state))
-    states = [qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
-    batched = run(qwen, states, backend)
+    states = [qwen_states([PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
+    batched = output_tensors(qwen, states, backend)
     assert [patterns(s) for s in states] == alone_patterns
     assert len({str(p) for p in alone_patterns}) > 1, "the requests should make different decisions"
     assert backend.mode_counts["slice"] > 0
@@ -172,23 +96,23 @@ def test_batch_decides_per_request_request_mode(qwen, qwen_dir, tea, monkeypatch
     specs = qwen.denoisers()
     monkeypatch.setattr(qwen, "denoisers", lambda: [attrs.evolve(s, rows_separable=False) for s in specs])
     backend = tea(qwen, rel_l1_thresh=0.45)
-    states = [qwen_states(qwen, qwen_dir, [PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
-    masked = run(qwen, states, backend)
+    states = [qwen_states([PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
+    masked = output_tensors(qwen, states, backend)
     assert backend.mode_counts["mask"] > 0
     assert [patterns(s) for s in states] == alone_patterns
     for a, b in zip(alone, masked):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
 
 
-def test_step_batch_requests_at_different_steps_decide_for_themselves(wan22, wan22_dir, tea):
+def test_step_batch_requests_at_different_steps_decide_for_themselves(wan22, wan22_dir, tea, wan_states):
     backend = tea(wan22, rel_l1_thresh=0.45, coefficients=[1.0, 0.0], warmup_steps=1)
     alone, alone_patterns = [], []
     for i in range(3):
-        (state,) = wan_states(wan22, wan22_dir, [PROMPTS[i]], seed=i)
-        alone += run(wan22, [state], backend)
+        (state,) = wan_states([PROMPTS[i]], seed=i)
+        alone += output_tensors(wan22, [state], backend)
         alone_patterns.append(patterns(state))
-    states = [wan_states(wan22, wan22_dir, [PROMPTS[i]], seed=i)[0] for i in range(3)]
-    stepped = run_steps(wan22, states, backend, admit_at=[0, 1, 3])
+    states = [wan_states([PROMPTS[i]], seed=i)[0] for i in range(3)]
+    stepped = output_tensors(wan22, states, backend, admit_at=[0, 1, 3])
     assert [patterns(s) for s in states] == alone_patterns
     assert backend.mode_counts["slice"] > 0
     for a, b in zip(alone, stepped):

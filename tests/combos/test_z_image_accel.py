@@ -19,7 +19,7 @@ import torch
 from omni_core.config import SamplingParams
 from omni_core.pipelines import StepState
 from omni_core.request import OmniDiffusionRequest
-from omni_core.testing.driver import enabled_cache_backend, run_request_batch, run_step_batch
+from omni_core.testing.driver import enabled_cache_backend, output_tensors, run_step_batch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -61,18 +61,13 @@ def states(pipeline, folder, prompts=PROMPTS, *, steps=STEPS, seed=0, cfg=3.0):
     return out
 
 
-def run(pipeline, sts, backend=None):
-    with torch.inference_mode():
-        return [o.tensor for o in run_request_batch(pipeline, sts, cache_backend=backend)]
-
-
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return -10 * math.log10(max(float(((a - b) ** 2).mean()), 1e-20))
 
 
 @pytest.fixture(scope="module")
 def plain(zi, zi_dir):
-    return run(zi, states(zi, zi_dir))
+    return output_tensors(zi, states(zi, zi_dir))
 
 
 def assert_fewer_and_close(backend, sts, outs, plain_outs):
@@ -93,19 +88,19 @@ def test_tea_cache_without_shipped_coefficients_uses_the_raw_change(zi, zi_dir, 
         (den,) = backend.denoisers.values()
         assert den.options.coefficients == (1.0, 0.0)
         sts = states(zi, zi_dir)
-        reused = assert_fewer_and_close(backend, sts, run(zi, sts, backend), plain)
+        reused = assert_fewer_and_close(backend, sts, output_tensors(zi, sts, backend), plain)
         assert backend.mode_counts["slice"] + backend.mode_counts["none"] > 0
     print(f"tea_cache raw change: {reused} of {2 * STEPS * len(sts)} evaluations reused")
 
 
 def test_tea_cache_with_user_coefficients_and_zero_threshold(zi, zi_dir, plain):
     with enabled_cache_backend("tea_cache", zi, rel_l1_thresh=0) as backend:
-        assert all(torch.equal(a, b) for a, b in zip(run(zi, states(zi, zi_dir), backend), plain))
+        assert all(torch.equal(a, b) for a, b in zip(output_tensors(zi, states(zi, zi_dir), backend), plain))
     with enabled_cache_backend("tea_cache", zi, coefficients=[2.0, 0.0], rel_l1_thresh=0.24) as backend:
         (den,) = backend.denoisers.values()
         assert den.options.coefficients == (2.0, 0.0)
         sts = states(zi, zi_dir)
-        assert_fewer_and_close(backend, sts, run(zi, sts, backend), plain)
+        assert_fewer_and_close(backend, sts, output_tensors(zi, sts, backend), plain)
 
 
 def test_tea_cache_step_batch_decides_per_request(zi, zi_dir, plain):
@@ -143,12 +138,12 @@ def test_cache_dit_skips_and_a_batch_matches_each_alone(zi, zi_dir, plain):
     config = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.8, max_warmup_steps=2)
     with enabled_cache_backend("cache_dit", zi, **config) as backend:
         sts = states(zi, zi_dir)
-        outs = run(zi, sts, backend)
+        outs = output_tensors(zi, sts, backend)
         assert backend.split_calls > 0
         assert_fewer_and_close(backend, sts, outs, plain)
         for i in range(len(PROMPTS)):
             (alone_state,) = states(zi, zi_dir, [PROMPTS[i]], seed=i)
-            (alone,) = run(zi, [alone_state], backend)
+            (alone,) = output_tensors(zi, [alone_state], backend)
             torch.testing.assert_close(alone, outs[i], atol=1e-3, rtol=0)
             assert (backend.request_metrics(alone_state)["cache_branches"]
                     == backend.request_metrics(sts[i])["cache_branches"])

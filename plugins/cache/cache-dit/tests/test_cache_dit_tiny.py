@@ -6,7 +6,7 @@ backend through its ``DenoiserSpec`` only."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import shutil
 
@@ -15,7 +15,7 @@ import torch
 
 from omni_core.errors import ConfigError
 from omni_core.testing.cache_contract import CacheBackendContract
-from omni_core.testing.driver import enabled_cache_backend, make_state, run_step_batch
+from omni_core.testing.driver import make_state, output_tensors
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
 #: the tiny model's requests reuse some steps at this threshold, and (at 8, 10, 12 steps) different ones
@@ -42,20 +42,14 @@ def tiny(tiny_dit_model):
 
 
 @pytest.fixture
-def dit():
+def dit(enable_cache):
     """``dit(pipeline, **config)``: a fresh enabled ``cache_dit`` backend, disabled after the test."""
-    with contextlib.ExitStack() as stack:
-        yield lambda pipeline, **config: stack.enter_context(enabled_cache_backend("cache_dit", pipeline, **config))
+    return functools.partial(enable_cache, "cache_dit")
 
 
 def states(pipeline, steps=(8, 10, 12), seed=0):
     return [make_state(pipeline, PROMPTS[i % len(PROMPTS)], seed=seed + i, negative_prompt="",
                        num_inference_steps=n) for i, n in enumerate(steps)]
-
-
-def run(pipeline, batch, backend=None, admit_at=None):
-    with torch.inference_mode():
-        return [o.tensor for o in run_step_batch(pipeline, batch, admit_at, cache_backend=backend)]
 
 
 def cached_steps(backend, state):
@@ -71,7 +65,7 @@ def test_skipping_really_happens_and_is_counted(tiny, dit):
     try:
         backend = dit(tiny, **CONFIG)
         batch = states(tiny)
-        run(tiny, batch, backend)
+        output_tensors(tiny, batch, backend)
     finally:
         for h in hooks:
             h.remove()
@@ -94,7 +88,7 @@ def test_threshold_zero_runs_every_block_and_makes_no_context(tiny, dit):
 
     backend = dit(tiny, residual_diff_threshold=0)
     batch = states(tiny, steps=(6, 6))
-    run(tiny, batch, backend)
+    output_tensors(tiny, batch, backend)
     for state in batch:
         dits = [v for v in state.cache_state.values() if isinstance(v, DiTState)]
         assert len(dits) == 2 and all(d.context is None and d.calls == 6 for d in dits)
@@ -110,12 +104,12 @@ def test_batches_and_step_waves_decide_per_request(tiny, dit):
     alone, alone_steps = [], []
     for i in range(3):
         state = states(tiny)[i]
-        alone += run(tiny, [state], backend)
+        alone += output_tensors(tiny, [state], backend)
         alone_steps.append(cached_steps(backend, state))
     assert len({str(s) for s in alone_steps}) > 1, "the requests should make different decisions"
     for admit_at in ([0, 0, 0], [0, 2, 5]):
         batch = states(tiny)
-        outs = run(tiny, batch, backend, admit_at)
+        outs = output_tensors(tiny, batch, backend, admit_at)
         assert [cached_steps(backend, s) for s in batch] == alone_steps
         for a, b in zip(alone, outs):
             assert torch.equal(a, b)
@@ -130,7 +124,7 @@ def test_scm_mask_and_taylorseer_are_sized_per_request(tiny, dit):
     backend = dit(tiny, residual_diff_threshold=0.3, max_warmup_steps=2, scm_steps_mask_policy="fast",
                   scm_steps_policy="static", enable_taylorseer=True, max_continuous_cached_steps=-1)
     batch = states(tiny, steps=(10, 16))
-    outs = run(tiny, batch, backend)
+    outs = output_tensors(tiny, batch, backend)
     for state, n in zip(batch, (10, 16)):
         ctx = state.cache_state["cond", "transformer"].context
         assert ctx.calibrator is not None
@@ -169,7 +163,7 @@ def test_model_folder_ships_defaults_and_the_user_overrides_them(tiny_dit_model,
     opts = backend.denoisers["transformer"].options
     assert (opts.residual_diff_threshold, opts.max_warmup_steps) == (0.1, 2)
     (state,) = states(pipeline, steps=(8,))
-    run(pipeline, [state], backend)
+    output_tensors(pipeline, [state], backend)
     assert min(cached_steps(backend, state)["cond/transformer"]) >= 2
 
 

@@ -5,7 +5,7 @@ its ``DenoiserSpec`` alone."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import re
 import shutil
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omni_core.testing.cache_contract import CacheBackendContract
-from omni_core.testing.driver import enabled_cache_backend, make_state, run_request_batch, run_step_batch
+from omni_core.testing.driver import make_state, output_tensors, run_step_batch
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
 #: a threshold at which the tiny model reuses some steps and computes others
@@ -45,20 +45,14 @@ def tiny(tiny_dit_model):
 
 
 @pytest.fixture
-def tea():
+def tea(enable_cache):
     """``tea(pipeline, **config)``: a fresh enabled ``tea_cache`` backend, disabled after the test."""
-    with contextlib.ExitStack() as stack:
-        yield lambda pipeline, **config: stack.enter_context(enabled_cache_backend("tea_cache", pipeline, **config))
+    return functools.partial(enable_cache, "tea_cache")
 
 
 def states(pipeline, steps=(8, 10, 12), seed=0):
     return [make_state(pipeline, PROMPTS[i % len(PROMPTS)], seed=seed + i, negative_prompt="",
                        num_inference_steps=n) for i, n in enumerate(steps)]
-
-
-def run(pipeline, batch, backend=None):
-    with torch.inference_mode():
-        return [o.tensor for o in run_request_batch(pipeline, batch, cache_backend=backend)]
 
 
 def patterns(state):
@@ -70,17 +64,17 @@ def patterns(state):
 
 # ---------------------------------------------------------------------------------------------- exactness
 def test_threshold_zero_and_disable_are_bit_identical(tiny, tea):
-    base = run(tiny, states(tiny))
+    base = output_tensors(tiny, states(tiny))
     backend = tea(tiny, rel_l1_thresh=0)
     cached_states = states(tiny)
-    zero = run(tiny, cached_states, backend)
+    zero = output_tensors(tiny, cached_states, backend)
     assert all(torch.equal(a, b) for a, b in zip(base, zero))
     assert backend.mode_counts["all"] > 0 and backend.mode_counts["slice"] == backend.mode_counts["none"] == 0
     assert all(set(p) == {"C"} for s in cached_states for p in patterns(s).values())
     backend.disable(tiny)
     assert all("forward" not in b.__dict__ for b in tiny.transformer.blocks)
     assert "forward" not in tiny.transformer.__dict__
-    assert all(torch.equal(a, b) for a, b in zip(base, run(tiny, states(tiny))))
+    assert all(torch.equal(a, b) for a, b in zip(base, output_tensors(tiny, states(tiny))))
 
 
 def test_engine_threshold_zero_bit_identical_with_metrics(tiny_dit_model):
@@ -107,12 +101,12 @@ def test_skipping_really_happens_and_is_counted(tiny, tea):
     rows = []
     hook = tiny.transformer.blocks[-1].mlp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
     try:
-        base = run(tiny, states(tiny, steps=(10, 10)))
+        base = output_tensors(tiny, states(tiny, steps=(10, 10)))
         base_rows = sum(rows)
         rows.clear()
         backend = tea(tiny, rel_l1_thresh=THRESH)
         cached_states = states(tiny, steps=(10, 10))
-        cached = run(tiny, cached_states, backend)
+        cached = output_tensors(tiny, cached_states, backend)
     finally:
         hook.remove()
     metrics = [backend.request_metrics(s) for s in cached_states]
@@ -135,11 +129,11 @@ def test_max_consecutive_reuse_bounds_every_run(tiny, tea, k):
     steps = 12
     unbounded = tea(tiny, rel_l1_thresh=1e6)
     free = states(tiny, steps=(steps,))
-    run(tiny, free, unbounded)
+    output_tensors(tiny, free, unbounded)
     unbounded.disable(tiny)
     bounded = tea(tiny, rel_l1_thresh=1e6, max_consecutive_reuse=k)
     capped = states(tiny, steps=(steps,))
-    run(tiny, capped, bounded)
+    output_tensors(tiny, capped, bounded)
     longest = lambda st: max(len(r) for p in patterns(st[0]).values() for r in re.findall("R+", p))  # noqa: E731
     assert longest(free) == steps - 2  # everything between the first and the last step
     assert longest(capped) == k
@@ -153,10 +147,10 @@ def test_batch_decides_per_request(tiny, tea, monkeypatch):
     backend = tea(tiny, rel_l1_thresh=THRESH)
     alone, alone_patterns = [], []
     for st in states(tiny):
-        alone += run(tiny, [st], backend)
+        alone += output_tensors(tiny, [st], backend)
         alone_patterns.append(patterns(st))
     batched_states = states(tiny)
-    batched = run(tiny, batched_states, backend)
+    batched = output_tensors(tiny, batched_states, backend)
     assert [patterns(s) for s in batched_states] == alone_patterns
     assert len({str(p) for p in alone_patterns}) > 1, "the requests should make different decisions"
     assert backend.mode_counts["slice"] > 0
@@ -168,7 +162,7 @@ def test_batch_decides_per_request(tiny, tea, monkeypatch):
     monkeypatch.setattr(tiny, "denoisers", lambda: [attrs.evolve(spec, rows_separable=False)])
     backend = tea(tiny, rel_l1_thresh=THRESH)
     masked_states = states(tiny)
-    masked = run(tiny, masked_states, backend)
+    masked = output_tensors(tiny, masked_states, backend)
     assert backend.mode_counts["mask"] > 0 and backend.mode_counts["slice"] == 0
     assert [patterns(s) for s in masked_states] == alone_patterns
     for a, b in zip(alone, masked):
@@ -179,7 +173,7 @@ def test_step_wave_requests_at_different_steps_decide_for_themselves(tiny, tea):
     backend = tea(tiny, rel_l1_thresh=THRESH)
     alone, alone_patterns = [], []
     for st in states(tiny, steps=(10, 10, 10)):
-        alone += run(tiny, [st], backend)
+        alone += output_tensors(tiny, [st], backend)
         alone_patterns.append(patterns(st))
     waved = states(tiny, steps=(10, 10, 10))
     with torch.inference_mode():

@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_core.config import OmniDiffusionConfig, SamplingParams
+from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import load_pipeline, resolve_model
-from omni_core.request import OmniDiffusionRequest
+from omni_core.pipelines import resolve_model
 from omni_core.testing import DiffusersParityContract, levels_apart, make_state
 
 STEPS = 3
@@ -131,75 +130,6 @@ def test_bad_sizes_and_lengths_are_refused_naming_the_field(flux_dir, schnell_di
     assert (schnell.num_inference_steps, schnell.guidance_scale, schnell.max_sequence_length) == (4, None, 256)
     default = FluxPipeline.check_sampling_params(SamplingParams())
     assert (default.height, default.width) == (1024, 1024)
-
-
-def test_true_cfg_scale_is_declared_on_the_record_and_splits_waves(flux_dir):
-    from omni_core.plugins import get_plugin_manager
-    from omni_core.sched import RequestScheduler, StepScheduler
-    from omni_model_flux.fields import SAMPLING_FIELDS
-    from omni_model_flux.pipeline import FluxPipeline
-
-    assert get_plugin_manager().get_component("pipeline", "FluxPipeline").sampling_fields == SAMPLING_FIELDS
-    assert FluxPipeline.sampling_fields is SAMPLING_FIELDS
-
-    def req(rid, **kw):
-        params = FluxPipeline.check_sampling_params(SamplingParams(height=16, width=16, **kw), flux_dir)
-        return OmniDiffusionRequest(prompt=rid, request_id=rid, negative_prompt=NEG, sampling_params=params)
-
-    for sched in (RequestScheduler(), StepScheduler()):
-        assert sched.batch_key(req("a")) == sched.batch_key(req("b", true_cfg_scale=1.0))  # 1.0: FLUX's default
-        assert sched.batch_key(req("a")) != sched.batch_key(req("c", true_cfg_scale=2.0))
-    from omni_core.config import registered_sampling_fields
-
-    if "guidance_scale_2" in registered_sampling_fields():  # Wan installed too: this pipeline's own refusal
-        with pytest.raises(ConfigError, match="guidance_scale_2 is not used by FluxPipeline .*; use guidance_scale"
-                           ) as err:
-            FluxPipeline.check_sampling_params(SamplingParams(guidance_scale_2=2.0), flux_dir)
-    else:  # installed alone: no model declares it, so SamplingParams itself refuses it
-        with pytest.raises(ConfigError, match="unknown field 'guidance_scale_2'") as err:
-            SamplingParams(guidance_scale_2=2.0)
-    assert err.value.field == "guidance_scale_2"
-
-
-def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(flux_dir):
-    from omni_model_flux.attention import OmniFluxAttnProcessor
-
-    config = OmniDiffusionConfig(model=flux_dir, dtype="float32",
-                                 attention_config={"per_role": {"joint": "TORCH_SDPA"}})
-    pipe = load_pipeline(resolve_model(flux_dir), config, "cpu", torch.float32)
-    layers = pipe.attention_layers
-    t = pipe.transformer
-    assert len(layers) == t.config.num_layers + t.config.num_single_layers  # double- and single-stream blocks
-    assert all(isinstance(p, OmniFluxAttnProcessor) for p in t.attn_processors.values())
-    for layer in layers:
-        assert (layer.role, layer.role_category, layer.backend_name) == ("joint", "self", "TORCH_SDPA")
-        assert layer.selection.source == "per_role['joint']"
-    calls = []
-    hooks = [layer.register_forward_hook(lambda mod, args, kwargs, out: calls.append(args[0].shape), with_kwargs=True)
-             for layer in layers]
-    try:
-        pipe.forward([state_of(pipe, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(pipe, PROMPTS[1], 2)])
-    finally:
-        for h in hooks:
-            h.remove()
-    # per step and layer: ONE call over both requests' cond rows and the CFG one's uncond row, [text; image]
-    assert calls == [torch.Size([3, MSL + 64, 2, 16])] * (len(layers) * STEPS)
-
-    category = OmniDiffusionConfig(model=flux_dir, attention_config={"per_role": {"self": "TORCH_SDPA"}})
-    pipe = load_pipeline(resolve_model(flux_dir), category, "cpu", torch.float32)
-    assert {layer.selection.source for layer in pipe.attention_layers} == {"per_role['self'] (role category)"}
-
-
-def test_preview_and_pil_output(flux_dir, omni_flux):
-    from omni_model_flux.pipeline import FluxPipeline
-
-    state = state_of(omni_flux, PROMPTS[1], 3, width=24)
-    omni_flux.prepare_encode(state)
-    preview = omni_flux.preview(state)
-    assert preview.shape == (3, 16, 24) and 0 <= preview.min() and preview.max() <= 1
-    (out,) = omni_flux.forward([state_of(omni_flux, PROMPTS[1], 3, width=24)])
-    out = FluxPipeline.post_process(out, state_of(omni_flux, PROMPTS[1], 3).request)
-    assert out.images[0].size == (24, 16) and out.images[0].mode == "RGB"
 
 
 def test_denoiser_spec_matches_the_transformer(flux_dir, omni_flux):

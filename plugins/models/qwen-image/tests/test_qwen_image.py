@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_core.config import OmniDiffusionConfig, SamplingParams
+from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import load_pipeline, resolve_model
-from omni_core.request import OmniDiffusionRequest
+from omni_core.pipelines import resolve_model
 from omni_core.testing import DiffusersParityContract, make_state
 
 STEPS = 3
@@ -117,77 +116,6 @@ def test_sizes_the_model_cannot_take_name_the_multiple(qwen_dir):
     assert (ok.height, ok.width, ok.num_inference_steps, ok.true_cfg_scale) == (24, 56, 50, 4.0)
     default = QwenImagePipeline.check_sampling_params(SamplingParams())
     assert (default.height, default.width) == (1024, 1024)
-
-
-def test_true_cfg_scale_is_declared_on_the_record_and_splits_waves(qwen_dir):
-    from omni_core.plugins import get_plugin_manager
-    from omni_core.sched import RequestScheduler, StepScheduler
-    from omni_model_qwen_image.fields import SAMPLING_FIELDS
-    from omni_model_qwen_image.pipeline import QwenImagePipeline
-
-    assert get_plugin_manager().get_component("pipeline", "QwenImagePipeline").sampling_fields == SAMPLING_FIELDS
-    assert QwenImagePipeline.sampling_fields is SAMPLING_FIELDS
-
-    def req(rid, **kw):
-        params = QwenImagePipeline.check_sampling_params(SamplingParams(height=32, width=32, **kw), qwen_dir)
-        return OmniDiffusionRequest(prompt=rid, request_id=rid, negative_prompt=NEG, sampling_params=params)
-
-    for sched in (RequestScheduler(), StepScheduler()):
-        assert sched.batch_key(req("a")) == sched.batch_key(req("b", true_cfg_scale=4.0))  # 4.0: the default
-        assert sched.batch_key(req("a")) != sched.batch_key(req("c", true_cfg_scale=2.0))
-    from omni_core.config import registered_sampling_fields
-
-    if "guidance_scale_2" in registered_sampling_fields():  # Wan installed too: this pipeline's own refusal
-        with pytest.raises(ConfigError, match="guidance_scale_2 is not used by QwenImagePipeline .*; use "
-                                              "true_cfg_scale with a negative prompt for CFG") as err:
-            QwenImagePipeline.check_sampling_params(SamplingParams(guidance_scale_2=2.0), qwen_dir)
-    else:  # installed alone: no model declares it, so SamplingParams itself refuses it
-        with pytest.raises(ConfigError, match="unknown field 'guidance_scale_2'") as err:
-            SamplingParams(guidance_scale_2=2.0)
-    assert err.value.field == "guidance_scale_2"
-
-
-def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(qwen_dir):
-    from omni_model_qwen_image.attention import OmniQwenDoubleStreamAttnProcessor
-
-    config = OmniDiffusionConfig(model=qwen_dir, dtype="float32",
-                                 attention_config={"per_role": {"joint": "TORCH_SDPA"}})
-    pipe = load_pipeline(resolve_model(qwen_dir), config, "cpu", torch.float32)
-    layers = pipe.attention_layers
-    assert len(layers) == pipe.transformer.config.num_layers
-    assert all(isinstance(p, OmniQwenDoubleStreamAttnProcessor) for p in pipe.transformer.attn_processors.values())
-    for layer in layers:
-        assert (layer.role, layer.role_category, layer.backend_name) == ("joint", "self", "TORCH_SDPA")
-        assert layer.selection.source == "per_role['joint']"
-    calls = []
-    hooks = [layer.register_forward_hook(lambda mod, args, kwargs, out: calls.append(kwargs.get("attn_mask") is not None),
-                                         with_kwargs=True)
-             for layer in layers]
-    try:
-        states = [state_of(pipe, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(pipe, PROMPTS[1], 2)]
-        pipe.forward(states)
-    finally:
-        for h in hooks:
-            h.remove()
-    # per step: ONE call over both requests' cond rows and the CFG one's uncond rows (padded text -> masked)
-    assert len(calls) == len(layers) * STEPS
-    assert all(calls)
-
-    category = OmniDiffusionConfig(model=qwen_dir, attention_config={"per_role": {"self": "TORCH_SDPA"}})
-    pipe = load_pipeline(resolve_model(qwen_dir), category, "cpu", torch.float32)
-    assert {layer.selection.source for layer in pipe.attention_layers} == {"per_role['self'] (role category)"}
-
-
-def test_preview_and_pil_output(qwen_dir, omni_qwen):
-    from omni_model_qwen_image.pipeline import QwenImagePipeline
-
-    state = state_of(omni_qwen, PROMPTS[1], 3, width=48)
-    omni_qwen.prepare_encode(state)
-    preview = omni_qwen.preview(state)
-    assert preview.shape == (3, 32 // 4, 48 // 4) and 0 <= preview.min() and preview.max() <= 1
-    (out,) = omni_qwen.forward([state_of(omni_qwen, PROMPTS[1], 3, width=48)])
-    out = QwenImagePipeline.post_process(out, state_of(omni_qwen, PROMPTS[1], 3).request)
-    assert out.images[0].size == (48, 32) and out.images[0].mode == "RGB"
 
 
 def test_denoiser_spec_matches_the_transformer(qwen_dir, omni_qwen):

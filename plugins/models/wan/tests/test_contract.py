@@ -12,3 +12,4 @@ class TestWanPipelineContract(PipelineContract):
     #: batching changes float summation order only (the parity tests hold batched latents to 5e-5 of diffusers)
     batch_atol = 1e-4
     abort_steps = 20
+    fields_model_fixture = "wan22_dir"  # guidance_scale_2 needs the two-expert folder

@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_core.config import OmniDiffusionConfig, SamplingParams
+from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import load_pipeline, resolve_model
-from omni_core.request import OmniDiffusionRequest
+from omni_core.pipelines import resolve_model
 from omni_core.testing import DiffusersParityContract, make_state
 
 #: with shift=7 the 4 timesteps are [1000, 934, 781, 47]: Wan 2.2's boundary 875 gives two steps per expert
@@ -154,66 +153,13 @@ def test_sizes_the_model_cannot_take_name_the_multiple(wan21_dir, wan22_dir):
     assert (ok.height, ok.width, ok.num_frames, ok.guidance_scale, ok.num_inference_steps) == (16, 48, 81, 5.0, 50)
 
 
-def test_guidance_scale_2_is_declared_on_the_record_and_splits_waves(wan22_dir):
-    from omni_core.plugins import get_plugin_manager
-    from omni_core.sched import RequestScheduler, StepScheduler
-    from omni_model_wan.fields import SAMPLING_FIELDS
-    from omni_model_wan.pipeline import WanPipeline
-
-    assert get_plugin_manager().get_component("pipeline", "WanPipeline").sampling_fields == SAMPLING_FIELDS
-    assert WanPipeline.sampling_fields is SAMPLING_FIELDS
-
-    def req(rid, **kw):
-        params = WanPipeline.check_sampling_params(SamplingParams(height=16, width=16, num_frames=5, **kw), wan22_dir)
-        return OmniDiffusionRequest(prompt=rid, request_id=rid, sampling_params=params)
-
-    assert req("a").sampling_params.guidance_scale_2 is None  # unset: guidance_scale applies at run time
-    for sched in (RequestScheduler(), StepScheduler()):
-        assert sched.batch_key(req("a", guidance_scale_2=3.0)) == sched.batch_key(req("b", guidance_scale_2=3.0))
-        assert sched.batch_key(req("a", guidance_scale_2=3.0)) != sched.batch_key(req("c", guidance_scale_2=2.0))
-    from omni_core.config import registered_sampling_fields
-
-    if "true_cfg_scale" in registered_sampling_fields():  # Qwen-Image installed too: this pipeline's own refusal
-        with pytest.raises(ConfigError, match=r"true_cfg_scale is not used by WanPipeline .*; use guidance_scale "
-                                              r"\(and guidance_scale_2 for Wan 2.2's second expert\)") as err:
-            WanPipeline.check_sampling_params(SamplingParams(true_cfg_scale=2.0), wan22_dir)
-    else:  # installed alone: no model declares it, so SamplingParams itself refuses it
-        with pytest.raises(ConfigError, match="unknown field 'true_cfg_scale'") as err:
-            SamplingParams(true_cfg_scale=2.0)
-    assert err.value.field == "true_cfg_scale"
-
-
-def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(wan22_dir):
-    from omni_model_wan.attention import OmniWanAttnProcessor
-
-    config = OmniDiffusionConfig(model=wan22_dir, dtype="float32",
-                                 attention_config={"per_role": {"cross": "TORCH_SDPA"}})
-    pipe = load_pipeline(resolve_model(wan22_dir), config, "cpu", torch.float32)
-    layers = pipe.attention_layers
-    assert len(layers) == 2 * 2 * 2  # two experts x two blocks x (attn1, attn2)
-    for expert in pipe.experts.values():
-        assert all(isinstance(p, OmniWanAttnProcessor) for p in expert.attn_processors.values())
-    roles = {layer.prefix: (layer.role, layer.selection.source) for layer in layers}
-    assert roles["transformer.blocks.0.attn2"] == ("cross", "per_role['cross']")
-    assert roles["transformer_2.blocks.1.attn1"][0] == "self"
-    assert all(src != "per_role['cross']" for role, src in roles.values() if role == "self")
-    calls = {"self": 0, "cross": 0}
-    hooks = [layer.register_forward_hook(lambda mod, a, o: calls.__setitem__(mod.role, calls[mod.role] + 1))
-             for layer in layers]
-    try:
-        pipe.forward([state_of(pipe, PROMPTS[0], 1, negative=NEG, g=5.0)])
-    finally:
-        for h in hooks:
-            h.remove()
-    # 4 steps x one call (cond + uncond folded) x 2 blocks, on whichever expert the step uses
-    assert calls == {"self": STEPS * 2, "cross": STEPS * 2}
-
-
-def test_preview(wan21_dir, wan21):
-    _, omni = wan21
-    state = omni.prepare_encode(state_of(omni, PROMPTS[1], 3, width=32))
-    preview = omni.preview(state)
-    assert preview.shape == (3, 16 // 8, 32 // 8) and 0 <= preview.min() and preview.max() <= 1
+def test_attn1_is_self_and_attn2_is_cross_in_both_experts(wan22):
+    """Wan's roles by module (the contract checks routing and one call per layer and step): ``attn1`` is self-,
+    ``attn2`` cross-attention, in each expert's blocks."""
+    _, omni = wan22
+    roles = {layer.prefix: layer.role for layer in omni.attention_layers}
+    assert roles == {f"{expert}.blocks.{i}.{attn}": "self" if attn == "attn1" else "cross"
+                     for expert in ("transformer", "transformer_2") for i in (0, 1) for attn in ("attn1", "attn2")}
 
 
 def test_write_mp4(tmp_path):

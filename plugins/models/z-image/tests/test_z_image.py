@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_core.config import OmniDiffusionConfig, SamplingParams
+from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import load_pipeline, resolve_model
+from omni_core.pipelines import resolve_model
 from omni_core.testing import DiffusersParityContract, levels_apart, make_state
 
 STEPS = 3
@@ -121,20 +121,6 @@ def test_sizes_and_lengths_the_model_cannot_take_name_the_field(zimage_dir):
     assert (default.height, default.width, default.max_sequence_length) == (1024, 1024, 512)
 
 
-def test_cfg_fields_are_declared_on_the_record_and_other_models_fields_refused(zimage_dir):
-    from omni_core.config import registered_sampling_fields
-    from omni_core.plugins import get_plugin_manager
-    from omni_model_z_image.fields import SAMPLING_FIELDS
-    from omni_model_z_image.pipeline import ZImagePipeline
-
-    assert get_plugin_manager().get_component("pipeline", "ZImagePipeline").sampling_fields == SAMPLING_FIELDS
-    assert ZImagePipeline.sampling_fields is SAMPLING_FIELDS
-    if "true_cfg_scale" in registered_sampling_fields():  # Qwen-Image installed too
-        with pytest.raises(ConfigError, match="true_cfg_scale is not used by ZImagePipeline .*guidance_scale") as err:
-            ZImagePipeline.check_sampling_params(SamplingParams(height=32, width=32, true_cfg_scale=2.0), zimage_dir)
-        assert err.value.field == "true_cfg_scale"
-
-
 def test_turbo_folders_default_to_few_steps_without_cfg(tmp_path):
     from omni_model_z_image.pipeline import ZImagePipeline, is_turbo
 
@@ -146,50 +132,25 @@ def test_turbo_folders_default_to_few_steps_without_cfg(tmp_path):
     assert ZImagePipeline.check_sampling_params(SamplingParams(guidance_scale=2.0), str(turbo)).guidance_scale == 2.0
 
 
-def test_every_attention_call_goes_through_omni_layers_with_the_chosen_backend(zimage_dir):
-    from omni_model_z_image.attention import OmniZImageAttnProcessor
-
-    config = OmniDiffusionConfig(model=zimage_dir, dtype="float32",
-                                 attention_config={"per_role": {"joint": "TORCH_SDPA"}})
-    pipe = load_pipeline(resolve_model(zimage_dir), config, "cpu", torch.float32)
-    t = pipe.transformer
-    layers = pipe.attention_layers
-    assert len(layers) == len(t.layers) + len(t.noise_refiner) + len(t.context_refiner) == 4
-    blocks = [*t.layers, *t.noise_refiner, *t.context_refiner]
-    assert all(isinstance(b.attention.processor, OmniZImageAttnProcessor) for b in blocks)
+def test_attention_roles_and_which_calls_are_masked(omni_zimage):
+    """Z-Image's own roles (the contract checks routing and one call per layer and step): the refiners run
+    before the sequences are joined (never sharded), and a batch of prompts of different lengths masks the text
+    and unified sequences but not the image ones."""
+    layers = omni_zimage.attention_layers
     roles = {(layer.role, layer.role_category, layer.skip_sequence_parallel) for layer in layers}
     assert roles == {("joint", "self", False), ("image_refiner", "self", True), ("text_refiner", "self", True)}
-    assert {layer.selection.source for layer in layers if layer.role == "joint"} == {"per_role['joint']"}
     calls = []
     hooks = [layer.register_forward_hook(
         lambda mod, args, kwargs, out: calls.append((mod.role, kwargs.get("attn_mask") is not None)),
         with_kwargs=True) for layer in layers]
     try:
-        states = [state_of(pipe, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(pipe, PROMPTS[1], 2)]
-        pipe.forward(states)
+        omni_zimage.forward([state_of(omni_zimage, PROMPTS[0], 1, negative=NEG, cfg=4.0),
+                             state_of(omni_zimage, PROMPTS[1], 2)])
     finally:
         for h in hooks:
             h.remove()
-    # per step: ONE call per layer over both requests' cond rows and the CFG one's uncond rows; the text and
-    # unified sequences differ in length (masked), the image sequences do not
     assert sorted(calls) == sorted([("image_refiner", False), ("text_refiner", True), ("joint", True),
                                     ("joint", True)] * STEPS)
-
-    category = OmniDiffusionConfig(model=zimage_dir, attention_config={"per_role": {"self": "TORCH_SDPA"}})
-    pipe = load_pipeline(resolve_model(zimage_dir), category, "cpu", torch.float32)
-    assert {layer.selection.source for layer in pipe.attention_layers} == {"per_role['self'] (role category)"}
-
-
-def test_preview_and_pil_output(zimage_dir, omni_zimage):
-    from omni_model_z_image.pipeline import ZImagePipeline
-
-    state = state_of(omni_zimage, PROMPTS[1], 3, width=48)
-    omni_zimage.prepare_encode(state)
-    preview = omni_zimage.preview(state)
-    assert preview.shape == (3, 32 // 2, 48 // 2) and 0 <= preview.min() and preview.max() <= 1
-    (out,) = omni_zimage.forward([state_of(omni_zimage, PROMPTS[1], 3, width=48)])
-    out = ZImagePipeline.post_process(out, state_of(omni_zimage, PROMPTS[1], 3).request)
-    assert out.images[0].size == (48, 32) and out.images[0].mode == "RGB"
 
 
 def test_denoiser_spec_matches_the_transformer(zimage_dir, omni_zimage):
