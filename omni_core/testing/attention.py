@@ -104,6 +104,9 @@ class AttentionBackendContract:
     #: per-dtype (atol, rtol) overrides, merged over DEFAULT_TOLERANCES
     tolerances: ClassVar[dict[str, tuple[float, float]]] = {}
     seed: ClassVar[int] = 0
+    #: a fixture set up before the backend loads, e.g. one substituting a reference kernel for a GPU library so
+    #: the contract runs on the CPU through the backend's own adapter code (``None``: the backend as installed)
+    kernel_fixture: ClassVar[str | None] = None
 
     # ------------------------------------------------------------------ parametrisation
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -121,13 +124,16 @@ class AttentionBackendContract:
 
     # ------------------------------------------------------------------ fixtures and helpers
     @pytest.fixture
-    def backend(self, omni_plugin_manager: Any) -> Any:
-        """The backend class, loaded through a fresh strict plugin manager; skipped if not usable here."""
+    def backend(self, omni_plugin_manager: Any, request: pytest.FixtureRequest) -> Any:
+        """The backend class, loaded through a fresh strict plugin manager (after ``kernel_fixture``); skipped if
+        not usable here."""
         from omni_core.attention.selector import load_backend
         from omni_core.plugins.availability import check_component
 
         if not self.backend_name:
             pytest.fail(f"{type(self).__name__} must set backend_name")
+        if self.kernel_fixture:
+            request.getfixturevalue(self.kernel_fixture)
         cls = load_backend(self.backend_name, omni_plugin_manager)  # a broken plugin fails, an absent library skips
         av = check_component("attention", self.backend_name, pm=omni_plugin_manager)  # no context: up to is_available
         if not av.ok:

@@ -53,14 +53,7 @@ class TestFlashContractOnReference(_FlashOverrides, AttentionBackendContract):
     """The shared contract, through the Attention layer, with the reference kernel on CPU."""
 
     devices = ("cpu",)
-
-    @pytest.fixture
-    def backend(self, omni_plugin_manager, reference_flash):
-        from omni_core.attention.selector import load_backend
-
-        cls = load_backend("FLASH_ATTN", omni_plugin_manager)
-        assert cls is fb.FlashAttentionBackend
-        return cls
+    kernel_fixture = "reference_flash"
 
 
 @pytest.mark.gpu

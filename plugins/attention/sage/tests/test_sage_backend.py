@@ -38,14 +38,7 @@ class TestSageContractOnReference(_SageContract):
     """The shared contract, through the Attention layer, with the reference kernel on CPU."""
 
     devices = ("cpu",)
-
-    @pytest.fixture
-    def backend(self, omni_plugin_manager, reference_sage):
-        from omni_core.attention.selector import load_backend
-
-        cls = load_backend("SAGE_ATTN", omni_plugin_manager)
-        assert cls is sb.SageAttentionBackend
-        return cls
+    kernel_fixture = "reference_sage"
 
 
 @pytest.mark.gpu
