@@ -229,6 +229,22 @@ class PipelineContract:
         assert err.value.field == field and str(bad) in str(err.value)
 
     # ------------------------------------------------------------------ declarations
+    def test_registered_by_the_distribution_that_ships_it(self, contract_model_path: str) -> None:
+        """The folder resolves to the pipeline through an ``omni_core.plugins`` entry point of the distribution
+        that ships the pipeline's package (not a copy registered by some other plugin)."""
+        import importlib.metadata
+
+        from omni_core.pipelines import resolve_model
+        from omni_core.plugins.manager import ENTRY_POINT_GROUP
+
+        resolved = resolve_model(contract_model_path)
+        package = resolved.spec.impl.split(":")[0].split(".")[0]
+        entry_points = [ep for ep in importlib.metadata.distribution(resolved.spec.provider).entry_points
+                        if ep.group == ENTRY_POINT_GROUP]
+        assert any(ep.value.split(":")[0].split(".")[0] == package for ep in entry_points), \
+            f"{resolved.spec.name} ({resolved.spec.impl}) is registered by {resolved.spec.provider}, whose entry points are " \
+            f"{[ep.value for ep in entry_points]}"
+
     def test_sampling_fields_are_declared_once_and_key_batches(self, contract_model_path: str,
                                                                request: pytest.FixtureRequest) -> None:
         from omni_core.config import SamplingParams

@@ -101,12 +101,10 @@ def state_of(pipeline, prompt, seed, *, negative=None, cfg=1.0, n=1, **fields):
                       num_outputs_per_prompt=n, **{**SAMPLING, **fields})
 
 
-def test_registered_through_entry_point(flux_dir, schnell_dir):
-    from omni_core.plugins.manager import get_plugin_manager
-
-    spec = get_plugin_manager().get_component("pipeline", "FluxPipeline")
-    assert spec.provider == "omni-model-flux" and spec.supported_parallel == ("ulysses", "ring", "cfg")
-    assert resolve_model(flux_dir).spec.name == resolve_model(schnell_dir).spec.name == "FluxPipeline"
+def test_dev_and_schnell_are_one_pipeline_with_every_parallel_mode(flux_dir, schnell_dir):
+    spec = resolve_model(schnell_dir).spec
+    assert spec.name == resolve_model(flux_dir).spec.name == "FluxPipeline"
+    assert spec.supported_parallel == ("ulysses", "ring", "cfg")
 
 
 def test_bad_sizes_and_lengths_are_refused_naming_the_field(flux_dir, schnell_dir):

@@ -14,7 +14,6 @@ import torch
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import resolve_model
 from omni_core.testing import DiffusersParityContract, make_state
 
 STEPS = 3
@@ -92,14 +91,6 @@ def state_of(pipeline, prompt, seed, *, negative=None, cfg=1.0, n=1, **fields):
     """A request's ``StepState`` at the tiny sizes (``SAMPLING`` overridden by ``fields``)."""
     return make_state(pipeline, prompt, seed=seed, negative_prompt=negative, true_cfg_scale=cfg,
                       num_outputs_per_prompt=n, **{**SAMPLING, **fields})
-
-
-def test_registered_through_entry_point(qwen_dir):
-    from omni_core.plugins.manager import get_plugin_manager
-
-    spec = get_plugin_manager().get_component("pipeline", "QwenImagePipeline")
-    assert spec.provider == "omni-model-qwen-image"
-    assert resolve_model(qwen_dir).spec.name == "QwenImagePipeline"
 
 
 def test_sizes_the_model_cannot_take_name_the_multiple(qwen_dir):

@@ -13,7 +13,6 @@ import pytest
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import resolve_model
 from omni_core.request import OmniDiffusionRequest
 from omni_core.testing import DiffusersParityContract
 
@@ -71,13 +70,6 @@ class TestQwenImageEditPlusParity(DiffusersParityContract):
         assert calls == [((3, 4 + 37 * 28 + 27 * 38), [(1, 2, 2), (1, 28, 37), (1, 38, 27)])] * STEPS
         for state, out, case in zip(states, outs, cases):
             self.assert_parity(state, out, case)
-
-
-def test_registered_through_entry_point(plus_dir):
-    from omni_core.plugins.manager import get_plugin_manager
-
-    assert get_plugin_manager().get_component("pipeline", "QwenImageEditPlusPipeline").provider == "omni-model-qwen-image"
-    assert resolve_model(plus_dir).spec.name == "QwenImageEditPlusPipeline"
 
 
 @pytest.mark.parametrize("count, match", [(0, r"needs the images to edit: give 'image' with 1 to 3 images \(got 0\)"),

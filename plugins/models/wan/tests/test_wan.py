@@ -15,7 +15,6 @@ import torch
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import resolve_model
 from omni_core.testing import DiffusersParityContract, make_state
 
 #: with shift=7 the 4 timesteps are [1000, 934, 781, 47]: Wan 2.2's boundary 875 gives two steps per expert
@@ -129,14 +128,6 @@ def state_of(pipeline, prompt, seed, *, negative=None, g=6.0, g2=None, n=1, msl=
     """A request's ``StepState`` at the tiny sizes (``SAMPLING`` overridden by ``fields``)."""
     return make_state(pipeline, prompt, seed=seed, negative_prompt=negative, guidance_scale=g, guidance_scale_2=g2,
                       num_outputs_per_prompt=n, **{**SAMPLING, "max_sequence_length": msl, **fields})
-
-
-def test_registered_through_entry_point(wan21_dir):
-    from omni_core.plugins.manager import get_plugin_manager
-
-    spec = get_plugin_manager().get_component("pipeline", "WanPipeline")
-    assert spec.provider == "omni-model-wan"
-    assert resolve_model(wan21_dir).spec.name == "WanPipeline"
 
 
 def test_sizes_the_model_cannot_take_name_the_multiple(wan21_dir, wan22_dir):

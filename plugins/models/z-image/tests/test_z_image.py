@@ -14,7 +14,6 @@ import torch
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines import resolve_model
 from omni_core.testing import DiffusersParityContract, levels_apart, make_state
 
 STEPS = 3
@@ -85,14 +84,6 @@ def state_of(pipeline, prompt, seed, *, negative=None, cfg=0.0, n=1, **fields):
     """A request's ``StepState`` at the tiny sizes (``SAMPLING`` overridden by ``fields``)."""
     return make_state(pipeline, prompt, seed=seed, negative_prompt=negative, guidance_scale=cfg,
                       num_outputs_per_prompt=n, **{**SAMPLING, **fields})
-
-
-def test_registered_through_entry_point(zimage_dir):
-    from omni_core.plugins.manager import get_plugin_manager
-
-    spec = get_plugin_manager().get_component("pipeline", "ZImagePipeline")
-    assert spec.provider == "omni-model-z-image"
-    assert resolve_model(zimage_dir).spec.name == "ZImagePipeline"
 
 
 def test_sizes_and_lengths_the_model_cannot_take_name_the_field(zimage_dir):
