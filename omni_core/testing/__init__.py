@@ -13,6 +13,9 @@ Fixtures:
   name ``"tiny-dit"``), so ``Omni(tiny_dit_model, cache_backend=...)`` works with only the core and one cache
   plugin installed (spawned workers and ``omni`` subprocesses find it too).
 
+* ``tiny_dit`` (session) -- that tiny DiT's pipeline, loaded once through the real loader (CPU, float32), for
+  tests that drive it directly; a test that enables a cache backend on it disables it after (``enable_cache``).
+
 * ``enable_cache`` -- ``enable_cache(name, pipeline, **config)``: the cache backend registered as ``name``, built
   from ``config`` and enabled on ``pipeline``; every backend it enabled is disabled after the test (so a test never
   imports the cache plugin, and a failed test leaves the shared pipeline uncached).
@@ -154,6 +157,14 @@ def register_omni_plugin(omni_plugin_manager: Any) -> Iterator[Callable[..., Any
     for name in reversed(names):
         if omni_plugin_manager.has_plugin(name):
             omni_plugin_manager.unregister(name=name)
+
+
+@pytest.fixture(scope="session")
+def tiny_dit(tiny_dit_model: str) -> Any:
+    """The tiny DiT's pipeline, loaded once per session (see the module docstring)."""
+    from omni_core.testing._model import load_model
+
+    return load_model(tiny_dit_model)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import torch
 
 from omni_core.errors import ConfigError
 from omni_core.testing.cache_contract import CacheBackendContract
+from omni_core.testing import load_model
 from omni_core.testing.driver import make_state, output_tensors
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
@@ -28,17 +29,6 @@ class TestCacheDiTContract(CacheBackendContract):
     off_config = {"residual_diff_threshold": 0}
     sampling = {"num_inference_steps": 8}
     metric_keys = ("cache_backend", "steps_computed", "steps_reused", "cache_branches")
-
-
-def load(path: str):
-    from omni_core.testing._model import load_model
-
-    return load_model(path)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dit_model):
-    return load(tiny_dit_model)
 
 
 @pytest.fixture
@@ -57,15 +47,15 @@ def cached_steps(backend, state):
 
 
 # ---------------------------------------------------------------------------------------------- skipping
-def test_skipping_really_happens_and_is_counted(tiny, dit):
+def test_skipping_really_happens_and_is_counted(tiny_dit, dit):
     """Block 1's MLP runs only on computed steps; block 0 (the Fn block, whose residual decides) always runs."""
     rows = {0: 0, 1: 0}
-    hooks = [tiny.transformer.blocks[i].mlp.register_forward_pre_hook(
+    hooks = [tiny_dit.transformer.blocks[i].mlp.register_forward_pre_hook(
         lambda m, a, i=i: rows.__setitem__(i, rows[i] + a[0].shape[0])) for i in (0, 1)]
     try:
-        backend = dit(tiny, **CONFIG)
-        batch = states(tiny)
-        output_tensors(tiny, batch, backend)
+        backend = dit(tiny_dit, **CONFIG)
+        batch = states(tiny_dit)
+        output_tensors(tiny_dit, batch, backend)
     finally:
         for h in hooks:
             h.remove()
@@ -83,12 +73,12 @@ def test_skipping_really_happens_and_is_counted(tiny, dit):
             assert branch["cached_steps"] and min(branch["cached_steps"]) >= 1  # warmup step 0 computes
 
 
-def test_threshold_zero_runs_every_block_and_makes_no_context(tiny, dit):
+def test_threshold_zero_runs_every_block_and_makes_no_context(tiny_dit, dit):
     from omni_cache_dit.backend import DiTState
 
-    backend = dit(tiny, residual_diff_threshold=0)
-    batch = states(tiny, steps=(6, 6))
-    output_tensors(tiny, batch, backend)
+    backend = dit(tiny_dit, residual_diff_threshold=0)
+    batch = states(tiny_dit, steps=(6, 6))
+    output_tensors(tiny_dit, batch, backend)
     for state in batch:
         dits = [v for v in state.cache_state.values() if isinstance(v, DiTState)]
         assert len(dits) == 2 and all(d.context is None and d.calls == 6 for d in dits)
@@ -97,19 +87,19 @@ def test_threshold_zero_runs_every_block_and_makes_no_context(tiny, dit):
 
 
 # ---------------------------------------------------------------------------------------------- per request
-def test_batches_and_step_waves_decide_per_request(tiny, dit):
+def test_batches_and_step_waves_decide_per_request(tiny_dit, dit):
     """Requests of 8, 10 and 12 steps make different decisions; batched together, or joining a step wave at
     different waves, each makes exactly the decisions (and image) it makes alone, in its own contexts."""
-    backend = dit(tiny, **CONFIG)
+    backend = dit(tiny_dit, **CONFIG)
     alone, alone_steps = [], []
     for i in range(3):
-        state = states(tiny)[i]
-        alone += output_tensors(tiny, [state], backend)
+        state = states(tiny_dit)[i]
+        alone += output_tensors(tiny_dit, [state], backend)
         alone_steps.append(cached_steps(backend, state))
     assert len({str(s) for s in alone_steps}) > 1, "the requests should make different decisions"
     for admit_at in ([0, 0, 0], [0, 2, 5]):
-        batch = states(tiny)
-        outs = output_tensors(tiny, batch, backend, admit_at)
+        batch = states(tiny_dit)
+        outs = output_tensors(tiny_dit, batch, backend, admit_at)
         assert [cached_steps(backend, s) for s in batch] == alone_steps
         for a, b in zip(alone, outs):
             assert torch.equal(a, b)
@@ -120,11 +110,11 @@ def test_batches_and_step_waves_decide_per_request(tiny, dit):
     assert backend.split_calls > 0
 
 
-def test_scm_mask_and_taylorseer_are_sized_per_request(tiny, dit):
-    backend = dit(tiny, residual_diff_threshold=0.3, max_warmup_steps=2, scm_steps_mask_policy="fast",
+def test_scm_mask_and_taylorseer_are_sized_per_request(tiny_dit, dit):
+    backend = dit(tiny_dit, residual_diff_threshold=0.3, max_warmup_steps=2, scm_steps_mask_policy="fast",
                   scm_steps_policy="static", enable_taylorseer=True, max_continuous_cached_steps=-1)
-    batch = states(tiny, steps=(10, 16))
-    outs = output_tensors(tiny, batch, backend)
+    batch = states(tiny_dit, steps=(10, 16))
+    outs = output_tensors(tiny_dit, batch, backend)
     for state, n in zip(batch, (10, 16)):
         ctx = state.cache_state["cond", "transformer"].context
         assert ctx.calibrator is not None
@@ -136,13 +126,13 @@ def test_scm_mask_and_taylorseer_are_sized_per_request(tiny, dit):
 
 
 # ---------------------------------------------------------------------------------------------- config vs model
-def test_compute_blocks_must_fit_the_model(tiny):
+def test_compute_blocks_must_fit_the_model(tiny_dit):
     from omni_cache_dit.backend import CacheDiTBackend
 
     with pytest.raises(ConfigError, match="Fn_compute_blocks=2 .* 2 blocks: Fn must be < 2") as err:
-        CacheDiTBackend({"Fn_compute_blocks": 2}).enable(tiny)
+        CacheDiTBackend({"Fn_compute_blocks": 2}).enable(tiny_dit)
     assert err.value.field == "cache_config.Fn_compute_blocks"
-    assert "forward" not in tiny.transformer.__dict__
+    assert "forward" not in tiny_dit.transformer.__dict__
 
 
 def test_compute_blocks_error_reaches_the_user_from_the_worker(tiny_dit_model):
@@ -158,7 +148,7 @@ def test_model_folder_ships_defaults_and_the_user_overrides_them(tiny_dit_model,
     folder = shutil.copytree(tiny_dit_model, tmp_path / "model")
     (folder / "cache_defaults.json").write_text(json.dumps(
         {"cache_dit": {"residual_diff_threshold": 0.1, "max_warmup_steps": 3}}))
-    pipeline = load(str(folder))
+    pipeline = load_model(str(folder))
     backend = dit(pipeline, max_warmup_steps=2)
     opts = backend.denoisers["transformer"].options
     assert (opts.residual_diff_threshold, opts.max_warmup_steps) == (0.1, 2)

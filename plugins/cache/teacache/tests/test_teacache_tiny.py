@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from omni_core.testing.cache_contract import CacheBackendContract
+from omni_core.testing import load_model
 from omni_core.testing.driver import make_state, output_tensors, run_step_batch
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
@@ -30,18 +31,6 @@ class TestTeaCacheContract(CacheBackendContract):
     off_config = {"rel_l1_thresh": 0}
     sampling = {"num_inference_steps": 8}
     metric_keys = ("cache_backend", "steps_computed", "steps_reused", "cache_branches")
-
-
-def load(path: str):
-    from omni_core.config import OmniDiffusionConfig
-    from omni_core.pipelines import load_pipeline, resolve_model
-
-    return load_pipeline(resolve_model(path), OmniDiffusionConfig(model=path, dtype="float32"), "cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dit_model):
-    return load(tiny_dit_model)
 
 
 @pytest.fixture
@@ -63,18 +52,18 @@ def patterns(state):
 
 
 # ---------------------------------------------------------------------------------------------- exactness
-def test_threshold_zero_and_disable_are_bit_identical(tiny, tea):
-    base = output_tensors(tiny, states(tiny))
-    backend = tea(tiny, rel_l1_thresh=0)
-    cached_states = states(tiny)
-    zero = output_tensors(tiny, cached_states, backend)
+def test_threshold_zero_and_disable_are_bit_identical(tiny_dit, tea):
+    base = output_tensors(tiny_dit, states(tiny_dit))
+    backend = tea(tiny_dit, rel_l1_thresh=0)
+    cached_states = states(tiny_dit)
+    zero = output_tensors(tiny_dit, cached_states, backend)
     assert all(torch.equal(a, b) for a, b in zip(base, zero))
     assert backend.mode_counts["all"] > 0 and backend.mode_counts["slice"] == backend.mode_counts["none"] == 0
     assert all(set(p) == {"C"} for s in cached_states for p in patterns(s).values())
-    backend.disable(tiny)
-    assert all("forward" not in b.__dict__ for b in tiny.transformer.blocks)
-    assert "forward" not in tiny.transformer.__dict__
-    assert all(torch.equal(a, b) for a, b in zip(base, output_tensors(tiny, states(tiny))))
+    backend.disable(tiny_dit)
+    assert all("forward" not in b.__dict__ for b in tiny_dit.transformer.blocks)
+    assert "forward" not in tiny_dit.transformer.__dict__
+    assert all(torch.equal(a, b) for a, b in zip(base, output_tensors(tiny_dit, states(tiny_dit))))
 
 
 def test_engine_threshold_zero_bit_identical_with_metrics(tiny_dit_model):
@@ -96,17 +85,17 @@ def test_engine_threshold_zero_bit_identical_with_metrics(tiny_dit_model):
 
 
 # ---------------------------------------------------------------------------------------------- skipping
-def test_skipping_really_happens_and_is_counted(tiny, tea):
+def test_skipping_really_happens_and_is_counted(tiny_dit, tea):
     """Rows through the last block's MLP drop by exactly the reused evaluations; the output stays close."""
     rows = []
-    hook = tiny.transformer.blocks[-1].mlp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
+    hook = tiny_dit.transformer.blocks[-1].mlp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
     try:
-        base = output_tensors(tiny, states(tiny, steps=(10, 10)))
+        base = output_tensors(tiny_dit, states(tiny_dit, steps=(10, 10)))
         base_rows = sum(rows)
         rows.clear()
-        backend = tea(tiny, rel_l1_thresh=THRESH)
-        cached_states = states(tiny, steps=(10, 10))
-        cached = output_tensors(tiny, cached_states, backend)
+        backend = tea(tiny_dit, rel_l1_thresh=THRESH)
+        cached_states = states(tiny_dit, steps=(10, 10))
+        cached = output_tensors(tiny_dit, cached_states, backend)
     finally:
         hook.remove()
     metrics = [backend.request_metrics(s) for s in cached_states]
@@ -125,15 +114,15 @@ def test_skipping_really_happens_and_is_counted(tiny, tea):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_max_consecutive_reuse_bounds_every_run(tiny, tea, k):
+def test_max_consecutive_reuse_bounds_every_run(tiny_dit, tea, k):
     steps = 12
-    unbounded = tea(tiny, rel_l1_thresh=1e6)
-    free = states(tiny, steps=(steps,))
-    output_tensors(tiny, free, unbounded)
-    unbounded.disable(tiny)
-    bounded = tea(tiny, rel_l1_thresh=1e6, max_consecutive_reuse=k)
-    capped = states(tiny, steps=(steps,))
-    output_tensors(tiny, capped, bounded)
+    unbounded = tea(tiny_dit, rel_l1_thresh=1e6)
+    free = states(tiny_dit, steps=(steps,))
+    output_tensors(tiny_dit, free, unbounded)
+    unbounded.disable(tiny_dit)
+    bounded = tea(tiny_dit, rel_l1_thresh=1e6, max_consecutive_reuse=k)
+    capped = states(tiny_dit, steps=(steps,))
+    output_tensors(tiny_dit, capped, bounded)
     longest = lambda st: max(len(r) for p in patterns(st[0]).values() for r in re.findall("R+", p))  # noqa: E731
     assert longest(free) == steps - 2  # everything between the first and the last step
     assert longest(capped) == k
@@ -142,42 +131,42 @@ def test_max_consecutive_reuse_bounds_every_run(tiny, tea, k):
 
 
 # ---------------------------------------------------------------------------------------------- per request
-def test_batch_decides_per_request(tiny, tea, monkeypatch):
+def test_batch_decides_per_request(tiny_dit, tea, monkeypatch):
     """Requests batched decide exactly as each alone; only the computing rows run (sliced)."""
-    backend = tea(tiny, rel_l1_thresh=THRESH)
+    backend = tea(tiny_dit, rel_l1_thresh=THRESH)
     alone, alone_patterns = [], []
-    for st in states(tiny):
-        alone += output_tensors(tiny, [st], backend)
+    for st in states(tiny_dit):
+        alone += output_tensors(tiny_dit, [st], backend)
         alone_patterns.append(patterns(st))
-    batched_states = states(tiny)
-    batched = output_tensors(tiny, batched_states, backend)
+    batched_states = states(tiny_dit)
+    batched = output_tensors(tiny_dit, batched_states, backend)
     assert [patterns(s) for s in batched_states] == alone_patterns
     assert len({str(p) for p in alone_patterns}) > 1, "the requests should make different decisions"
     assert backend.mode_counts["slice"] > 0
     for a, b in zip(alone, batched):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
     # a model that declares its rows inseparable runs them all and overwrites the reused ones: same results
-    backend.disable(tiny)
-    (spec,) = tiny.denoisers()
-    monkeypatch.setattr(tiny, "denoisers", lambda: [attrs.evolve(spec, rows_separable=False)])
-    backend = tea(tiny, rel_l1_thresh=THRESH)
-    masked_states = states(tiny)
-    masked = output_tensors(tiny, masked_states, backend)
+    backend.disable(tiny_dit)
+    (spec,) = tiny_dit.denoisers()
+    monkeypatch.setattr(tiny_dit, "denoisers", lambda: [attrs.evolve(spec, rows_separable=False)])
+    backend = tea(tiny_dit, rel_l1_thresh=THRESH)
+    masked_states = states(tiny_dit)
+    masked = output_tensors(tiny_dit, masked_states, backend)
     assert backend.mode_counts["mask"] > 0 and backend.mode_counts["slice"] == 0
     assert [patterns(s) for s in masked_states] == alone_patterns
     for a, b in zip(alone, masked):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
 
 
-def test_step_wave_requests_at_different_steps_decide_for_themselves(tiny, tea):
-    backend = tea(tiny, rel_l1_thresh=THRESH)
+def test_step_wave_requests_at_different_steps_decide_for_themselves(tiny_dit, tea):
+    backend = tea(tiny_dit, rel_l1_thresh=THRESH)
     alone, alone_patterns = [], []
-    for st in states(tiny, steps=(10, 10, 10)):
-        alone += output_tensors(tiny, [st], backend)
+    for st in states(tiny_dit, steps=(10, 10, 10)):
+        alone += output_tensors(tiny_dit, [st], backend)
         alone_patterns.append(patterns(st))
-    waved = states(tiny, steps=(10, 10, 10))
+    waved = states(tiny_dit, steps=(10, 10, 10))
     with torch.inference_mode():
-        stepped = [o.tensor for o in run_step_batch(tiny, waved, admit_at=[0, 1, 3], cache_backend=backend)]
+        stepped = [o.tensor for o in run_step_batch(tiny_dit, waved, admit_at=[0, 1, 3], cache_backend=backend)]
     assert [patterns(s) for s in waved] == alone_patterns
     assert backend.mode_counts["slice"] > 0, "staggered requests should reuse at different waves"
     for a, b in zip(alone, stepped):
@@ -202,10 +191,10 @@ def test_engine_batch_matches_each_alone(tiny_dit_model, step_execution):
     assert sum(o.metrics["steps_reused"] for o in outs[3]) > 0
 
 
-def test_call_without_denoise_call_is_one_request(tiny, tea):
+def test_call_without_denoise_call_is_one_request(tiny_dit, tea):
     """A caller that sets no DenoiseCall (e.g. its own loop) still gets TeaCache, as one request."""
-    backend = tea(tiny, rel_l1_thresh=THRESH)
-    t = tiny.transformer
+    backend = tea(tiny_dit, rel_l1_thresh=THRESH)
+    t = tiny_dit.transformer
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     text = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -220,11 +209,11 @@ def test_folder_cache_defaults_json_overrides_the_spec(tiny_dit_model, tmp_path,
     from omni_core.testing.tiny_dit import TEA_CACHE_DEFAULTS
 
     folder = shutil.copytree(tiny_dit_model, tmp_path / "model")
-    spec_opts = tea(load(str(folder))).denoisers["transformer"].options
+    spec_opts = tea(load_model(str(folder))).denoisers["transformer"].options
     assert spec_opts.coefficients == tuple(TEA_CACHE_DEFAULTS["coefficients"])
     (folder / "cache_defaults.json").write_text(json.dumps(
         {"tea_cache": {"coefficients": [3.0, 0.5], "denoisers": {"transformer": {"warmup_steps": 4}}}}))
-    backend = tea(load(str(folder)), rel_l1_thresh=0.07)
+    backend = tea(load_model(str(folder)), rel_l1_thresh=0.07)
     opts = backend.denoisers["transformer"].options
     assert opts.coefficients == (3.0, 0.5) and opts.warmup_steps == 4 and opts.rel_l1_thresh == 0.07
 
@@ -248,5 +237,5 @@ def test_calibrate_fits_writes_and_is_used(tiny_dit_model, tmp_path, capsys, tea
     assert "cache_defaults={'tea_cache': {'coefficients': (" in printed and "cache_defaults.json" in printed
     shipped = json.loads((folder / "cache_defaults.json").read_text())
     assert shipped == {"tea_cache": {"coefficients": result["coefficients"], "rel_l1_thresh": 0.05}}
-    opts = tea(load(str(folder))).denoisers["transformer"].options
+    opts = tea(load_model(str(folder))).denoisers["transformer"].options
     assert opts.coefficients == tuple(result["coefficients"]) and opts.rel_l1_thresh == 0.05
