@@ -6,8 +6,8 @@
         model = "my-model"                  # a folder or registered model name; or model_fixture = "<fixture>"
         sampling = {"num_inference_steps": 4, "height": 64, "width": 64}   # small and fast
 
-Checked: the declared ``DenoiserSpec``s match the model (block signature, ``batch_args``, a per-row
-``modulated_input``, every call inside ``use_denoise_call`` covering its rows); request mode and step mode give the same image for a seed; a request alone, in a batch and joining
+Checked: the declared ``DenoiserSpec``s match the model (block signature, ``batch_args``, ``num_heads``, the SP
+plan's module paths, a per-row ``modulated_input``, every call inside ``use_denoise_call`` covering its rows); request mode and step mode give the same image for a seed; a request alone, in a batch and joining
 a step wave late give the same image (within ``batch_atol``; 0 = bit-identical); an abort stops a running
 request within a step; bad sampling params are refused before any work; streaming gives one preview per step;
 a height/width that is not a multiple of ``size_multiple`` is refused with the field named.
@@ -119,6 +119,8 @@ class PipelineContract:
         from omni_core.forward_context import forward_context
         from omni_core.pipelines.denoiser import denoisers_of
 
+        from omni_core.attention import Attention
+
         p = contract_pipeline
         specs = denoisers_of(p)
         seen: dict[str, list] = {spec.name: [] for spec in specs}
@@ -127,6 +129,12 @@ class PipelineContract:
             spec.check_block_signature("PipelineContract")
             params = set(inspect.signature(spec.module.forward).parameters)
             assert set(spec.batch_args) <= params, f"{spec.name}: batch_args {spec.batch_args} not all in {params}"
+            heads = {m.num_heads for m in spec.module.modules() if isinstance(m, Attention)}
+            assert spec.num_heads is None or heads <= {spec.num_heads}, \
+                f"{spec.name}: declares num_heads={spec.num_heads}, its attention layers have {sorted(heads)}"
+            if spec.sp_plan is not None:  # every module the plan names exists (Ulysses/Ring hook them)
+                for name in [*spec.sp_plan.shard_before, *spec.sp_plan.gather_after]:
+                    spec.module.get_submodule(name)
 
             def on_block0(module, args, kwargs, spec=spec):
                 bound = dict(zip(spec.block_params, args))
@@ -135,7 +143,9 @@ class PipelineContract:
 
             hooks.append(spec.blocks[0].register_forward_pre_hook(on_block0, with_kwargs=True))
         try:
-            run_step_batch(p, [make_state(p, prompt, seed=i, **{**self.sampling, "num_inference_steps": 2})
+            # the second request asks for two outputs: a signal has one row per image of the call
+            run_step_batch(p, [make_state(p, prompt, seed=i, num_outputs_per_prompt=i + 1,
+                                          **{**self.sampling, "num_inference_steps": 2})
                                for i, prompt in enumerate(self._prompts(type(p))[:2])])
         finally:
             for h in hooks:

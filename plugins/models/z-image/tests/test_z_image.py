@@ -63,6 +63,18 @@ class TestZImageParity(DiffusersParityContract):
         plain = self.reference(self.case(1, 31, cfg=4.0, negative=None))[0]
         assert levels_apart(outs[1].tensor, plain) > 1  # the renormalization really acted
 
+    def test_each_call_is_one_diffusers_transformer_call_with_every_row(self):
+        """The wrapper module the spec declares runs diffusers' transformer once per call, on all its rows."""
+        states = [self.make_state(c) for c in self.batch_cases()]
+        inner = []
+        hook = self.omni.transformer.register_forward_pre_hook(lambda mod, args: inner.append(len(args[0])))
+        try:
+            with self.denoiser_calls() as calls:
+                self.omni.forward(states)
+        finally:
+            hook.remove()
+        assert inner == [batch for _, _, batch in calls]
+
     def test_z_image_parity_check_has_teeth(self, monkeypatch):
         """Another prompt's text, or the other CFG form, moves the result far outside the tolerance (another
         seed or CFG scale: the contract's check)."""
@@ -144,62 +156,17 @@ def test_attention_roles_and_which_calls_are_masked(omni_zimage):
                                     ("joint", True)] * STEPS)
 
 
-def test_denoiser_spec_matches_the_transformer(zimage_dir, omni_zimage):
-    """The declared spec is what accelerators rely on: the real block signature, forward parameters, heads,
-    the SP plan's module paths, TeaCache's signal (one row per batch row, from block 0's real inputs)."""
-    import inspect
-
-    from omni_core.attention.parallel import SequenceParallelPlan
+def test_denoiser_spec_wraps_the_transformer_without_teacache_coefficients(omni_zimage):
+    """Z-Image's own declarations (the pipeline contract checks signatures, batch args, heads, the SP plan's
+    paths and the signal's rows): a wrapper module around diffusers' transformer whose main layers are the
+    blocks, separable rows, and no published TeaCache coefficients."""
     from omni_core.pipelines.denoiser import denoisers_of
 
     (spec,) = denoisers_of(omni_zimage)
     t = omni_zimage.transformer
     assert spec.name == "transformer" and spec.module.transformer is t and spec.blocks is t.layers
-    spec.check_block_signature("test")
-    assert set(spec.batch_args) <= set(inspect.signature(spec.module.forward).parameters)
-    assert spec.num_heads == t.config.n_heads == 2
-    plan = spec.sp_plan
-    assert isinstance(plan, SequenceParallelPlan)
-    for name in [*plan.shard_before, *plan.gather_after]:
-        spec.module.get_submodule(name)
-    assert spec.rows_separable and spec.defaults_for("tea_cache") == {}  # no published coefficients
-
-    seen = {}
-
-    def grab(block, args, kwargs):
-        seen.setdefault("signal", spec.modulated_input(t, block, {**dict(zip(spec.block_params, args)), **kwargs}))
-
-    hook = spec.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        omni_zimage.forward([state_of(omni_zimage, PROMPTS[0], 1), state_of(omni_zimage, PROMPTS[1], 2, n=2)])
-    finally:
-        hook.remove()
-    assert seen["signal"].shape[0] == 3  # one row per image of the call
-
-
-def test_every_transformer_call_carries_the_typed_context(zimage_dir, omni_zimage):
-    """Each call says which requests its rows belong to, the CFG branch and the expert."""
-    from omni_core.forward_context import forward_context
-
-    calls, inner = [], []
-    module = omni_zimage.experts["transformer"]
-    hooks = [module.register_forward_pre_hook(
-        lambda mod, args, kwargs: calls.append((forward_context().call, kwargs["hidden_states"].shape[0])),
-        with_kwargs=True),
-        omni_zimage.transformer.register_forward_pre_hook(lambda mod, args: inner.append(len(args[0])))]
-    states = [state_of(omni_zimage, PROMPTS[0], 1, negative=NEG, cfg=4.0), state_of(omni_zimage, PROMPTS[1], 2, n=2)]
-    try:
-        omni_zimage.forward(states)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert len(calls) == STEPS  # the CFG branches are folded into one call per step
-    assert inner == [batch for _, batch in calls]  # one diffusers transformer call inside each, with every row
-    for call, batch in calls:
-        assert call.expert == "transformer" and call.covers(batch)
-    assert [(g.state, g.rows, g.branch) for g in calls[0][0].groups] == [
-        (states[0], 1, "cond"), (states[1], 2, "cond"), (states[0], 1, "uncond")]
-
+    assert spec.num_heads == t.config.n_heads == 2 and spec.sp_plan is not None
+    assert spec.rows_separable and spec.defaults_for("tea_cache") == {}
 
 def test_renormalization_on_a_cfg_parallel_rank_without_the_cond_branch(zimage_dir, omni_zimage):
     """A cfg-parallel rank that ran only the uncond rows recovers the cond prediction from the guided one and
