@@ -128,3 +128,15 @@ def test_a_correct_pipeline_with_unfolded_branches_breaks_the_one_call_per_wave_
     with pytest.raises(AssertionError, match="denoiser calls"):
         contract.test_a_wave_is_one_call_per_step_and_equals_each_alone()
     contract.test_several_outputs_non_square_matches_diffusers()  # the output itself is still right
+
+
+def test_make_states_seeds_each_request_and_takes_lists_per_request(tiny_dit):
+    from omni_core.testing import make_states
+
+    states = make_states(tiny_dit, ["a", "b", "c"], seed=5, num_inference_steps=[2, 3, 4], negative_prompt="")
+    assert [s.request.prompt for s in states] == ["a", "b", "c"]
+    assert [s.request.sampling_params.seed for s in states] == [5, 6, 7]
+    assert [s.request.sampling_params.num_inference_steps for s in states] == [2, 3, 4]
+    assert {s.request.negative_prompt for s in states} == {""}
+    with pytest.raises(ValueError, match="num_inference_steps has 2 values for 3 prompts"):
+        make_states(tiny_dit, ["a", "b", "c"], num_inference_steps=[2, 3])

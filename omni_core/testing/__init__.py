@@ -33,8 +33,8 @@ Contract tests: subclass :class:`AttentionBackendContract` and set ``backend_nam
 
 Helpers: :func:`load_model` (a pipeline through the real resolver and loader, CPU float32),
 :func:`load_reference` (diffusers' own pipeline from a folder), :func:`make_state` (a ``StepState``; with
-``model_path=`` and ``images=``), :func:`run_step_batch`, :func:`run_request_batch`, :func:`output_tensors`,
-:func:`enabled_cache_backend`; :func:`wait_for`,
+``model_path=`` and ``images=``), :func:`make_states` (one per prompt), :func:`run_step_batch`,
+:func:`run_request_batch`, :func:`output_tensors`, :func:`enabled_cache_backend`; :func:`wait_for`,
 :func:`abort_after_steps` and :func:`sse_events` for suites that drive a running engine or server.
 
 Markers: ``gpu`` tests are skipped when torch sees no accelerator. This module imports no torch; fixtures
@@ -50,15 +50,14 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from omni_core.testing.attention import AttentionBackendContract, reference_attention
-from omni_core.testing.driver import (enabled_cache_backend, make_state, output_tensors, run_request_batch,
-                                     run_step_batch)
+from omni_core.testing.driver import (enabled_cache_backend, make_state, make_states, output_tensors,
+                                     run_request_batch, run_step_batch)
 from omni_core.utils.lazy import lazy_dir, lazy_exports
 
 __all__ = ["AttentionBackendContract", "DiffusersParityContract", "PipelineContract", "enabled_cache_backend",
-           "levels_apart", "load_model", "load_reference", "make_state", "output_tensors", "reference_attention",
-           "run_request_batch",
-           "run_step_batch", "tiny_model_fixtures", "wait_for", "abort_after_steps", "sse_events",
-           "PlatformContract"]
+           "levels_apart", "load_model", "load_reference", "make_state", "make_states", "output_tensors",
+           "reference_attention", "run_request_batch", "run_step_batch", "tiny_model_fixtures", "wait_for",
+           "abort_after_steps", "sse_events", "PlatformContract"]
 
 #: exported on first use (:mod:`omni_core.utils.lazy`): only contract suites need them
 _LAZY = {"DiffusersParityContract": "omni_core.testing.parity:DiffusersParityContract",

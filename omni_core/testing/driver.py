@@ -2,6 +2,7 @@
 
 * :func:`make_state` -- a ``StepState`` as the runner makes it (sampling params completed by the pipeline
   class, a generator seeded per request);
+* :func:`make_states` -- one per prompt, seeded ``seed + i``, a parameter given as a list being per request;
 * :func:`run_step_batch` -- step waves over several states, each admitted at its own wave (staggered requests
   at different steps share ``denoise_step`` calls), with an optional cache backend told of each request;
 * :func:`run_request_batch` -- the request path: ``pipeline.forward`` over whole requests, the cache backend
@@ -42,6 +43,17 @@ def make_state(pipeline: Any, prompt: str, *, seed: int = 0, negative_prompt: st
                                    images=[im if isinstance(im, torch.Tensor) else to_tensor(im)
                                            for im in images or ()])
     return StepState(request=request, generator=torch.Generator("cpu").manual_seed(seed))
+
+
+def make_states(pipeline: Any, prompts: Sequence[str], *, seed: int = 0, **params: Any) -> list[Any]:
+    """A :func:`make_state` per prompt: request ``i`` seeded ``seed + i``; a parameter given as a list or tuple
+    (e.g. ``num_inference_steps=[8, 10, 12]``) holds one value per request, any other value is shared."""
+    for name, value in params.items():
+        if isinstance(value, (list, tuple)) and len(value) != len(prompts):
+            raise ValueError(f"{name} has {len(value)} values for {len(prompts)} prompts")
+    return [make_state(pipeline, prompt, seed=seed + i,
+                       **{k: v[i] if isinstance(v, (list, tuple)) else v for k, v in params.items()})
+            for i, prompt in enumerate(prompts)]
 
 
 def run_step_batch(pipeline: Any, states: Sequence[Any], admit_at: Sequence[int] | None = None, *,
@@ -123,4 +135,5 @@ def enabled_cache_backend(name: str, pipeline: Any, **config: Any) -> Iterator[A
             backend.disable(pipeline)
 
 
-__all__ = ["enabled_cache_backend", "make_state", "output_tensors", "run_request_batch", "run_step_batch"]
+__all__ = ["enabled_cache_backend", "make_state", "make_states", "output_tensors", "run_request_batch",
+           "run_step_batch"]

@@ -7,10 +7,12 @@
         sampling = {"num_inference_steps": 4, "height": 64, "width": 64}   # small and fast
 
 Checked: the declared ``DenoiserSpec``s match the model (block signature, ``batch_args``, ``num_heads``, the SP
-plan's module paths, a per-row ``modulated_input``, every call inside ``use_denoise_call`` covering its rows); request mode and step mode give the same image for a seed; a request alone, in a batch and joining
-a step wave late give the same image (within ``batch_atol``; 0 = bit-identical); an abort stops a running
-request within a step; bad sampling params are refused before any work; streaming gives one preview per step;
-a height/width that is not a multiple of ``size_multiple`` is refused with the field named.
+plan's module paths, a per-row ``modulated_input``, every call inside ``use_denoise_call`` covering its rows);
+request mode and step mode give the same image for a seed; a request alone, in a batch and joining a step wave
+late give the same image (within ``batch_atol``; 0 = bit-identical); an abort stops a running request within a
+step; bad sampling params are refused before any work; streaming gives one preview per step; a height/width that
+is not a multiple of ``size_multiple`` is refused with the field named; the model is registered by the
+distribution that ships it.
 
 What the model declares is what the engine uses: the ``sampling_fields`` on its ``PipelineSpec`` record are its
 class's, fields declared ``splits_batch`` split waves (and others do not), a field another installed model
@@ -252,8 +254,8 @@ class PipelineContract:
         entry_points = [ep for ep in importlib.metadata.distribution(resolved.spec.provider).entry_points
                         if ep.group == ENTRY_POINT_GROUP]
         assert any(ep.value.split(":")[0].split(".")[0] == package for ep in entry_points), \
-            f"{resolved.spec.name} ({resolved.spec.impl}) is registered by {resolved.spec.provider}, whose entry points are " \
-            f"{[ep.value for ep in entry_points]}"
+            f"{resolved.spec.name} ({resolved.spec.impl}) is registered by {resolved.spec.provider}, whose entry " \
+            f"points are {[ep.value for ep in entry_points]}"
 
     def test_sampling_fields_are_declared_once_and_key_batches(self, contract_model_path: str,
                                                                request: pytest.FixtureRequest) -> None:

@@ -43,12 +43,11 @@ NEG = "blurry, low quality"
 def qwen_states(qwen, qwen_dir: str):
     """``qwen_states(prompts, steps=8, seed=0, negative=NEG)``: a state per prompt for the tiny Qwen-Image (32 x 32,
     CFG on through the negative prompt), request ``i`` seeded ``seed + i``; ``steps`` an int or one per prompt."""
-    from omni_core.testing import make_state
+    from omni_core.testing import make_states
 
     def states(prompts, *, steps=8, seed=0, negative=NEG):
-        return [make_state(qwen, p, seed=seed + i, negative_prompt=negative, model_path=qwen_dir, height=32, width=32,
-                           num_inference_steps=steps if isinstance(steps, int) else steps[i], max_sequence_length=64)
-                for i, p in enumerate(prompts)]
+        return make_states(qwen, prompts, seed=seed, negative_prompt=negative, model_path=qwen_dir, height=32,
+                           width=32, num_inference_steps=steps, max_sequence_length=64)
 
     return states
 
@@ -57,11 +56,10 @@ def qwen_states(qwen, qwen_dir: str):
 def wan_states(wan22, wan22_dir: str):
     """``wan_states(prompts, steps=8, seed=0)``: a state per prompt for the tiny two-expert Wan 2.2 (16 x 16, five
     frames, guidance 5 with a negative prompt), request ``i`` seeded ``seed + i``."""
-    from omni_core.testing import make_state
+    from omni_core.testing import make_states
 
     def states(prompts, *, steps=8, seed=0):
-        return [make_state(wan22, p, seed=seed + i, negative_prompt=NEG, model_path=wan22_dir, height=16, width=16,
+        return make_states(wan22, prompts, seed=seed, negative_prompt=NEG, model_path=wan22_dir, height=16, width=16,
                            num_frames=5, num_inference_steps=steps, guidance_scale=5.0, max_sequence_length=32)
-                for i, p in enumerate(prompts)]
 
     return states

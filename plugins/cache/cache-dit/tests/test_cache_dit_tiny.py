@@ -16,7 +16,7 @@ import torch
 from omni_core.errors import ConfigError
 from omni_core.testing.cache_contract import CacheBackendContract
 from omni_core.testing import load_model
-from omni_core.testing.driver import make_state, output_tensors
+from omni_core.testing.driver import make_states, output_tensors
 
 PROMPTS = ["a red square", "a blue circle on the left", "two green dots"]
 #: the tiny model's requests reuse some steps at this threshold, and (at 8, 10, 12 steps) different ones
@@ -38,8 +38,9 @@ def dit(enable_cache):
 
 
 def states(pipeline, steps=(8, 10, 12), seed=0):
-    return [make_state(pipeline, PROMPTS[i % len(PROMPTS)], seed=seed + i, negative_prompt="",
-                       num_inference_steps=n) for i, n in enumerate(steps)]
+    """A request per step count, prompts in turn, CFG on (empty negative prompt)."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(steps))]
+    return make_states(pipeline, prompts, seed=seed, negative_prompt="", num_inference_steps=list(steps))
 
 
 def cached_steps(backend, state):
