@@ -1,13 +1,13 @@
-"""tea_cache on tiny Qwen-Image and Wan 2.2: exactness when it must not skip, per-request decisions in
-batches and step batches, separate state per CFG branch and expert, real skipping, metrics, and the calibration
-command (config errors: plugins/cache/teacache/tests/test_teacache_config.py)."""
+"""tea_cache on tiny Qwen-Image and Wan 2.2: per-request decisions in step batches, separate state per CFG branch
+and expert, real skipping, metrics, and the calibration command. (Threshold 0 and a batch of four through the
+engine: test_cache_qwen_image.py; sliced and masked rows: the plugin's test_teacache_tiny.py; config errors:
+plugins/cache/teacache/tests/test_teacache_config.py.)"""
 
 from __future__ import annotations
 
 import functools
 import json
 
-import attrs
 import pytest
 import torch
 
@@ -76,34 +76,6 @@ def test_cfg_branches_and_wan22_experts_keep_separate_state(wan22, wan22_dir, te
 
 
 # ---------------------------------------------------------------------------------------------- per request
-def test_batch_decides_per_request_request_mode(qwen, qwen_dir, tea, monkeypatch, qwen_states):
-    """Four prompts batched decide exactly as each alone; rows that compute are sliced from the batch."""
-    backend = tea(qwen, rel_l1_thresh=0.45)
-    alone, alone_patterns = [], []
-    for i in range(4):
-        (state,) = qwen_states([PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])
-        alone += output_tensors(qwen, [state], backend)
-        alone_patterns.append(patterns(state))
-    states = [qwen_states([PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
-    batched = output_tensors(qwen, states, backend)
-    assert [patterns(s) for s in states] == alone_patterns
-    assert len({str(p) for p in alone_patterns}) > 1, "the requests should make different decisions"
-    assert backend.mode_counts["slice"] > 0
-    for a, b in zip(alone, batched):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
-    # a model that declares its rows inseparable runs them all and overwrites the reused ones: same results
-    backend.disable(qwen)
-    specs = qwen.denoisers()
-    monkeypatch.setattr(qwen, "denoisers", lambda: [attrs.evolve(s, rows_separable=False) for s in specs])
-    backend = tea(qwen, rel_l1_thresh=0.45)
-    states = [qwen_states([PROMPTS[i]], seed=i, steps=[8, 9, 10, 11][i])[0] for i in range(4)]
-    masked = output_tensors(qwen, states, backend)
-    assert backend.mode_counts["mask"] > 0
-    assert [patterns(s) for s in states] == alone_patterns
-    for a, b in zip(alone, masked):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
-
-
 def test_step_batch_requests_at_different_steps_decide_for_themselves(wan22, wan22_dir, tea, wan_states):
     backend = tea(wan22, rel_l1_thresh=0.45, coefficients=[1.0, 0.0], warmup_steps=1)
     alone, alone_patterns = [], []
