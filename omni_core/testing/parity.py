@@ -4,7 +4,6 @@ way the engine batches it. A pytest class to subclass, as diffusers' ``PipelineT
     from omni_core.testing import DiffusersParityContract
 
     class TestMyModelParity(DiffusersParityContract):
-        pipeline_class = "MyModelPipeline"          # diffusers' class name (= the Omni component name)
         build_model = staticmethod(build_tiny_my_model)   # tiny-folder builder: build_model(path) -> folder
         sampling = {"num_inference_steps": 3, "height": 32, "width": 32}   # tiny and fast
         cfg_field, cfg_scale, cfg_off = "guidance_scale", 4.0, 1.0
@@ -102,7 +101,8 @@ def levels_apart(a: Any, b: Any) -> float:
 
 class DiffusersParityContract:
     # ------------------------------------------------------------------ what a subclass sets
-    #: diffusers' pipeline class name; the folder's ``model_index.json`` and Omni's component carry it too
+    #: diffusers' pipeline class name, which Omni's component carries too (default: the folder's
+    #: ``model_index.json`` ``_class_name``)
     pipeline_class: ClassVar[str | None] = None
     #: the tiny folder: ``build_model(path) -> folder`` (random weights, built once per session) ...
     build_model: ClassVar[Callable[[str], str] | None] = None
@@ -332,8 +332,9 @@ class DiffusersParityContract:
         from omni_core.pipelines import resolve_model
         from omni_core.pipelines.base import read_model_index
 
-        assert read_model_index(self.model_path)["_class_name"] == self.pipeline_class
-        assert resolve_model(self.model_path).spec.name == self.pipeline_class
+        expected = self.pipeline_class or read_model_index(self.model_path)["_class_name"]
+        assert read_model_index(self.model_path)["_class_name"] == expected
+        assert resolve_model(self.model_path).spec.name == expected
 
     def request_cases(self, cfg: str) -> list[dict[str, Any]]:
         """The request batch of ``cfg`` mode ("off", "on", "mixed": on for even requests): prompt i, seed i."""

@@ -20,17 +20,13 @@ from omni_core.testing import DiffusersParityContract, levels_apart, make_state
 STEPS = 3
 MSL = 64  # T5 tokens (one per character with the tiny tokenizer): no prompt below is truncated
 SAMPLING = {"num_inference_steps": STEPS, "height": 16, "width": 16, "max_sequence_length": MSL}
-NEG = "blurry, low quality, watermark, jpeg artifacts"
-PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn", "a cat",
-           "an astronaut riding a green horse on the moon"]
+NEG = DiffusersParityContract.negative_prompt
+PROMPTS = list(DiffusersParityContract.prompts)
 
 
 class TestFluxParity(DiffusersParityContract):
-    pipeline_class = "FluxPipeline"
     tiny_model = "flux"
     sampling = SAMPLING
-    prompts = tuple(PROMPTS)
-    negative_prompt = NEG
     cfg_field, cfg_scale, cfg_off, cfg_needs_negative = "true_cfg_scale", 4.0, 1.0, True
     other_size = {"width": 24}
     non_square = {"height": 24, "width": 16}

@@ -18,7 +18,7 @@ from omni_core.testing import DiffusersParityContract, make_state
 
 STEPS = 3
 SAMPLING = {"num_inference_steps": STEPS, "height": 32, "width": 32}
-NEG = "blurry, low quality, watermark, jpeg artifacts"
+NEG = DiffusersParityContract.negative_prompt
 #: token lengths differ (the byte tokenizer gives one token per character)
 PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinematic lighting",
            "a cat",
@@ -26,11 +26,9 @@ PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinemat
 
 
 class TestQwenImageParity(DiffusersParityContract):
-    pipeline_class = "QwenImagePipeline"
     tiny_model = "qwen"
     sampling = SAMPLING
     prompts = tuple(PROMPTS)
-    negative_prompt = NEG
     cfg_field, cfg_scale, cfg_off, cfg_needs_negative = "true_cfg_scale", 4.0, 1.0, True
     other_size = {"width": 48}
     non_square = {"height": 48, "width": 32}

@@ -29,7 +29,6 @@ PROMPTS = ("turn the fox into a red fox jumping over a lazy dog in the snow", "m
 
 
 class TestQwenImageEditParity(DiffusersParityContract):
-    pipeline_class = "QwenImageEditPipeline"
     tiny_model = "edit"
     sampling = {"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}
     prompts = PROMPTS

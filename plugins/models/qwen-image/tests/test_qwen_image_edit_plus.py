@@ -20,7 +20,6 @@ STEPS = 3
 
 
 class TestQwenImageEditPlusParity(DiffusersParityContract):
-    pipeline_class = "QwenImageEditPlusPipeline"
     tiny_model = "plus"
     sampling = {"num_inference_steps": STEPS, "height": 64, "width": 64}
     prompts = ("put the cat from picture 2 into picture 1", "make both red", "swap the two pictures' colours")

@@ -28,7 +28,6 @@ PROMPTS = ["a red fox jumps over a dog", "a cat", "an astronaut rides a horse"]
 
 
 class TestWan21Parity(DiffusersParityContract):
-    pipeline_class = "WanPipeline"
     tiny_model = "wan21"
     sampling = SAMPLING
     prompts = tuple(PROMPTS)

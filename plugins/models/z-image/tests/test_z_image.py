@@ -20,7 +20,7 @@ STEPS = 3
 #: every prompt below fits (with the chat template) and the text encoder runs on 128 padded tokens, not 512
 MSL = 128
 SAMPLING = {"num_inference_steps": STEPS, "height": 32, "width": 32, "max_sequence_length": MSL}
-NEG = "blurry, low quality, watermark, jpeg artifacts"
+NEG = DiffusersParityContract.negative_prompt
 #: token lengths differ (the byte tokenizer gives one token per character)
 PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinematic lighting",
            "a cat",
@@ -28,11 +28,9 @@ PROMPTS = ["a red fox jumping over a lazy dog in a snowy forest at dawn, cinemat
 
 
 class TestZImageParity(DiffusersParityContract):
-    pipeline_class = "ZImagePipeline"
     tiny_model = "zimage"
     sampling = SAMPLING
     prompts = tuple(PROMPTS)
-    negative_prompt = NEG
     cfg_field, cfg_scale, cfg_off = "guidance_scale", 3.0, 0.0
     other_size = {"width": 48}
     non_square = {"height": 48, "width": 32}
