@@ -260,14 +260,14 @@ class PipelineContract:
     def test_sampling_fields_are_declared_once_and_key_batches(self, contract_model_path: str,
                                                                request: pytest.FixtureRequest) -> None:
         from omni_core.config import SamplingParams
-        from omni_core.plugins import get_plugin_manager
+        from omni_core.pipelines import resolve_model
         from omni_core.request import OmniDiffusionRequest
         from omni_core.sched import RequestScheduler, StepScheduler
 
         folder = request.getfixturevalue(self.fields_model_fixture) if self.fields_model_fixture \
             else contract_model_path
-        cls = load_model_cls(folder)
-        record = get_plugin_manager().get_component("pipeline", cls.__name__)
+        resolved = resolve_model(folder)
+        cls, record = resolved.pipeline_cls(), resolved.spec
         assert tuple(record.sampling_fields) == tuple(cls.sampling_fields), \
             f"{cls.__name__}: the PipelineSpec record's sampling_fields differ from the class's"
 
