@@ -41,6 +41,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-upload-bytes", type=int, default=MAX_UPLOAD_BYTES,
                      help="the body cap of the routes that take input images: /v1/images/edits, /v1/videos, "
                           f"/v1/chat/completions (default: {MAX_UPLOAD_BYTES})")
+    srv.add_argument("--max-form-parts", type=int, default=MAX_FORM_PARTS, metavar="N",
+                     help="multipart and url-encoded forms with more parts (fields and files) get 413 "
+                          f"(default: {MAX_FORM_PARTS})")
+    srv.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH, metavar="N",
+                     help=f"JSON bodies nested deeper get 400 (default: {MAX_JSON_DEPTH})")
+    srv.add_argument("--max-json-elements", type=int, default=MAX_JSON_ELEMENTS, metavar="N",
+                     help="JSON bodies with more arrays, objects and elements ('[', '{' and ',' counted before "
+                          f"parsing) get 413 (default: {MAX_JSON_ELEMENTS})")
+    srv.add_argument("--lora-dir", action="append", default=[], metavar="DIR", dest="lora_dirs",
+                     help="a folder whose adapter files a request's 'lora' may name (repeatable; default: none, "
+                          "only the names given with --lora)")
     srv.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                      help="seconds in-flight requests get at SIGINT/SIGTERM before they are aborted and answered "
                           f"with an error (default: {SHUTDOWN_GRACE_S:g})")
@@ -69,6 +80,9 @@ LIMIT_FLAGS = {"max_pixels": "pixels (height x width) per output", "max_steps": 
 #: the same defaults as omni_core.serve.app (not imported: `omni serve --help` must not load FastAPI)
 MAX_BODY_BYTES = 1 << 20
 MAX_UPLOAD_BYTES = 32 << 20
+MAX_FORM_PARTS = 64
+MAX_JSON_DEPTH = 64
+MAX_JSON_ELEMENTS = 10_000
 SHUTDOWN_GRACE_S = 10.0
 #: exit status of `omni serve` when it stopped because its engine died (a supervisor should restart it)
 EXIT_ENGINE_DEAD = 3
@@ -103,6 +117,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.max_upload_bytes < 1:
         raise ConfigError(f"--max-upload-bytes {args.max_upload_bytes} is invalid: must be >= 1",
                           field="max_upload_bytes")
+    for name in ("max_form_parts", "max_json_depth", "max_json_elements"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: must be >= 1", field=name)
+    for d in args.lora_dirs:
+        if not os.path.isdir(d):
+            raise ConfigError(f"--lora-dir {d!r} is not a directory", field="lora_dirs")
     if not args.shutdown_grace >= 0:
         raise ConfigError(f"--shutdown-grace {args.shutdown_grace} is invalid: must be >= 0", field="shutdown_grace")
 
@@ -144,7 +164,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, video_dir=args.video_dir,
                     max_video_jobs=args.max_video_jobs, video_ttl_s=args.video_ttl, retry_after_s=args.retry_after,
                     close_engine=True, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
-                    exit_on_engine_death=True, max_upload_bytes=args.max_upload_bytes)
+                    exit_on_engine_death=True, max_upload_bytes=args.max_upload_bytes,
+                    max_form_parts=args.max_form_parts, max_json_depth=args.max_json_depth,
+                    max_json_elements=args.max_json_elements, lora_dirs=args.lora_dirs)
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host

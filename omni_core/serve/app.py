@@ -17,7 +17,7 @@ The parts: ``omni_server`` (shared state, lifecycle), ``routes/`` (system, image
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Sequence
 
 from fastapi import FastAPI
 
@@ -25,6 +25,7 @@ from omni_core.serve.errors import install_error_handlers
 from omni_core.serve.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from omni_core.serve.omni_server import MAX_BODY_BYTES, MAX_UPLOAD_BYTES, PREVIEW_MAX_SIDE, SHUTDOWN_GRACE_S, OmniServer
 from omni_core.serve.openapi import install_openapi
+from omni_core.serve.protocol import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS
 from omni_core.serve.routes import chat, images, system, videos
 from omni_core.serve.routes import playground
 
@@ -35,7 +36,9 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
               video_dir: str | None = None, max_video_jobs: int = 100, video_ttl_s: float = 3600.0,
               retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE,
               max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
-              exit_on_engine_death: bool = False, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> Any:
+              exit_on_engine_death: bool = False, max_upload_bytes: int = MAX_UPLOAD_BYTES,
+              max_form_parts: int = MAX_FORM_PARTS, max_json_depth: int = MAX_JSON_DEPTH,
+              max_json_elements: int = MAX_JSON_ELEMENTS, lora_dirs: Sequence[str] = ()) -> Any:
     """A FastAPI app serving ``engine_or_omni`` (an ``EngineClient`` such as ``DiffusionEngine``, or an
     ``AsyncOmni`` / ``Omni``, whose engine is used).
 
@@ -46,12 +49,16 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     owns its engine; tests usually own theirs). ``max_body_bytes``: larger bodies get 413 (counted while
     read); ``max_upload_bytes`` is the cap of the routes that take input images. ``shutdown_grace_s``: at shutdown, requests still running after this long are aborted through the
     engine and answered with an error. ``exit_on_engine_death``: stop serving once the engine is dead.
+    ``max_form_parts``, ``max_json_depth``, ``max_json_elements``: what a body may hold before it is parsed (more
+    parts or elements: 413; deeper: 400). ``lora_dirs``: folders whose adapter files a request's ``lora`` may name
+    (default none: only the engine's preloaded adapter names).
     """
     server = OmniServer(engine_or_omni, served_model_name=served_model_name, api_key=api_key, video_dir=video_dir,
                         max_video_jobs=max_video_jobs, video_ttl_s=video_ttl_s, retry_after_s=retry_after_s,
                         close_engine=close_engine, preview_max_side=preview_max_side, max_body_bytes=max_body_bytes,
                         shutdown_grace_s=shutdown_grace_s, exit_on_engine_death=exit_on_engine_death,
-                        max_upload_bytes=max_upload_bytes)
+                        max_upload_bytes=max_upload_bytes, max_form_parts=max_form_parts,
+                        max_json_depth=max_json_depth, max_json_elements=max_json_elements, lora_dirs=lora_dirs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

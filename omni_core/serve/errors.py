@@ -13,6 +13,8 @@ from omni_core.serve.protocol import APIError, config_error, invalid
 logger = logging.getLogger("omni_core.serve")
 
 _DEAD_PREFIX = "the engine is dead: "
+#: the status a request is counted with when its client left before it was answered (nginx's convention)
+CLIENT_CLOSED = 499
 
 
 def dead_message(reason: str | None) -> str:
@@ -63,6 +65,8 @@ def install_error_handlers(app: Any) -> None:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import Response
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -79,6 +83,14 @@ def install_error_handlers(app: Any) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect):
+        # the client closed the connection while sending its body: its fault, not ours (no traceback); 499 is
+        # nginx's "client closed request", what the metrics count it as (nobody reads this answer)
+        logger.info("client closed the connection during %s %s before its body was read", request.method,
+                    request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):

@@ -14,6 +14,23 @@ from omni_core.serve.protocol import APIError, too_large
 from omni_core.serve.routes.playground import PAGE_PATHS
 
 
+#: set in the ASGI scope of a request refused by the API key check
+UNAUTHENTICATED = "omni.unauthenticated"
+#: the HTTP methods counted by name; any other is counted as "other" (a client chooses the method)
+KNOWN_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+def metric_labels(scope: dict) -> tuple[str, str]:
+    """``(method, path)`` labels from fixed sets, so no client can add series: a known method or "other"; the
+    matched route's template, "unauthenticated" (refused by the key check, before routing), or "other"."""
+    method = scope.get("method", "")
+    if scope.get(UNAUTHENTICATED):
+        path = "unauthenticated"
+    else:
+        path = getattr(scope.get("route"), "path", None) or "other"
+    return (method if method in KNOWN_METHODS else "other"), path
+
+
 class AuthMiddleware:
     """The API key is checked before routing: without it every route but the open ones is 401, so routes
     cannot be enumerated (a 404 would tell which exist). The playground page (``PAGE_PATHS``) is public too: it
@@ -28,6 +45,7 @@ class AuthMiddleware:
             try:
                 self.server.check_auth(Headers(scope=scope).getlist("authorization"))
             except APIError as err:
+                scope[UNAUTHENTICATED] = True  # counted under a fixed path label: nothing of the request is kept
                 await send_error(err, scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -71,7 +89,8 @@ class BodyLimitMiddleware:
 
 
 class MetricsMiddleware:
-    """Counts requests by method, route template and status, and times them."""
+    """Counts requests by method, route template and status (labels from :func:`metric_labels`), and times them.
+    A client that left mid-body is status 499 (see ``errors.install_error_handlers``)."""
 
     def __init__(self, app: Any, metrics: Any) -> None:
         self.app = app
@@ -92,6 +111,5 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "other"
-            self.metrics.observe_http(scope["method"], path, status[0], time.perf_counter() - start)
+            method, path = metric_labels(scope)
+            self.metrics.observe_http(method, path, status[0], time.perf_counter() - start)

@@ -18,7 +18,8 @@ from omni_core.errors import ConfigError, OmniError, QueueFullError
 from omni_core.request import OmniDiffusionRequest
 from omni_core.serve.errors import admission_error, dead_message, generation_failed
 from omni_core.serve.metrics import ServerMetrics
-from omni_core.serve.protocol import APIError
+from omni_core.serve.lora_access import allowed_lora, check_lora_dirs
+from omni_core.serve.protocol import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS, APIError
 from omni_core.serve.videos import VideoJobs
 
 logger = logging.getLogger("omni_core.serve")
@@ -49,13 +50,17 @@ class OmniServer:
                  video_dir: str | None = None, max_video_jobs: int = 100, video_ttl_s: float = 3600.0,
                  retry_after_s: int = 1, close_engine: bool = False, preview_max_side: int = PREVIEW_MAX_SIDE,
                  max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
-                 exit_on_engine_death: bool = False, max_upload_bytes: int = MAX_UPLOAD_BYTES):
+                 exit_on_engine_death: bool = False, max_upload_bytes: int = MAX_UPLOAD_BYTES,
+                 max_form_parts: int = MAX_FORM_PARTS, max_json_depth: int = MAX_JSON_DEPTH,
+                 max_json_elements: int = MAX_JSON_ELEMENTS, lora_dirs: Any = ()):
         if api_key is not None and (not isinstance(api_key, str) or not api_key or _BEARER.fullmatch(
                 f"Bearer {api_key}") is None):
             raise ConfigError(f"api_key={api_key!r} is invalid: give a non-empty key without whitespace, or "
                               f"api_key=None for no authentication", field="api_key")
-        for name, value in (("max_body_bytes", max_body_bytes), ("max_upload_bytes", max_upload_bytes)):
-            if value < 1:
+        for name, value in (("max_body_bytes", max_body_bytes), ("max_upload_bytes", max_upload_bytes),
+                            ("max_form_parts", max_form_parts), ("max_json_depth", max_json_depth),
+                            ("max_json_elements", max_json_elements)):
+            if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value} is invalid: must be >= 1", field=name)
         #: AsyncOmni / Omni hold their engine client in ``.engine``; or this is the client itself
         self.engine: EngineClient = getattr(engine_or_omni, "engine", engine_or_omni)
@@ -64,6 +69,12 @@ class OmniServer:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_upload_bytes = max_upload_bytes
+        #: what a body may hold before it is parsed (docs/serving.md, "Request limits")
+        self.max_form_parts, self.max_json_depth = max_form_parts, max_json_depth
+        self.max_json_elements = max_json_elements
+        #: a request's ``lora``: a preloaded name, or a file under one of these (real paths)
+        self.lora_dirs = check_lora_dirs([lora_dirs] if isinstance(lora_dirs, str) else lora_dirs)
+        self.lora_names = dict(getattr(getattr(self.engine, "config", None), "loras", None) or {})
         #: the input images the served model takes (None: none) and the per-image pixel limit
         self.image_input = self.model_info.image_input
         self.max_image_pixels = self.engine.limits.max_image_pixels
@@ -158,6 +169,8 @@ class OmniServer:
         its final output; ``handle.request`` is the request as the engine completed it (defaults, seed).
         """
         params = params.replace(output_type="pt")  # see media.pil_outputs
+        if params.lora is not None:  # before the engine opens any file
+            params = params.replace(lora=allowed_lora(params.lora, self.lora_names, self.lora_dirs))
         request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params,
                                        stream_previews=stream_previews, images=list(images or []))
         try:

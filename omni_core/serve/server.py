@@ -11,6 +11,39 @@ from typing import Any, Callable
 ABORT_MARGIN_S = 30.0
 
 
+#: the answer to bytes that are not HTTP/1.1 (a malformed request line or header, a bad Content-Length), in the
+#: error shape of every other answer
+MALFORMED_HTTP = {"error": {"message": "the request is not valid HTTP/1.1 (a malformed request line, header or "
+                                       "Content-Length)", "type": "invalid_request_error", "param": None,
+                            "code": "malformed_http"}}
+
+
+def json_h11_protocol() -> type:
+    """uvicorn's h11 protocol answering a request it cannot parse with :data:`MALFORMED_HTTP` (JSON) instead of
+    its own text/plain 400; the connection is closed after it, as uvicorn does."""
+    import json
+
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = json.dumps(MALFORMED_HTTP).encode()
+
+    class JSONErrorH11Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            try:
+                self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
+                                                                 reason=b"Bad Request")))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError:  # h11 cannot answer in this state (e.g. mid-response): just close
+                pass
+            self.transport.close()
+
+    return JSONErrorH11Protocol
+
+
 def _uvicorn_server(app: Any, host: str, port: int, log_level: str, on_ready: Callable[[str, int], None] | None,
                     access_log: bool = True):
     import uvicorn
@@ -31,7 +64,7 @@ def _uvicorn_server(app: Any, host: str, port: int, log_level: str, on_ready: Ca
             await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=access_log,
-                            timeout_graceful_shutdown=grace + ABORT_MARGIN_S)
+                            timeout_graceful_shutdown=grace + ABORT_MARGIN_S, http=json_h11_protocol())
     server = Server(config)
     if omni is not None:
         omni.stop_serving = lambda: setattr(server, "should_exit", True)

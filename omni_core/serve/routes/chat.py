@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from omni_core.serve.media import pil_outputs, png_b64
 from omni_core.serve.omni_server import current
 from omni_core.serve.openapi import error_doc, error_docs
-from omni_core.serve.protocol import invalid, parse_chat_request, parse_json
+from omni_core.serve.bodies import read_json
+from omni_core.serve.protocol import invalid, parse_chat_request
 from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_data_url
 
@@ -35,7 +36,7 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
              "application/json": {"schema": {"type": "object", "required": ["messages"]}}}}})
 async def chat_completions(request: Request):
     server = current(request)
-    chat = parse_chat_request(parse_json(await request.body()), model_fields=server.model_info.sampling_fields)
+    chat = parse_chat_request(await read_json(request, server), model_fields=server.model_info.sampling_fields)
     req = chat.request
     server.check_model(req.model)
     if server.is_video:

@@ -20,8 +20,8 @@ from omni_core.serve.errors import generation_failed, internal_error
 from omni_core.serve.media import pil_outputs, png_b64, preview_image, size_of
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs
-from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid, parse_edit_request, parse_image_request, parse_json,
-                                      parse_multipart, parse_urlencoded)
+from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid, parse_edit_request, parse_image_request)
+from omni_core.serve.bodies import read_json, read_multipart, read_urlencoded
 from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_image
 from omni_core.serve.sse import EventStream, sse
@@ -41,7 +41,7 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
         "application/json": {"schema": image_body_schema(())}}}})  # + the served model's fields: openapi.py
 async def generate_images(request: Request):
     server = current(request)
-    req = parse_image_request(parse_json(await request.body()), model_fields=server.model_info.sampling_fields)
+    req = parse_image_request(await read_json(request, server), model_fields=server.model_info.sampling_fields)
     return await answer_images(request, server, req)
 
 
@@ -59,9 +59,9 @@ async def edit_images(request: Request):
     server = current(request)
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
-        fields, files = parse_multipart(await request.body(), content_type)
+        fields, files = await read_multipart(request, server, content_type)
     elif content_type.startswith("application/x-www-form-urlencoded"):  # a form without files (then refused)
-        fields, files = parse_urlencoded(await request.body()), {}
+        fields, files = await read_urlencoded(request, server), {}
     else:
         raise invalid("POST /v1/images/edits takes a multipart/form-data body (the image files, the prompt and the "
                       "fields), as OpenAI's API does", None, code="invalid_body")

@@ -21,8 +21,8 @@ from omni_core.serve.media import pil_outputs
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import error_doc, error_docs, form_schema
 from omni_core.serve.protocol import with_timeout_header
-from omni_core.serve.protocol import (INPUT_REFERENCE, APIError, invalid, parse_json, parse_multipart,
-                                      parse_urlencoded, parse_video_request, video_body_schema)
+from omni_core.serve.bodies import read_json, read_multipart, read_urlencoded
+from omni_core.serve.protocol import INPUT_REFERENCE, APIError, invalid, parse_video_request, video_body_schema
 from omni_core.serve.uploads import check_count, read_data_url, read_image
 from omni_core.serve.videos import CANCELLED, COMPLETED, FAILED, VideoJob
 
@@ -42,7 +42,7 @@ async def create_video(request: Request):
     frame_multiple, model_fields = server.model_info.frame_multiple, server.model_info.sampling_fields
     reference: Any = None  # the input image: a file part, or a data URL in a text field
     if content_type.startswith("multipart/form-data"):
-        body, files = parse_multipart(await request.body(), content_type)
+        body, files = await read_multipart(request, server, content_type)
         unknown = sorted(set(files) - {INPUT_REFERENCE})
         if unknown:
             raise invalid(f"unexpected file field '{unknown[0]}'; a video job takes one file, 'input_reference'",
@@ -52,11 +52,11 @@ async def create_video(request: Request):
         reference = files[INPUT_REFERENCE][0] if INPUT_REFERENCE in files else body.pop(INPUT_REFERENCE, None)
         req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
     elif content_type.startswith("application/x-www-form-urlencoded"):  # aiohttp's form without files
-        body = parse_urlencoded(await request.body())
+        body = await read_urlencoded(request, server)
         reference = body.pop(INPUT_REFERENCE, None)
         req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
     else:
-        body = parse_json(await request.body())
+        body = await read_json(request, server)
         if isinstance(body, dict) and INPUT_REFERENCE in body:
             body = dict(body)
             reference = body.pop(INPUT_REFERENCE)
