@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import threading
 
 import pytest
@@ -255,7 +256,8 @@ def test_server_lora_fields(qwen_omni, qwen_loras):
 
     body = {"prompt": PROMPT, "negative_prompt": NEG, "size": "32x32", "num_inference_steps": 3,
             "true_cfg_scale": 4.0, "seed": 7}
-    with ServerThread(build_app(qwen_omni.engine)) as srv:
+    # a path is allowed only under a --lora-dir (issue #34)
+    with ServerThread(build_app(qwen_omni.engine, lora_dirs=[os.path.dirname(qwen_loras["b"])])) as srv:
         ok = httpx.post(f"{srv.url}/v1/images/generations", json={**body, "lora": qwen_loras["b"], "lora_scale": 0.7},
                         timeout=120)
         assert ok.status_code == 200, ok.text
