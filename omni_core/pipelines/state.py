@@ -33,6 +33,8 @@ class StepState:
     negative_prompt_mask: Any = None
     #: per-request state of the cache backend (keyed by branch/expert)
     cache_state: dict = attrs.field(factory=dict)
+    #: per-request state of module hooks (``omni_core.hooks.ModuleHook.request_state``), keyed by the hook
+    hook_state: dict = attrs.field(factory=dict)
     #: model-private data
     extra: dict = attrs.field(factory=dict)
 
