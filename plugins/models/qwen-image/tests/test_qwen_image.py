@@ -74,11 +74,12 @@ class TestQwenImageParity(DiffusersParityContract):
     def test_vae_single_frame_convs_match_diffusers_conv3d(self, monkeypatch):
         """The decoder's causal Conv3d on one frame with no cache runs as conv2d (the last temporal kernel
         slice) and gives diffusers' own decode up to float summation order."""
-        from omni_core.pipelines.diffusers_step import _SingleFrameCausalConv
+        from omni_core.hooks import get_hook
+        from omni_core.pipelines.diffusers_step import SINGLE_FRAME_CONV, _SingleFrameCausalConv
 
         omni_qwen, diffusers_qwen = self.omni, self.diffusers
         convs = [m for m in omni_qwen.pipe.vae.modules()
-                 if isinstance(m.__dict__.get("forward"), _SingleFrameCausalConv)]
+                 if isinstance(get_hook(m, SINGLE_FRAME_CONV), _SingleFrameCausalConv)]
         assert convs and not any("forward" in m.__dict__ for m in diffusers_qwen.vae.modules()
                                  if isinstance(m, torch.nn.Conv3d))
         conv2d = torch.nn.functional.conv2d
