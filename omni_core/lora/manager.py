@@ -3,7 +3,8 @@
 Loading is diffusers' own: ``pipe.load_lora_weights(state_dict, adapter_name=...)`` puts peft LoRA layers on
 the denoiser. What neither library does is run requests with *different* adapters and scales in one batched
 call (diffusers applies the active adapters to every row; peft's ``adapter_names`` routes rows but with one
-scale per adapter), so each peft LoRA layer's ``forward`` is replaced by :func:`_per_row_forward`: the base
+scale per adapter), so each peft LoRA layer gets the :class:`PerRowLora` hook (``lora``-stage, named
+:data:`PER_ROW_HOOK`, in :mod:`omni_core.hooks`' registry) whose ``new_forward`` replaces peft's: the base
 layer on all rows, then for each adapter present in the call ONE ``B(A(x[rows]))`` over its rows, times each
 row's own scale (a segmented computation, as multi-LoRA LLM servers do). Weights are never merged. The rows
 come from the :class:`~omni_core.forward_context.DenoiseCall` the pipeline sets around every denoiser call
@@ -20,9 +21,13 @@ import threading
 from typing import Any
 
 from omni_core.forward_context import forward_context
+from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook
 from omni_core.lora.files import resolve_lora_path
 
 logger = logging.getLogger("omni_core.lora")
+
+#: the registry name of the per-row hook on every peft LoRA layer of a denoiser
+PER_ROW_HOOK = "lora.per_row"
 
 
 class LoraManager:
@@ -103,10 +108,9 @@ class LoraManager:
 
         for module in self.pipeline.experts.values():
             for layer in module.modules():
-                if isinstance(layer, LoraLayer) and not getattr(layer, "_omni_per_row", False):
+                if isinstance(layer, LoraLayer) and get_hook(layer, PER_ROW_HOOK) is None:
                     layer.eval()  # peft builds its layers in training mode; this is inference (no dropout)
-                    layer.forward = _per_row_forward(layer, self)
-                    layer._omni_per_row = True
+                    add_hook(layer, PER_ROW_HOOK, PerRowLora(self))
                     self.patched += 1
 
     # ------------------------------------------------------------------ per-row layout
@@ -166,15 +170,24 @@ class LoraManager:
         return list(rows.items())
 
 
-def _per_row_forward(layer: Any, manager: LoraManager) -> Any:
-    """The replacement ``forward`` of one peft LoRA layer (see the module docstring): peft's own per-adapter
+class PerRowLora(ModuleHook):
+    """The ``new_forward`` of one peft LoRA layer (see the module docstring): peft's own per-adapter
     ``lora_A``/``lora_B``/``scaling`` (``base(x) + B(A(x)) * scaling * scale``), with the rows and each row's
     scale from :meth:`LoraManager.plan`. For Linear layers each span of rows is one ``A`` matmul and one
     in-place ``addmm_`` into the base output (the scale as its ``alpha``): three kernels per span instead of
-    peft's five, which is what keeps the unmerged overhead small on narrow models."""
-    import torch
+    peft's five, which is what keeps the unmerged overhead small on narrow models. Which rows use which
+    adapter comes from the current DenoiseCall through the manager, never from the layer."""
 
-    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+    order = STAGES["lora"]
+
+    def __init__(self, manager: LoraManager) -> None:
+        super().__init__()
+        self.manager = manager
+
+    def new_forward(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        manager = self.manager
         result = layer.base_layer(x, *args, **kwargs)
         plan = manager.plan(x.shape[0])
         if not plan:
@@ -207,4 +220,3 @@ def _per_row_forward(layer: Any, manager: LoraManager) -> Any:
                     out += (delta * (base_scale * scale)).to(result.dtype)
         return result
 
-    return forward
