@@ -32,6 +32,7 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.calls import call_key, call_spans, current_call, only_groups
 from omni_core.cache.rows import span_index
 from omni_core.errors import ConfigError
+from omni_core.hooks import STAGES, ModuleHook, add_hook, remove_hook
 from omni_core.pipelines.denoiser import DenoiserSpec, denoisers_of, model_folder_of
 
 from omni_cache_teacache.config import GENERIC_DEFAULTS, TeaCacheConfig
@@ -39,6 +40,22 @@ from omni_cache_teacache.config import GENERIC_DEFAULTS, TeaCacheConfig
 logger = logging.getLogger("omni_cache_teacache")
 
 _CURRENT: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("omni_tea_cache_call", default=None)
+
+#: the registry name of this backend's hooks (on each denoiser and on each of its blocks)
+HOOK = "tea_cache"
+
+
+class _TeaHook(ModuleHook):
+    """A ``cache``-stage hook whose ``new_forward`` is ``body(rest_of_chain, *args, **kwargs)``."""
+
+    order = STAGES["cache"]
+
+    def __init__(self, body: Any) -> None:
+        super().__init__()
+        self.body = body
+
+    def new_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.body(self.fn_ref.original_forward, *args, **kwargs)
 
 
 @attrs.define(eq=False)
@@ -80,7 +97,7 @@ class _Segment:
 class _Denoiser:
     spec: DenoiserSpec
     options: TeaCacheConfig
-    #: (module, value of ``forward`` in its __dict__ before we replaced it, or None)
+    #: the modules carrying this backend's hook (the denoiser, then its blocks)
     saved: list = attrs.field(factory=list)
 
     @property
@@ -171,11 +188,8 @@ class TeaCacheBackend(CacheBackend):
 
     def disable(self, pipeline: Any = None) -> None:
         for den in self.denoisers.values():
-            for module, before in reversed(den.saved):
-                if before is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = before
+            for module in reversed(den.saved):
+                remove_hook(module, HOOK, missing_ok=True)
             den.saved.clear()
         self.denoisers.clear()
         self.enabled = False
@@ -200,10 +214,8 @@ class TeaCacheBackend(CacheBackend):
     def _install(self, den: _Denoiser) -> None:
         spec = den.spec
         module = spec.module
-        den.saved.append((module, module.__dict__.get("forward")))
-        original = module.forward
 
-        def transformer_forward(*args: Any, **kwargs: Any) -> Any:
+        def transformer_forward(original: Any, *args: Any, **kwargs: Any) -> Any:
             call = _Call(den)
             token = _CURRENT.set(call)
             try:
@@ -214,18 +226,19 @@ class TeaCacheBackend(CacheBackend):
                 self._record_outputs(call, out)
             return out
 
-        module.forward = transformer_forward
+        add_hook(module, HOOK, _TeaHook(transformer_forward))
+        den.saved.append(module)
         blocks = spec.blocks
         last = len(blocks) - 1
         for i, block in enumerate(blocks):
-            den.saved.append((block, block.__dict__.get("forward")))
-            block.forward = self._block_forward(den, i, i == last, block.forward)
+            add_hook(block, HOOK, _TeaHook(self._block_forward(den, i, i == last)))
+            den.saved.append(block)
 
-    def _block_forward(self, den: _Denoiser, i: int, last: bool, original: Any) -> Any:
+    def _block_forward(self, den: _Denoiser, i: int, last: bool) -> Any:
         spec = den.spec
         params = spec.block_params
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(original: Any, *args: Any, **kwargs: Any) -> Any:
             call = _CURRENT.get()
             if call is None or call.den is not den:
                 return original(*args, **kwargs)
