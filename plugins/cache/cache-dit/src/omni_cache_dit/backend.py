@@ -32,12 +32,29 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.rows import concat_rows, slice_rows
 from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_forward_context
+from omni_core.hooks import STAGES, HookRegistry, ModuleHook, add_hook, remove_hook
 from omni_core.pipelines.denoiser import denoisers_of, model_folder_of
 
 from omni_cache_dit.blocks import build_stack, build_stand_ins, forward_pattern, patched_blocks
 from omni_cache_dit.config import CacheDiTConfig
 
 logger = logging.getLogger("omni_cache_dit")
+
+#: the registry name of this backend's hook on each denoiser
+HOOK = "cache_dit"
+
+
+class _CacheDiTHook(ModuleHook):
+    """``cache``-stage hook on a denoiser: its ``new_forward`` is the backend's per-request forward."""
+
+    order = STAGES["cache"]
+
+    def __init__(self, forward: Any) -> None:
+        super().__init__()
+        self.forward = forward
+
+    def new_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
 
 @attrs.define(eq=False)
@@ -52,11 +69,9 @@ class _Denoiser:
     stack: Any
     #: the blocks' forwards during a cached forward (block 0 runs the stack, the others pass through)
     stand_ins: Any
-    #: the module's own forward (bound), what runs at threshold 0
-    plain_forward: Any
     signature: Any
-    #: an instance-level ``forward`` the module had before (put back by ``disable``), or None
-    previous_forward: Any = None
+    #: the rest of the hook chain below this backend's hook (the module's own forward), what runs at threshold 0
+    plain_forward: Any = None
 
     @property
     def name(self) -> str:
@@ -106,7 +121,8 @@ class CacheDiTBackend(CacheBackend):
             for spec in specs:
                 den = self._prepare(spec, spec.defaults_for(self.name, folder))
                 made.append(den)
-                spec.module.forward = self._forward(den)
+                add_hook(spec.module, HOOK, _CacheDiTHook(self._forward(den)))
+                den.plain_forward = HookRegistry.of(spec.module).call_below(HOOK)
         except Exception:
             self._release(made)  # a model that cannot be cached is left exactly as loaded
             raise
@@ -146,19 +162,15 @@ class CacheDiTBackend(CacheBackend):
             raise ConfigError("cache_dit: this cache-dit version keeps its contexts differently; per-request "
                               "contexts need cache-dit 1.5 (CachedContextManager._cached_context_manager)",
                               field="cache_backend")
-        plain = spec.module.forward
         return _Denoiser(spec=spec, options=opts, manager=manager, context_name=context_name,
                          init_kwargs=copy.deepcopy(manager.get_context(context_name)._init_kwargs), stack=stack,
-                         stand_ins=build_stand_ins(spec, stack), plain_forward=plain,
-                         signature=inspect.signature(plain), previous_forward=spec.module.__dict__.get("forward"))
+                         stand_ins=build_stand_ins(spec, stack), signature=inspect.signature(spec.module.forward))
 
     def _release(self, dens: Any) -> None:
         import cache_dit
 
         for den in dens:
-            den.spec.module.__dict__.pop("forward", None)
-            if den.previous_forward is not None:
-                den.spec.module.forward = den.previous_forward
+            remove_hook(den.spec.module, HOOK, missing_ok=True)
             cache_dit.disable_cache(den.stack)
 
     def disable(self, pipeline: Any = None) -> None:
