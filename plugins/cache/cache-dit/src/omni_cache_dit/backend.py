@@ -35,7 +35,8 @@ from omni_core.forward_context import forward_context, use_forward_context
 from omni_core.hooks import STAGES, HookRegistry, ModuleHook, add_hook, remove_hook
 from omni_core.pipelines.denoiser import denoisers_of, model_folder_of
 
-from omni_cache_dit.blocks import build_stack, build_stand_ins, forward_pattern, patched_blocks
+from omni_cache_dit.blocks import (build_stack, build_stand_ins, forward_pattern, install_stand_ins, remove_stand_ins,
+                                   stand_ins_active)
 from omni_cache_dit.config import CacheDiTConfig
 
 logger = logging.getLogger("omni_cache_dit")
@@ -67,7 +68,8 @@ class _Denoiser:
     init_kwargs: dict
     #: what cache-dit was enabled on (the spec's block stack)
     stack: Any
-    #: the blocks' forwards during a cached forward (block 0 runs the stack, the others pass through)
+    #: the blocks' forwards during a cached forward (block 0 runs the stack, the others pass through), as
+    #: ``STAND_IN`` hooks on the blocks that are active only inside :meth:`cached_forward`
     stand_ins: Any
     signature: Any
     #: the rest of the hook chain below this backend's hook (the module's own forward), what runs at threshold 0
@@ -78,7 +80,7 @@ class _Denoiser:
         return self.spec.name
 
     def cached_forward(self, *args: Any, **kwargs: Any) -> Any:
-        with patched_blocks(self.spec, self.stand_ins):
+        with stand_ins_active(self.spec):
             return self.plain_forward(*args, **kwargs)
 
 
@@ -121,6 +123,7 @@ class CacheDiTBackend(CacheBackend):
             for spec in specs:
                 den = self._prepare(spec, spec.defaults_for(self.name, folder))
                 made.append(den)
+                install_stand_ins(spec, den.stand_ins)
                 add_hook(spec.module, HOOK, _CacheDiTHook(self._forward(den)))
                 den.plain_forward = HookRegistry.of(spec.module).call_below(HOOK)
         except Exception:
@@ -171,6 +174,7 @@ class CacheDiTBackend(CacheBackend):
 
         for den in dens:
             remove_hook(den.spec.module, HOOK, missing_ok=True)
+            remove_stand_ins(den.spec)
             cache_dit.disable_cache(den.stack)
 
     def disable(self, pipeline: Any = None) -> None:

@@ -9,22 +9,35 @@ its spec declares, so this module puts two thin adapters around them, for any mo
   ``(hidden_states[, encoder_hidden_states], omni_side={...})`` into the block's declared parameters and its declared
   outputs back into cache-dit's order. The stream cache-dit calls ``hidden_states`` (whose Fn residual decides)
   is the spec's ``residual_stream``; a second carried stream, if any, is ``encoder_hidden_states``.
-* :func:`patched_blocks` -- while the model's own forward runs, block 0's ``forward`` takes the model's native
-  block call (positional or by name), hands it to the stack and returns what the last block returns; every
-  later block passes the streams it gets through. cache-dit does the same for the models it knows (its
+* :func:`install_stand_ins` / :func:`stand_ins_active` -- every block carries a ``cache``-stage hook
+  (:data:`STAND_IN`, in :mod:`omni_core.hooks`' registry) that does nothing outside a cached call; while the
+  model's own forward runs under :func:`stand_ins_active` (a context variable, so concurrent calls do not
+  see each other's), block 0 takes the model's native block call (positional or by name), hands it to the
+  stack and returns what the last block returns; every later block passes the streams it gets through. The
+  stack runs each real block through the chain *below* that hook (so hooks inside it, e.g. a kernel, still
+  run). cache-dit does the same for the models it knows (its
   adapters stand in for the whole block loop), so the model's forward must call its blocks in a plain loop,
   ``for block in self.<blocks_attr>: ... = block(...)``, with nothing between blocks that changes the streams.
   The block list, its length and the blocks' attributes stay as they are (a model may read them).
 
-Outside :func:`patched_blocks` the model is exactly as loaded.
+Outside :func:`stand_ins_active` the hooks pass every call through; after :func:`remove_stand_ins` the model is
+exactly as loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Iterator
 
 from omni_core.errors import ConfigError
+from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook, remove_hook
+
+#: the registry name of the stand-in hook on every block of a cached denoiser
+STAND_IN = "cache_dit.stand_in"
+
+#: the spec whose cached forward is running in this context (its blocks' stand-ins are active), or None
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("omni_cache_dit_active", default=None)
 
 
 def _streams(spec: Any) -> tuple[str, str | None]:
@@ -59,8 +72,8 @@ def build_stack(spec: Any) -> Any:
         def __init__(self, inner: nn.Module) -> None:
             super().__init__()
             self.inner = inner
-            #: the block's own forward, taken now: during a cached call ``inner.forward`` is a stand-in
-            self._own = [inner.forward]
+            #: the block's forward below its stand-in hook (``inner.forward`` is the stand-in in a cached call)
+            self._own = [_below_stand_in(inner)]
 
         def forward(self, hidden_states: Any, *encoder_hidden_states: Any, omni_side: dict) -> Any:
             streams = {hidden: hidden_states}
@@ -136,21 +149,50 @@ def build_stand_ins(spec: Any, stack: Any) -> tuple[Any, Any]:
     return first, rest
 
 
-@contextlib.contextmanager
-def patched_blocks(spec: Any, stand_ins: tuple[Any, Any]) -> Iterator[None]:
-    """While the body runs, block 0's ``forward`` is ``stand_ins[0]`` and every later block's ``stand_ins[1]``
-    (instance attributes, removed after, even on an error). The block list itself, its length and the blocks'
-    other attributes stay as they are, so a model's forward that reads them still works."""
-    blocks = list(spec.blocks)
-    saved = [block.__dict__.get("forward") for block in blocks]
+def _below_stand_in(block: Any) -> Any:
+    """A callable running ``block``'s hook chain below :data:`STAND_IN` (its own forward without the hook)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        hook = get_hook(block, STAND_IN)
+        below = hook.fn_ref.original_forward if hook is not None else block.forward
+        return below(*args, **kwargs)
+
+    return call
+
+
+class _StandIn(ModuleHook):
+    """``cache``-stage hook on one block: ``stand_in`` while ``spec``'s cached forward runs, else pass-through."""
+
+    order = STAGES["cache"]
+
+    def __init__(self, spec: Any, stand_in: Any) -> None:
+        super().__init__()
+        self.spec, self.stand_in = spec, stand_in
+
+    def new_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE.get() is self.spec:
+            return self.stand_in(*args, **kwargs)
+        return self.fn_ref.original_forward(*args, **kwargs)
+
+
+def install_stand_ins(spec: Any, stand_ins: tuple[Any, Any]) -> None:
+    """Give block 0 the :data:`STAND_IN` hook with ``stand_ins[0]`` and every later block one with
+    ``stand_ins[1]``. The block list itself, its length and the blocks' other attributes stay as they are, so a
+    model's forward that reads them still works."""
     first, rest = stand_ins
+    for i, block in enumerate(spec.blocks):
+        add_hook(block, STAND_IN, _StandIn(spec, first if i == 0 else rest))
+
+
+def remove_stand_ins(spec: Any) -> None:
+    for block in spec.blocks:
+        remove_hook(block, STAND_IN, missing_ok=True)
+
+
+@contextlib.contextmanager
+def stand_ins_active(spec: Any) -> Iterator[None]:
+    """While the body runs (in this context only), ``spec``'s blocks run their stand-ins."""
+    token = _ACTIVE.set(spec)
     try:
-        for i, block in enumerate(blocks):
-            block.forward = first if i == 0 else rest
         yield
     finally:
-        for block, previous in zip(blocks, saved):
-            if previous is None:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = previous
+        _ACTIVE.reset(token)
