@@ -162,6 +162,11 @@ class HookRegistry:
         entry = self.hooks.get(name)
         return entry[1] if entry is not None else None
 
+    @property
+    def base(self) -> Callable | None:
+        """The forward the chain ends in (the module's own when no one else wrapped it); None without hooks."""
+        return self._base
+
     def __contains__(self, name: str) -> bool:
         return name in self.hooks
 

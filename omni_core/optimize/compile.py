@@ -3,9 +3,14 @@
 Compiling one block class instead of the whole denoiser compiles once for all blocks (they share code), costs a
 fraction of a full compile and keeps Python-level inputs (Qwen's ``img_shapes`` list) out of the guards, so a
 step wave's changing batch size recompiles once (dynamo specialises size 1 first) and then stays dynamic
-(cpu-notes §13). Each block is compiled in place with ``nn.Module.compile`` (what diffusers'
-``compile_repeated_blocks`` does) from the :class:`~omni_core.pipelines.denoiser.DenoiserSpec`'s
-``blocks_attr``, so every model gets it by declaration.
+(cpu-notes §13). Every block of the :class:`~omni_core.pipelines.denoiser.DenoiserSpec`'s ``blocks_attr`` gets
+a ``compile``-stage hook (:data:`COMPILE_HOOK` in :mod:`omni_core.hooks`' registry), so every model gets it by
+declaration. The hook runs ``torch.compile(<block class>.forward)`` -- one compiled function per block class,
+called with the block, so dynamo keeps one cache entry for all blocks (what diffusers' ``compile_repeated_blocks``
+gets from ``nn.Module.compile``) -- or, when other hooks sit below it on a block, the compiled rest of that
+block's chain. It does not use ``nn.Module.compile``: that compiles ``_call_impl`` outside every hook and can
+only be undone through a private attribute of torch's ``nn.Module``, which the fall-back below needs. Hooks above
+the ``compile`` stage (a cache's block hooks) run eagerly around the compiled region.
 
 Compilation happens at the first call -- the start-up warm-up. If a compiled call raises and the same call
 succeeds eagerly, compilation is at fault: every block returns to eager and a warning names the reason.
@@ -16,34 +21,77 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from omni_core.hooks import STAGES, HookRegistry, ModuleHook, add_hook
+
 logger = logging.getLogger("omni_core.optimize")
+
+#: the registry name of the compile hook on every denoiser block
+COMPILE_HOOK = "compile"
 
 
 class RegionalCompile:
     """The compiled blocks of one pipeline and the switch back to eager."""
 
-    def __init__(self, blocks: list[Any]) -> None:
+    def __init__(self, blocks: list[Any], *, dynamic: bool = True) -> None:
         self.blocks = blocks
+        self.dynamic = dynamic
         self.failed: str | None = None
+        #: block class -> torch.compile(class.forward), shared by every block of the class
+        self._by_class: dict[type, Any] = {}
 
     def fall_back(self, exc: BaseException) -> None:
+        """Every block runs eagerly from now on (each hook reads ``failed``)."""
         self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         logger.warning("compile=True: the compiled denoiser blocks failed (%s); running them eagerly", self.failed)
-        for block in self.blocks:
-            block._compiled_call_impl = None
 
-    def guard(self, block: Any) -> None:
-        compiled = block._compiled_call_impl
+    def compiled_class_forward(self, cls: type) -> Any:
+        import torch
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return compiled(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - decide below whether compilation is to blame
-                out = block._call_impl(*args, **kwargs)  # raises (the model's own error) if eager fails too
-                self.fall_back(exc)
-                return out
+        fn = self._by_class.get(cls)
+        if fn is None:
+            fn = self._by_class[cls] = torch.compile(cls.forward, dynamic=self.dynamic)
+        return fn
 
-        block._compiled_call_impl = call
+
+class CompiledBlock(ModuleHook):
+    """``compile``-stage hook: the rest of the block's chain, compiled, with the eager fall-back."""
+
+    order = STAGES["compile"]
+
+    def __init__(self, region: RegionalCompile) -> None:
+        super().__init__()
+        self.region = region
+        #: (the callable below this hook, its compiled form)
+        self._target: tuple[Any, Any] | None = None
+
+    def _compiled(self, block: Any, below: Any) -> Any:
+        import functools
+
+        import torch
+
+        target = self._target
+        if target is not None and target[0] is below:
+            return target[1]
+        base = HookRegistry.of(block).base
+        if (below is base and getattr(base, "__self__", None) is block
+                and getattr(base, "__func__", None) is type(block).forward):
+            fn = functools.partial(self.region.compiled_class_forward(type(block)), block)
+        else:  # other hooks (or a foreign forward) below: compile what is there, for this block alone
+            fn = torch.compile(below, dynamic=self.region.dynamic)
+        self._target = (below, fn)
+        return fn
+
+    def new_forward(self, block: Any, *args: Any, **kwargs: Any) -> Any:
+        below = self.fn_ref.original_forward
+        if self.region.failed is not None:
+            return below(*args, **kwargs)
+        compiled = self._compiled(block, below)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - decide below whether compilation is to blame
+            out = below(*args, **kwargs)  # raises (the model's own error) if eager fails too
+            self.region.fall_back(exc)
+            return out
 
 
 def compile_denoisers(pipeline: Any, *, dynamic: bool = True) -> dict[str, Any]:
@@ -53,14 +101,13 @@ def compile_denoisers(pipeline: Any, *, dynamic: bool = True) -> dict[str, Any]:
     blocks, names = [], []
     for spec in denoisers_of(pipeline):
         for block in spec.blocks:
-            block.compile(dynamic=dynamic)
             blocks.append(block)
         names.append(f"{spec.name}.{'+'.join(spec.blocks_attr)}")
     # CPU lanes run a wave's requests concurrently with fewer torch threads each; dynamo guards on the thread
     # count, so every lane change would recompile (and two lanes compile the same frame at once): one call per wave
     pipeline.concurrent_calls_safe = False
-    region = RegionalCompile(blocks)
+    region = RegionalCompile(blocks, dynamic=dynamic)
     for block in blocks:
-        region.guard(block)
+        add_hook(block, COMPILE_HOOK, CompiledBlock(region))
     pipeline.omni_compile = region  # tests and stats read region.failed
     return {"compile": "regional", "blocks": len(blocks), "regions": names, "dynamic": dynamic}
