@@ -52,10 +52,10 @@ class _CacheDiTHook(ModuleHook):
 
     def __init__(self, forward: Any) -> None:
         super().__init__()
-        self.forward = forward
+        self.body = forward
 
     def new_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        return self.body(*args, **kwargs)
 
 
 @attrs.define(eq=False)
