@@ -108,9 +108,11 @@ def resolve_components(names: Any, pipeline: Any, components: dict[str, Any]) ->
     return out
 
 
-def quantize_pipeline(pipeline: Any, method: str, names: Any) -> list[str]:
+def quantize_pipeline(pipeline: Any, method: str, names: Any, device: Any = None) -> list[str]:
     """``torchao.quantize_`` (weight-only ``method``) on each named component's ``Linear`` layers; returns the
-    names quantized."""
+    names quantized. With ``device``, torchao moves each ``Linear`` there just before quantizing it, so the
+    float weights never all sit on the device at once (the load plan's "quantize on the way" step); the rest of
+    the component (norms, embeddings) is moved by the plan's placement step."""
     from torchao.quantization import quantize_
 
     from omni_core.optimize.components import components_of
@@ -118,7 +120,7 @@ def quantize_pipeline(pipeline: Any, method: str, names: Any) -> list[str]:
     components = components_of(pipeline)
     done = resolve_components(names, pipeline, components)
     for name in done:
-        quantize_(components[name], torchao_config(method))
+        quantize_(components[name], torchao_config(method), device=device)
     return done
 
 
