@@ -103,6 +103,35 @@ class ModuleHook(ModelHook):
         return call
 
 
+class FunctionHook(ModuleHook):
+    """A hook made from one function: its ``new_forward`` is ``fn(below, *args, **kwargs)``, where ``below``
+    runs the rest of the chain (the hooks inside this one, then the module's own forward). ``fn`` decides
+    whether, how often and with which arguments ``below`` runs; ``order`` is its place (default: the
+    ``cache`` stage). The function is kept as ``.fn``.
+
+    Example (a cache-stage hook that skips the module for an all-zero input)::
+
+        def skip_zeros(below, x, *args, **kwargs):
+            return x if not x.any() else below(x, *args, **kwargs)
+
+        add_hook(block, "my_plugin.skip", FunctionHook(skip_zeros))
+    """
+
+    order = STAGES["cache"]
+
+    def __init__(self, fn: Callable[..., Any], *, order: int | None = None) -> None:
+        super().__init__()
+        self.fn = fn
+        if order is not None:
+            self.order = int(order)
+
+    def new_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.fn_ref.original_forward, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"FunctionHook({getattr(self.fn, '__qualname__', self.fn)!r}, order={self.order})"
+
+
 def _is_default(hook: Any, method: str) -> bool:
     return getattr(type(hook), method) is getattr(ModelHook, method)
 
@@ -284,4 +313,4 @@ def hook_names(module: Any) -> list[str]:
     return registry.names() if registry is not None else []
 
 
-__all__ = ["STAGES", "HookRegistry", "ModuleHook", "add_hook", "get_hook", "hook_names", "remove_hook"]
+__all__ = ["STAGES", "FunctionHook", "HookRegistry", "ModuleHook", "add_hook", "get_hook", "hook_names", "remove_hook"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_core.forward_context import use_denoise_call
-from omni_core.hooks import HookRegistry, ModuleHook, add_hook, get_hook, hook_names, remove_hook
+from omni_core.hooks import STAGES, FunctionHook, HookRegistry, ModuleHook, add_hook, get_hook, hook_names, remove_hook
 from omni_core.pipelines.state import StepState
 from omni_core.request import OmniDiffusionRequest
 
@@ -199,3 +199,26 @@ def test_call_below_skips_the_hook_and_follows_later_changes():
     add_hook(m, "add", Add(1.0, 20))  # inside "mul": call_below now runs it
     assert torch.equal(below(x), m.__class__.forward(m, x + 1.0))
     assert get_hook(m, "add").k == 1.0
+
+
+def test_function_hook_gets_the_chain_below_and_takes_its_order():
+    m = lin()
+    x = torch.randn(2, 3)
+    seen = []
+
+    def twice(below, x):  # runs the rest of the chain twice, as a cache computing two variants would
+        seen.append(x.shape)
+        return below(x) + below(x + 1.0)
+
+    hook = add_hook(m, "twice", FunctionHook(twice))
+    assert hook.order == STAGES["cache"] and hook.fn is twice
+    add_hook(m, "add", Add(1.0, STAGES["kernel"]))  # inside the function hook: ``below`` runs it
+    add_hook(m, "mul", Mul(3.0, STAGES["instrument"]))  # outside it
+    assert hook_names(m) == ["mul", "twice", "add"]
+    plain = m.__class__.forward
+    assert torch.equal(m(x), (plain(m, x + 1.0) + plain(m, x + 2.0)) * 3.0)
+    assert seen == [(2, 3)]
+    assert FunctionHook(twice, order=7).order == 7 and FunctionHook.order == STAGES["cache"]
+    for name in ("mul", "twice", "add"):
+        remove_hook(m, name)
+    assert "forward" not in m.__dict__

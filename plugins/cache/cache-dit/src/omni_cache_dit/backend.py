@@ -32,7 +32,7 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.rows import concat_rows, slice_rows
 from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_forward_context
-from omni_core.hooks import STAGES, HookRegistry, ModuleHook, add_hook, remove_hook
+from omni_core.hooks import FunctionHook, add_hook, remove_hook
 from omni_core.pipelines.denoiser import denoisers_of, model_folder_of
 
 from omni_cache_dit.blocks import (build_stack, build_stand_ins, forward_pattern, install_stand_ins, remove_stand_ins,
@@ -43,19 +43,6 @@ logger = logging.getLogger("omni_cache_dit")
 
 #: the registry name of this backend's hook on each denoiser
 HOOK = "cache_dit"
-
-
-class _CacheDiTHook(ModuleHook):
-    """``cache``-stage hook on a denoiser: its ``new_forward`` is the backend's per-request forward."""
-
-    order = STAGES["cache"]
-
-    def __init__(self, forward: Any) -> None:
-        super().__init__()
-        self.body = forward
-
-    def new_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.body(*args, **kwargs)
 
 
 @attrs.define(eq=False)
@@ -72,16 +59,16 @@ class _Denoiser:
     #: ``STAND_IN`` hooks on the blocks that are active only inside :meth:`cached_forward`
     stand_ins: Any
     signature: Any
-    #: the rest of the hook chain below this backend's hook (the module's own forward), what runs at threshold 0
-    plain_forward: Any = None
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-    def cached_forward(self, *args: Any, **kwargs: Any) -> Any:
+    def cached_forward(self, below: Any, *args: Any, **kwargs: Any) -> Any:
+        """``below`` (the hook chain under this backend's hook, ending in the module's own forward) with the
+        blocks' stand-ins active: block 0 runs the cached stack."""
         with stand_ins_active(self.spec):
-            return self.plain_forward(*args, **kwargs)
+            return below(*args, **kwargs)
 
 
 @attrs.define(eq=False)
@@ -124,8 +111,7 @@ class CacheDiTBackend(CacheBackend):
                 den = self._prepare(spec, spec.defaults_for(self.name, folder))
                 made.append(den)
                 install_stand_ins(spec, den.stand_ins)
-                add_hook(spec.module, HOOK, _CacheDiTHook(self._forward(den)))
-                den.plain_forward = HookRegistry.of(spec.module).call_below(HOOK)
+                add_hook(spec.module, HOOK, FunctionHook(self._forward(den)))
         except Exception:
             self._release(made)  # a model that cannot be cached is left exactly as loaded
             raise
@@ -233,7 +219,7 @@ class CacheDiTBackend(CacheBackend):
     def _forward(self, den: _Denoiser) -> Any:
         batch_args = set(den.spec.batch_args)
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(below: Any, *args: Any, **kwargs: Any) -> Any:
             a = den.signature.bind(*args, **kwargs).arguments
             batch = _batch_of(a, den)
             call = forward_context().call
@@ -246,25 +232,25 @@ class CacheDiTBackend(CacheBackend):
             if den.options.never_reuses:
                 for dit in dits:
                     dit.calls += 1
-                return den.plain_forward(*args, **kwargs)
+                return below(*args, **kwargs)
             if len(dits) == 1:
-                return self._run(den, dits[0], args, kwargs)
+                return self._run(den, dits[0], below, args, kwargs)
             self.split_calls += 1
             outs = []
             for i, ((_, lo, hi), dit) in enumerate(zip(spans, dits)):
                 part = {name: slice_rows(value, lo, hi, batch, name) if name in batch_args else value
                         for name, value in a.items()}
                 with use_forward_context(call=call.select([i])):
-                    outs.append(self._run(den, dit, (), part))
+                    outs.append(self._run(den, dit, below, (), part))
             return concat_rows(outs)
 
         return forward
 
-    def _run(self, den: _Denoiser, dit: DiTState, args: tuple, kwargs: dict) -> Any:
+    def _run(self, den: _Denoiser, dit: DiTState, below: Any, args: tuple, kwargs: dict) -> Any:
         """One cache-dit forward with ``dit``'s context in place of the stack's."""
         den.manager._cached_context_manager[den.context_name] = dit.context
         dit.calls += 1
-        return den.cached_forward(*args, **kwargs)
+        return den.cached_forward(below, *args, **kwargs)
 
 
 def _batch_of(arguments: dict, den: _Denoiser) -> int:

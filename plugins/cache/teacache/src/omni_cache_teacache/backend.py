@@ -32,7 +32,7 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.calls import call_key, call_spans, current_call, only_groups
 from omni_core.cache.rows import span_index
 from omni_core.errors import ConfigError
-from omni_core.hooks import STAGES, ModuleHook, add_hook, remove_hook
+from omni_core.hooks import FunctionHook, add_hook, remove_hook
 from omni_core.pipelines.denoiser import DenoiserSpec, denoisers_of, model_folder_of
 
 from omni_cache_teacache.config import GENERIC_DEFAULTS, TeaCacheConfig
@@ -43,19 +43,6 @@ _CURRENT: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("omni_te
 
 #: the registry name of this backend's hooks (on each denoiser and on each of its blocks)
 HOOK = "tea_cache"
-
-
-class _TeaHook(ModuleHook):
-    """A ``cache``-stage hook whose ``new_forward`` is ``body(rest_of_chain, *args, **kwargs)``."""
-
-    order = STAGES["cache"]
-
-    def __init__(self, body: Any) -> None:
-        super().__init__()
-        self.body = body
-
-    def new_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.body(self.fn_ref.original_forward, *args, **kwargs)
 
 
 @attrs.define(eq=False)
@@ -226,12 +213,12 @@ class TeaCacheBackend(CacheBackend):
                 self._record_outputs(call, out)
             return out
 
-        add_hook(module, HOOK, _TeaHook(transformer_forward))
+        add_hook(module, HOOK, FunctionHook(transformer_forward))
         den.saved.append(module)
         blocks = spec.blocks
         last = len(blocks) - 1
         for i, block in enumerate(blocks):
-            add_hook(block, HOOK, _TeaHook(self._block_forward(den, i, i == last)))
+            add_hook(block, HOOK, FunctionHook(self._block_forward(den, i, i == last)))
             den.saved.append(block)
 
     def _block_forward(self, den: _Denoiser, i: int, last: bool) -> Any:
