@@ -11,7 +11,8 @@ The model defaults to the tiny DiT of :mod:`omni_core.testing.tiny_dit` (fixture
 cache plugin's own tests need no model plugin; set ``model`` or ``model_fixture`` to use another.
 
 Checked, on the pipeline loaded through the real loader: the off config and a disabled backend are
-bit-identical to no cache; requests batched together and requests joining a step wave late each give exactly
+bit-identical to no cache, and ``disable`` leaves every denoiser module with exactly the hooks (and the
+``forward`` entry) it had before ``enable``; requests batched together and requests joining a step wave late each give exactly
 what they give alone with the cache (a request's decisions are its own); the backend's metrics reach the
 request's output through the engine. The suite skips when the backend is not installed.
 """
@@ -99,12 +100,27 @@ class CacheBackendContract:
         cached, _ = self._run(pipeline, self._enabled(pipeline, backend_cls, self.off_config))
         self._all_equal(plain, cached, f"{self.cache_backend} with {self.off_config} vs no cache")
 
+    @staticmethod
+    def _hooks(pipeline: Any) -> dict[str, tuple[list[str], Any]]:
+        """Every denoiser module's hook names and its own ``forward`` entry (None without one)."""
+        from omni_core.hooks import hook_names
+        from omni_core.pipelines.denoiser import denoisers_of
+
+        return {f"{spec.name}:{name or '<denoiser>'}": (hook_names(m), vars(m).get("forward"))
+                for spec in denoisers_of(pipeline) for name, m in spec.module.named_modules()}
+
     def test_disable_restores_the_model(self, pipeline: Any, backend_cls: type) -> None:
         plain, _ = self._run(pipeline, None)
+        before = self._hooks(pipeline)
         backend = self._enabled(pipeline, backend_cls)
         self._run(pipeline, backend)
         backend.disable(pipeline)
         assert not backend.is_enabled()
+        after = self._hooks(pipeline)
+        changed = {name: (before.get(name), after.get(name)) for name in before.keys() | after.keys()
+                   if before.get(name) != after.get(name)}
+        assert not changed, (f"{self.cache_backend}.disable() left modules changed (hooks, forward) "
+                             f"before -> after: {dict(sorted(changed.items())[:5])}")
         after, _ = self._run(pipeline, None)
         self._all_equal(plain, after, f"after {self.cache_backend}.disable() vs never enabled")
 

@@ -1,7 +1,8 @@
 """``every_other``: a request computes the denoiser on steps 0, interval, 2 * interval, ... and reuses its
-last output in between, per CFG branch and denoiser. It names no model: it wraps each declared denoiser's
-``forward`` (``DenoiserSpec.module``), learns from the typed call context which rows belong to which request
-and branch, and runs only the rows that compute (``batch_args``, sliced with the core's row helpers).
+last output in between, per CFG branch and denoiser. It names no model: it puts a ``cache``-stage hook on
+each declared denoiser (``DenoiserSpec.module``) in the core's hook registry, learns from the typed call
+context which rows belong to which request and branch, and runs only the rows that compute (``batch_args``,
+sliced with the core's row helpers) through the rest of the hook chain.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.rows import span_index, take_rows
 from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_forward_context
+from omni_core.hooks import STAGES, FunctionHook, add_hook, remove_hook
 from omni_core.pipelines.denoiser import denoisers_of
+
+#: the name of this backend's hook in each denoiser's hook registry
+HOOK = "every_other"
 
 
 class EveryOtherStep(CacheBackend):
@@ -37,12 +42,13 @@ class EveryOtherStep(CacheBackend):
         for spec in self.specs:
             # the user's cache_config over what the model ships for this backend, over our own default
             interval = {"interval": 2, **spec.defaults_for(self.name), **self.config}["interval"]
-            spec.module.forward = self._wrap(spec, spec.module.forward, interval)  # disable deletes the attribute
+            # outside LoRA, compile and kernels, whatever order they were enabled in
+            add_hook(spec.module, HOOK, FunctionHook(self._hook(spec, interval), order=STAGES["cache"]))
         super().enable(pipeline)
 
     def disable(self, pipeline: Any) -> None:
         for spec in getattr(self, "specs", []):
-            vars(spec.module).pop("forward", None)
+            remove_hook(spec.module, HOOK, missing_ok=True)  # the other hooks keep running
         super().disable(pipeline)
 
     def begin_request(self, state: Any) -> None:
@@ -53,13 +59,14 @@ class EveryOtherStep(CacheBackend):
         mine = state.cache_state.get("every_other")
         return {"steps_computed": mine["computed"], "steps_reused": mine["reused"]} if mine else {}
 
-    def _wrap(self, spec: Any, forward: Any, interval: int) -> Any:
-        signature = inspect.signature(forward)
+    def _hook(self, spec: Any, interval: int) -> Any:
+        """The hook's function: ``below`` runs the rest of the denoiser's chain (its own forward at the end)."""
+        signature = inspect.signature(spec.module.forward)
 
-        def cached_forward(*args: Any, **kwargs: Any) -> Any:
+        def cached_forward(below: Any, *args: Any, **kwargs: Any) -> Any:
             call = forward_context().call
             if call is None or any(g.state is None or "every_other" not in g.state.cache_state for g in call.groups):
-                return forward(*args, **kwargs)  # a call outside a request (e.g. a warm-up probe): compute it
+                return below(*args, **kwargs)  # a call outside a request (e.g. a warm-up probe): compute it
             spans = call.spans()
             key = f"{call.expert or spec.name}/"  # one stored output per denoiser and CFG branch
             stores = [g.state.cache_state["every_other"] for g, _, _ in spans]
@@ -74,7 +81,7 @@ class EveryOtherStep(CacheBackend):
                     if name in bound.arguments:
                         bound.arguments[name] = take_rows(bound.arguments[name], index, call.batch)
                 with use_forward_context(call=call.select(keep)):
-                    computed = forward(*bound.args, **bound.kwargs)
+                    computed = below(*bound.args, **bound.kwargs)
                 if not isinstance(computed, torch.Tensor):
                     raise TypeError(f"every_other needs a denoiser that returns a tensor; {spec.name!r} returned "
                                     f"{type(computed).__name__}")
