@@ -38,7 +38,8 @@ def folder_weight_bytes(model_path: str, extra: str | None = None) -> int:
 
 
 def free_memory_bytes(device: Any) -> int:
-    """Free memory of ``device``: ``MemAvailable`` for CPU, ``mem_get_info`` for an accelerator (0 if unknown)."""
+    """Free memory of ``device``: ``MemAvailable`` for CPU, ``mem_get_info`` for an accelerator (0 if unknown),
+    asked in a child process unless this one has initialised the device already (:mod:`.device_probe`)."""
     kind = getattr(device, "type", str(device))
     if kind == "cpu":
         try:
@@ -49,12 +50,10 @@ def free_memory_bytes(device: Any) -> int:
         except OSError:
             return 0
         return 0
-    try:
-        import torch
+    from omni_core.optimize.device_probe import free_memory_bytes as device_free_bytes
 
-        return int(getattr(torch, kind).mem_get_info(device)[0])
-    except Exception:  # noqa: BLE001 - a backend without mem_get_info: unknown
-        return 0
+    index = getattr(device, "index", None)
+    return device_free_bytes(kind, 0 if index is None else index)  # no device context in this process
 
 
 def choose(config: Any, model_path: str, device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -64,12 +63,12 @@ def choose(config: Any, model_path: str, device: Any) -> tuple[dict[str, Any], d
     mode = config.performance_mode
     kind = getattr(device, "type", str(device))
     weights = folder_weight_bytes(model_path, config.denoiser_weights)
+    if mode is None:  # nothing to choose: the device is not asked (on a GPU that would cost a probe)
+        return {}, {"performance_mode": None, "device": kind, "weight_bytes": weights}
     free = free_memory_bytes(device)
     fits = free == 0 or weights <= HEADROOM * free
     report: dict[str, Any] = {"performance_mode": mode, "device": kind, "weight_bytes": weights, "free_bytes": free,
                               "fits": fits}
-    if mode is None:
-        return {}, report
     has_vae = os.path.isdir(os.path.join(model_path, "vae"))
     wanted: dict[str, Any] = {}
     if mode == "speed" or (mode == "auto" and fits and kind != "cpu"):

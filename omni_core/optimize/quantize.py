@@ -37,7 +37,11 @@ def torchao_config(method: str) -> Any:
 @functools.lru_cache(maxsize=None)
 def method_status(method: str, device_type: str = "cpu") -> tuple[bool, str]:
     """``(usable, reason)`` for a quantization method on a device type: torchao imports, and a quantized
-    ``Linear(32, 32)`` runs a forward there (the probe finds a dtype or kernel the device lacks)."""
+    ``Linear(32, 32)`` runs a forward there (the probe finds a dtype or kernel the device lacks).
+
+    On an accelerator whose runtime this process has not initialised (the engine's process), the probe runs in
+    a child process (:func:`~omni_core.optimize.device_probe.device_facts`), so asking creates no device
+    context here."""
     if method not in METHODS:
         return False, f"unknown method (allowed: {', '.join(METHODS)})"
     try:
@@ -45,6 +49,14 @@ def method_status(method: str, device_type: str = "cpu") -> tuple[bool, str]:
         import torchao  # noqa: F401
     except ImportError as exc:
         return False, f"torchao is not installed ({exc}); {INSTALL_HINT}"
+    from omni_core.optimize.device_probe import device_facts, probe_here
+
+    if not probe_here(device_type):
+        facts = device_facts(device_type)
+        if "error" in facts:
+            return False, f"cannot probe {device_type}: {facts['error']}"
+        ok, why = facts["methods"].get(method, (False, f"the {device_type} probe did not report {method}"))
+        return bool(ok), str(why)
     if method == "fp8" and device_type == "cuda":
         if not torch.cuda.is_available():
             return False, "no CUDA device"
