@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from omni_core.executor.base import DiffusionExecutor
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.worker.transport import outputs_to_host
 
 
 class UniProcExecutor(DiffusionExecutor):
@@ -31,10 +32,10 @@ class UniProcExecutor(DiffusionExecutor):
             self.on_progress(*event)
 
     def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
-        return self.runner.execute_batch(sched)
+        return outputs_to_host(self.runner.execute_batch(sched))  # host outputs, as every executor delivers
 
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
-        return self.runner.execute_step(sched)
+        return outputs_to_host(self.runner.execute_step(sched))
 
     def abort(self, request_ids: list[str]) -> None:
         self.runner.abort(request_ids)

@@ -48,8 +48,26 @@ def _small_cpu_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() * t.element_size() <= BY_VALUE_MAX_BYTES
 
 
+def outputs_to_host(result: Any) -> Any:
+    """Every output tensor of a ``RunnerOutput`` moved to the host (in place; returns it). Decoded images stay
+    where the VAE ran (diffusers' ``postprocess(..., "pt")`` keeps the device), and a device tensor must not
+    cross to the engine: ``mp`` would send a CUDA IPC handle (the engine's process then maps device memory and
+    opens a context), Ray would pickle a CUDA storage (which a CPU-only driver cannot load). Called in the
+    worker, once per wave, before the result is packed (and by the ``uni`` executor, for the same outputs)."""
+    import torch
+
+    for out in result.outputs.values():
+        for name in _FIELDS:
+            value = getattr(out, name)
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                setattr(out, name, value.to("cpu"))
+    return result
+
+
 def pack_outputs(result: Any) -> Any:
-    """Small CPU output tensors of a ``RunnerOutput`` -> ``TensorBytes`` (in place; returns it)."""
+    """Output tensors of a ``RunnerOutput`` moved to the host (:func:`outputs_to_host`), then the small ones ->
+    ``TensorBytes`` (in place; returns it)."""
+    outputs_to_host(result)
     for out in result.outputs.values():
         for name in _FIELDS:
             value = getattr(out, name)

@@ -168,3 +168,62 @@ def _shapes_path() -> str:
     from omni_core.pipelines.loader import resolve_model
 
     return resolve_model("shapes").model_path
+
+
+# ------------------------------------------------------------------------------------------ host outputs
+class OnDevice(torch.Tensor):
+    """A CPU tensor that reports ``cuda:0``, as a decoded output left on the GPU does; any torch call on it
+    (``.to``, ``.cpu``) returns a plain tensor, so moving it to the host is visible."""
+
+    @property
+    def device(self):  # noqa: D401 - shadows Tensor.device
+        return torch.device("cuda", 0)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+            return out.as_subclass(torch.Tensor) if isinstance(out, OnDevice) else out  # .to("cpu") of self
+
+
+def _wave(size: int):
+    from omni_core.outputs import DiffusionOutput
+    from omni_core.waves import RunnerOutput
+
+    image = torch.rand(1, 3, size, size)
+    out = DiffusionOutput(request_id="r", tensor=image.as_subclass(OnDevice),
+                          preview=torch.rand(3, 4, 4).as_subclass(OnDevice))
+    return RunnerOutput(outputs={"r": out}), image
+
+
+def _assert_host(result, image):
+    out = result.outputs["r"]
+    for value in (out.tensor, out.preview):
+        assert type(value) is torch.Tensor and value.device.type == "cpu", (type(value), value.device)
+    assert torch.equal(out.tensor, image)
+
+
+@pytest.mark.parametrize("size", [8, 1024])  # by value, and through shared memory
+def test_mp_transport_delivers_host_tensors(size):
+    from omni_core.worker.transport import pack_outputs, unpack_outputs
+
+    result, image = _wave(size)
+    assert result.outputs["r"].tensor.device.type == "cuda"  # the stand-in works
+    _assert_host(unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(result)))), image)
+
+
+def test_ray_transport_delivers_host_tensors():
+    pytest.importorskip("omni_executor_ray")
+    from omni_executor_ray.transport import pack_for_ray, unpack_from_ray
+
+    result, image = _wave(8)
+    _assert_host(unpack_from_ray(pickle.loads(pickle.dumps(pack_for_ray(result)))), image)
+
+
+def test_uni_executor_delivers_host_tensors(monkeypatch):
+    from omni_core.executor.uni import UniProcExecutor
+
+    result, image = _wave(8)
+    ex = UniProcExecutor.__new__(UniProcExecutor)
+    ex.runner = type("R", (), {"execute_step": lambda self, s: result, "execute_batch": lambda self, s: result})()
+    _assert_host(ex.execute_step(None), image)

@@ -5,7 +5,7 @@ torch tensor's bytes in band. Measured with ``bench/executors.py`` (one wave's r
 median of 20 ``ray.get``, 2 cores at load average 4): 32x32 1.4 ms as numpy vs 2.1 ms with the engine's
 ``pack_outputs`` (bytes); 512x512 54 vs 95 ms; 1024x1024 318 vs 479 ms; 256x256 a tie (30 ms).
 The engine copies each array once on arrival, so no returned tensor pins Ray's shared memory (and torch gets a
-writable buffer). Tensors numpy cannot hold (bfloat16, or not on the CPU) are left to Ray's pickling.
+writable buffer). Device tensors are moved to the host first; tensors numpy cannot hold (bfloat16) are left to Ray's pickling.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ def _numpy_ok(t: Any) -> bool:
 
 
 def pack_for_ray(result: Any) -> Any:
-    """CPU output tensors of a ``RunnerOutput`` -> numpy arrays (in place; returns it)."""
+    """Output tensors of a ``RunnerOutput`` moved to the host (a CUDA storage pickled by Ray would be rebuilt on
+    the driver's GPU, or fail on a CPU-only driver), then -> numpy arrays where numpy can hold them (in place;
+    returns it)."""
+    from omni_core.worker.transport import outputs_to_host
+
+    outputs_to_host(result)
     for out in result.outputs.values():
         for name in _FIELDS:
             value = getattr(out, name)
