@@ -46,6 +46,7 @@ Example (a hook that scales a block's output, placed as a cache would be)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Iterator
 
@@ -255,6 +256,27 @@ class HookRegistry:
 
         return call
 
+    def detach(self) -> bool:
+        """Take the chain out of the module (its ``forward`` is what it was before the first hook) while another
+        library rewrites that ``forward`` (see :func:`hooks_set_aside`); False if someone wrapped the chain since
+        (their wrapper calls it: nothing to do). The hooks stay registered; :meth:`attach` puts them back."""
+        module = self.module
+        if self._dispatch is None or module.__dict__.get("forward") is not self._dispatch:
+            return False
+        if self._saved is _MISSING:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = self._saved
+        return True
+
+    def attach(self) -> None:
+        """Wrap the chain around whatever ``forward`` the module has now (after :meth:`detach`)."""
+        module = self.module
+        self._saved = module.__dict__.get("forward", _MISSING)
+        self._base = module.forward
+        self._rebuild()
+        module.__dict__["forward"] = self._dispatch
+
     def _rebuild(self) -> None:
         module = self.module
         if not self.hooks:
@@ -278,11 +300,30 @@ class HookRegistry:
 
             def dispatch(*args: Any, **kwargs: Any) -> Any:
                 run = self._chain
-                return (run if run is not None else base)(*args, **kwargs)
+                return (run if run is not None else self._base)(*args, **kwargs)
 
             functools.update_wrapper(dispatch, base)  # inspect.signature sees the module's own forward
             self._dispatch = dispatch
             module.__dict__["forward"] = dispatch
+
+
+@contextlib.contextmanager
+def hooks_set_aside(*roots: Any) -> Iterator[None]:
+    """Omni's chains on ``roots`` and their submodules stand aside while the body runs, then wrap whatever
+    ``forward`` each module has afterwards. For library calls that reassign ``forward``: diffusers'
+    ``load_lora_weights`` / ``delete_adapters`` remove and re-apply group offloading, and diffusers' registry
+    removes its hooks by assigning the forward it saw first -- which would drop a chain added after them."""
+    detached = []
+    for root in roots:
+        for module in root.modules():
+            registry = HookRegistry.of(module, create=False)
+            if registry is not None and registry.detach():
+                detached.append(registry)
+    try:
+        yield
+    finally:
+        for registry in detached:
+            registry.attach()
 
 
 def add_hook(module: Any, name: str, hook: Any, *, order: int | None = None) -> Any:
@@ -313,4 +354,5 @@ def hook_names(module: Any) -> list[str]:
     return registry.names() if registry is not None else []
 
 
-__all__ = ["STAGES", "FunctionHook", "HookRegistry", "ModuleHook", "add_hook", "get_hook", "hook_names", "remove_hook"]
+__all__ = ["STAGES", "FunctionHook", "HookRegistry", "ModuleHook", "add_hook", "get_hook", "hook_names", "hooks_set_aside",
+           "remove_hook"]

@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from omni_core.forward_context import forward_context
-from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook
+from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook, hooks_set_aside
 from omni_core.lora.files import resolve_lora_path
 
 logger = logging.getLogger("omni_core.lora")
@@ -84,7 +84,8 @@ class LoraManager:
             if len(self.loaded) <= limit:
                 return
             if not self.users.get(name):
-                self.diffusers_pipe.delete_adapters(name)
+                with self._components_set_aside():
+                    self.diffusers_pipe.delete_adapters(name)
                 del self.loaded[path]
                 self.users.pop(name, None)
                 logger.info("LoRA %s unloaded (LRU, max_loras=%d)", path, self.config.max_loras)
@@ -96,12 +97,21 @@ class LoraManager:
         self._count += 1
         name = f"omni_lora_{self._count}"
         # by folder + file name, exactly as a user calls diffusers (its metadata, e.g. lora_alpha, is read too)
-        self.diffusers_pipe.load_lora_weights(os.path.dirname(path), weight_name=os.path.basename(path),
-                                              adapter_name=name)
+        with self._components_set_aside():
+            self.diffusers_pipe.load_lora_weights(os.path.dirname(path), weight_name=os.path.basename(path),
+                                                  adapter_name=name)
         self.loaded[path] = name
         self._patch_layers()
         logger.info("LoRA %s loaded as %s", path, name)
         return name
+
+    def _components_set_aside(self):
+        """diffusers re-applies group offloading around adapter loads and deletes by reassigning ``forward``;
+        our hooks (caches, instrumentation) on those modules stand aside meanwhile and wrap the result."""
+        import torch
+
+        return hooks_set_aside(*(m for m in self.diffusers_pipe.components.values()
+                                 if isinstance(m, torch.nn.Module)))
 
     def _patch_layers(self) -> None:
         from peft.tuners.lora import LoraLayer

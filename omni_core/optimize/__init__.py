@@ -1,16 +1,13 @@
 """Memory and speed options of the engine: quantization, GGUF weights, offload, VAE tiling/slicing, compile,
-performance presets. One module per concept; this one checks them before start-up and applies them, in a fixed
-order, to a loaded pipeline of any model (the loader calls it; no model names an option).
+performance presets. One module per concept; this one checks them before start-up; :mod:`.plan` decides the order
+in which they apply while a pipeline of any model loads (the loader runs the plan; no model names an option).
 
 Imports nothing heavy: torch, torchao, gguf and diffusers are imported when an option is used.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-logger = logging.getLogger("omni_core.optimize")
 
 #: the config fields this package reads (all default to None: "unset", so a preset may fill them)
 FIELDS = ("quantization", "quantize_components", "denoiser_weights", "offload", "vae_tiling", "vae_slicing",
@@ -45,35 +42,4 @@ def load_kwargs(pipeline_cls: Any, model_path: str, config: Any, dtype: Any) -> 
     return gguf_denoiser_kwargs(pipeline_cls, model_path, config.denoiser_weights, dtype)
 
 
-def apply_optimizations(pipeline: Any, config: Any, device: Any) -> dict[str, Any]:
-    """Apply the config's options to a loaded pipeline -- quantize, VAE options, compile, then offload (hooks
-    go on last, around the final modules) -- and return what was done (also kept on the pipeline)."""
-    applied: dict[str, Any] = {}
-    if getattr(config, "denoiser_weights", None):
-        applied["denoiser_weights"] = config.denoiser_weights
-    method = getattr(config, "quantization", None)
-    if method not in (None, "none"):
-        from omni_core.optimize.quantize import quantize_pipeline
-
-        applied["quantization"] = {"method": method,
-                                   "components": quantize_pipeline(pipeline, method, config.quantize_components)}
-    from omni_core.optimize.vae import apply_vae_options
-
-    applied.update(apply_vae_options(pipeline, getattr(config, "vae_tiling", None),
-                                     getattr(config, "vae_slicing", None)))
-    if getattr(config, "compile", None):
-        from omni_core.optimize.compile import compile_denoisers
-
-        applied.update(compile_denoisers(pipeline))
-    mode = getattr(config, "offload", None)
-    if mode not in (None, "none"):
-        from omni_core.optimize.offload import apply_offload
-
-        applied.update(apply_offload(pipeline, mode, device))
-    setattr(pipeline, APPLIED_ATTR, applied)
-    if applied:
-        logger.info("memory/speed options applied: %s", applied)
-    return applied
-
-
-__all__ = ["APPLIED_ATTR", "FIELDS", "apply_optimizations", "check_config", "load_kwargs", "resolve_preset"]
+__all__ = ["APPLIED_ATTR", "FIELDS", "check_config", "load_kwargs", "resolve_preset"]

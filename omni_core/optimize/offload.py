@@ -1,8 +1,8 @@
 """Offload: keep weights in host memory and move them to the accelerator just in time.
 
-* ``"model"``: whole components, one at a time (text encoder -> denoiser -> VAE -> text encoder ...), with
-  accelerate's ``cpu_offload_with_hook`` -- what diffusers' ``enable_model_cpu_offload`` uses -- chained in a
-  ring so the component that runs next evicts the one before it (a serving loop has no "end of call" hook).
+* ``"model"``: whole components, one at a time (text encoder -> denoiser -> VAE -> text encoder ...), each
+  brought in before it runs and evicting the one before it, in a ring (a serving loop has no "end of call"):
+  :mod:`.model_offload` (our registry's hook, not accelerate's, so a LoRA loaded at run time keeps it).
 * ``"group"``: diffusers' ``apply_group_offloading`` per component, one block per group, prefetching the next
   group on a side stream where the device has streams (CUDA-like); elsewhere synchronous.
 
@@ -53,16 +53,12 @@ def apply_offload(pipeline: Any, mode: str, device: Any) -> dict[str, Any]:
     cpu = torch.device("cpu")
     device = torch.device(device)
     if mode == "model":
-        from accelerate import cpu_offload_with_hook
+        from omni_core.hooks import add_hook
+        from omni_core.optimize.model_offload import MODEL_OFFLOAD_HOOK, ModelOffload, OffloadRing
 
-        hooks = []
+        ring = OffloadRing(device)
         for module in components.values():
-            module.to(cpu)
-            _, hook = cpu_offload_with_hook(module, execution_device=device,
-                                            prev_module_hook=hooks[-1] if hooks else None)
-            hooks.append(hook)
-        if len(hooks) > 1:  # a ring: the next request's text encoder evicts the last VAE
-            hooks[0].hook.prev_module_hook = hooks[-1]
+            add_hook(module, MODEL_OFFLOAD_HOOK, ModelOffload(ring))
         return {"offload": "model", "components": list(components)}
     if mode == "group":
         from diffusers.hooks import apply_group_offloading

@@ -212,8 +212,24 @@ class OmniPipeline:
     # ------------------------------------------------------------------ worker process
     @classmethod
     def load(cls, model_path: str, config: Any, device: Any, dtype: Any) -> OmniPipeline:
-        """Build the pipeline from a model folder on ``device`` in ``dtype`` (a ``torch.dtype``)."""
+        """Build the pipeline from a model folder with its weights on ``device`` in ``dtype`` (a ``torch.dtype``).
+        The load plan passes the host when quantization or offload must start there and calls :meth:`place`
+        with the execution device afterwards, so ``load`` must not move weights anywhere else."""
         raise NotImplementedError
+
+    def place(self, device: Any, *, move_weights: bool = True) -> None:
+        """Make ``device`` the execution device (where latents, generators and scheduler tensors are made), moving
+        every component there unless offload hooks bring the weights in per call (``move_weights=False``). The
+        load plan calls it last: ``load`` may have read the weights to the host so that quantization or offload
+        start there (:mod:`omni_core.optimize.plan`). Override if the pipeline keeps other device tensors."""
+        import torch
+
+        from omni_core.optimize.components import components_of
+
+        if move_weights:
+            for module in components_of(self).values():
+                module.to(device)
+        self.device = torch.device(device)
 
     def prepare_encode(self, state: StepState) -> StepState:
         """Encode prompts, create the initial latents (from ``state.generator``), timesteps and the request's

@@ -82,25 +82,16 @@ def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> Non
         check(parallel_config, resolved.model_path)
 
 
-def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any) -> Any:
-    """Import the pipeline class and build it inside ``use_config`` so Attention layers see the config; then
-    apply sequence parallelism from the pipeline's denoiser specs (the same for every model: a plugin only
-    declares ``sp_plan``). In a worker this runs after ``init_parallel_state``."""
-    from omni_core.attention.parallel import apply_sequence_parallel_to_pipeline
-    from omni_core.forward_context import use_config
+def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, *,
+                  observe: Any = None) -> Any:
+    """Load the pipeline by its load plan (:mod:`omni_core.optimize.plan`): read the weights (to the host when
+    offload or quantization must start there), sequence parallelism from the declared denoiser specs,
+    quantization, VAE options, compile, then place on ``device`` or install offload hooks. The read runs inside
+    ``use_config`` so Attention layers see the config. In a worker this runs after ``init_parallel_state``.
+    ``observe(step, pipeline)`` is called after each step (tests record where the weights are)."""
+    from omni_core.optimize.plan import plan_load, run_plan
 
-    from omni_core.optimize import apply_optimizations, load_kwargs
-
-    cls = resolved.pipeline_cls()
-    extra = load_kwargs(cls, resolved.model_path, config, dtype)  # a GGUF denoiser (denoiser_weights)
-    load_config = attrs.evolve(config, model_kwargs={**config.model_kwargs, **extra}) if extra else config
-    with use_config(config):
-        pipeline = cls.load(resolved.model_path, load_config, device, dtype)
-    # where cache backends find the folder's shipped cache_defaults.json (pipelines/denoiser.py: model_folder_of)
-    setattr(pipeline, "omni_model_path", resolved.model_path)
-    apply_sequence_parallel_to_pipeline(pipeline, config)
-    apply_optimizations(pipeline, config, device)  # quantization, VAE tiling, compile, offload (omni_core.optimize)
-    return pipeline
+    return run_plan(plan_load(config, device), resolved, config, device, dtype, observe=observe)
 
 
 __all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "default_model_folder", "load_pipeline",

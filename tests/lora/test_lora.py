@@ -312,3 +312,54 @@ def test_omni_lora_inspect(qwen_dir, qwen_loras, wan_loras, capsys):
     assert main(["lora", "inspect", wan_loras["a"], "--model", qwen_dir, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert not report["fits"] and "not in this model's transformer" in report["problems"][0]
+
+
+TEA = {"cache_backend": "tea_cache", "cache_config": {"rel_l1_thresh": 0.6}}
+TEA_QWEN = dict(QWEN, num_inference_steps=6)
+
+
+def _offload_case_outputs(omni, loras):
+    """The adapters' requests of the offload test: a wave loading ``b`` beside ``a`` (then one evicted), then ``b``
+    alone with ``a`` evicted."""
+    return run(omni, MIX, loras, TEA_QWEN) + run(omni, [("b", 1.0)], loras, TEA_QWEN)
+
+
+@pytest.fixture(scope="module")
+def tea_reference(qwen_dir, qwen_loras):
+    from omni_core import Omni
+
+    with Omni(qwen_dir, dtype="float32", max_num_seqs=3, max_loras=1, max_lora_rank=8, warmup=False,
+              loras={"a": qwen_loras["a"]}, **TEA) as omni:
+        return _offload_case_outputs(omni, qwen_loras)
+
+
+@pytest.mark.parametrize("mode", ["model", "group"])
+def test_offload_keeps_its_hooks_through_adapter_loads_and_unloads(qwen_dir, tea_reference, qwen_loras, mode):
+    """diffusers' ``load_lora_weights`` strips accelerate's offload hooks and re-enables its own offload without a
+    device (on CPU it raises), and re-applies group offloading by rewriting ``forward``: with ``offload`` set,
+    adapters loaded and evicted at run time (an LRU of one) leave every offload hook and our own hooks (the
+    cache's, which must still skip steps) in place, and the images equal the engine without offload."""
+    from diffusers.hooks import HookRegistry as DiffusersHooks
+
+    from omni_core import Omni
+    from omni_core.hooks import hook_names
+
+    with Omni(qwen_dir, dtype="float32", offload=mode, max_num_seqs=3, max_loras=1, max_lora_rank=8, warmup=False,
+              loras={"a": qwen_loras["a"]}, **TEA) as omni:
+        pipe = omni.engine.executor.runner.pipeline
+        ours = hook_names(pipe.pipe.transformer)
+        assert ours, "the cache's hook is on the transformer"
+        outs = _offload_case_outputs(omni, qwen_loras)
+        assert len(omni.engine.executor.runner.lora.loaded) == 1
+        for name in ("text_encoder", "transformer", "vae"):
+            module = getattr(pipe.pipe, name)
+            if mode == "model":
+                assert "offload.model" in hook_names(module), name
+                assert not hasattr(module._hf_hook, "hooks"), name  # ours, not accelerate's
+            else:
+                assert "group_offloading" in DiffusersHooks.check_if_exists_or_initialize(module).hooks, name
+        assert hook_names(pipe.pipe.transformer) == ours
+    assert outs[-1].metrics["steps_reused"] > 0, "the cache still runs after the adapters changed"
+    for out, ref in zip(outs, tea_reference):
+        assert out.metrics["steps_reused"] == ref.metrics["steps_reused"]
+        torch.testing.assert_close(out.tensor, ref.tensor, atol=1e-5, rtol=0)

@@ -1,4 +1,4 @@
-"""Offload hooks (accelerate's model offload chain, diffusers' group offloading). On CPU the onload and offload
+"""Offload hooks (our model-offload ring, diffusers' group offloading). On CPU the onload and offload
 devices are the same, so what is checked here is that the hooks are installed and run and the images are
 unchanged; the memory saving and the side-stream prefetch are ``gpu`` tests."""
 
@@ -28,22 +28,46 @@ def test_offload_hooks_run_and_change_nothing(qwen_dir, plain, mode):
         assert applied["use_stream"] is False  # CPU has no streams
         assert "group_offloading" in HookRegistry.check_if_exists_or_initialize(pipe.pipe.transformer).hooks
     else:
-        assert hasattr(pipe.pipe.transformer, "_hf_hook")
+        from omni_core.hooks import hook_names
+
+        assert hook_names(pipe.pipe.transformer) == ["offload.model"]
     got, _ = run_qwen(pipe)
     torch.testing.assert_close(got, plain, atol=1e-6, rtol=0)
 
 
-def test_model_offload_chains_the_components_in_a_ring(qwen_dir):
-    """``"model"``: each component's hook evicts the one that ran before it, and the first (the next request's
-    text encoder) evicts the last (the previous request's VAE), so no component stays on the device between
-    requests. On CPU the eviction itself is a no-op, so the chain of accelerate's hooks is what is checked."""
+def test_model_offload_brings_components_in_turn_in_a_ring(qwen_dir):
+    """``"model"``: one ring per pipeline; each component comes in as it runs (the VAE through ``decode``, which
+    diffusers routes to ``_hf_hook``), so the order is text encoder -> transformer -> VAE, and the next request's
+    text encoder evicts the VAE. On CPU the moves are no-ops, so which component is current is what is checked."""
+    from omni_core.hooks import get_hook, hook_names
+    from omni_core.optimize.model_offload import MODEL_OFFLOAD_HOOK
+
     pipe = load(qwen_dir, offload="model")
     order = pipe.omni_optimizations["components"]
-    modules = [getattr(pipe.pipe, name) for name in order]
-    for i, module in enumerate(modules):
-        prev = module._hf_hook.prev_module_hook
-        assert prev is not None, f"{order[i]} evicts nothing"
-        assert prev.model is modules[i - 1], f"{order[i]} evicts {type(prev.model).__name__}, not {order[i - 1]}"
+    modules = {name: getattr(pipe.pipe, name) for name in order}
+    hooks = [get_hook(m, MODEL_OFFLOAD_HOOK) for m in modules.values()]
+    ring = hooks[0].ring
+    assert all(h.ring is ring for h in hooks) and all(MODEL_OFFLOAD_HOOK in hook_names(m) for m in modules.values())
+    seen = []
+    for name, module in modules.items():
+        module.register_forward_hook(lambda m, a, o, name=name: seen.append((name, ring.current is m)))
+    decode = type(modules["vae"]).decode
+
+    def spy(vae, *args, **kwargs):
+        out = decode(vae, *args, **kwargs)
+        seen.append(("vae.decode", ring.current is vae))
+        return out
+    type(modules["vae"]).decode = spy
+    try:
+        run_qwen(pipe)
+    finally:
+        type(modules["vae"]).decode = decode
+    names = [n for n, _ in seen if n != "vae"]  # the VAE's own forward is not what a pipeline calls
+    assert all(current for _, current in seen), seen  # every component ran while current
+    assert names[0] == "text_encoder" and names[-1] == "vae.decode" and "transformer" in names, names
+    assert ring.current is modules["vae"]
+    modules["text_encoder"](torch.ones(1, 3, dtype=torch.long))
+    assert ring.current is modules["text_encoder"]
 
 
 def test_offload_with_several_ranks_on_one_device_is_refused_before_workers():
