@@ -83,6 +83,9 @@ class DiffusionEngine:
         # performance_mode fills the unset memory/speed options; then each is checked against this platform
         config, self.performance = resolve_preset(config, self.resolved.model_path, platform_for(config))
         self.config = config
+        from omni_core.combinations import check_combinations
+
+        check_combinations(config)  # pairs of features that cannot run together (omni_core/combinations.py)
         check_config(config, platform_for(config))
         # a bad cache_config key fails here, before any worker starts ("none" too: a built-in that takes any)
         pm.load_component("cache", config.cache_backend).check_config(config.cache_config)
@@ -114,7 +117,8 @@ class DiffusionEngine:
         #: request id -> deadline, for the requests that have one (until it passes: ``_watch_deadlines``)
         self._deadlines: dict[str, float] = {}
         #: where the busy loop's time went, summed over waves (see ``wave_timing``)
-        self.timing = {"waves": 0, "denoise_calls": 0, "wave_s": 0.0, "pipeline_s": 0.0, "denoise_s": 0.0}
+        self.timing = {"waves": 0, "denoise_calls": 0, "wave_s": 0.0, "pipeline_s": 0.0, "denoise_s": 0.0,
+                       "denoiser_calls": 0, "denoiser_s": 0.0}
         self._delivery = OutputDelivery()
         #: step waves sent and not yet applied, and how many may be (the pipelined step loop; None otherwise)
         self._inflight: collections.deque | None = None
@@ -437,6 +441,8 @@ class DiffusionEngine:
         t["pipeline_s"] += metrics.get("pipeline_s", 0.0)
         t["denoise_s"] += metrics.get("denoise_s", 0.0)
         t["denoise_calls"] += metrics.get("denoise_calls", 0)
+        t["denoiser_s"] += metrics.get("denoiser_s", 0.0)
+        t["denoiser_calls"] += metrics.get("denoiser_calls", 0)
 
     def _mark_started(self, sched: DiffusionSchedulerOutput) -> None:
         now = time.monotonic()
@@ -630,8 +636,10 @@ class DiffusionEngine:
     def wave_timing(self) -> dict[str, float]:
         """Where the busy loop's time went, summed since start: ``wave_s`` (wall time of waves, from
         scheduling to delivering their outputs), ``pipeline_s`` (inside the model's pipeline calls),
-        ``denoise_s`` (inside ``denoise_step``), ``denoise_calls``, and ``engine_s_per_step``: the engine's own
-        time (``wave_s - pipeline_s``: scheduling, transport, bookkeeping, events, delivery) per denoiser call."""
+        ``denoise_s`` (inside ``denoise_step``), ``denoise_calls``, ``denoiser_s`` and ``denoiser_calls`` (inside
+        the declared denoisers' forward, one call per CFG branch and expert; ``omni_core.worker.instrument``), and
+        ``engine_s_per_step``: the engine's own time (``wave_s - pipeline_s``: scheduling, transport,
+        bookkeeping, events, delivery) per ``denoise_step`` call."""
         with self._lock:
             t = dict(self.timing)
         t["engine_s"] = t["wave_s"] - t["pipeline_s"]

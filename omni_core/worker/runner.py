@@ -121,6 +121,9 @@ class ModelRunner:
     def load_model(self) -> None:
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
+        from omni_core.worker.instrument import instrument_denoisers  # (imports diffusers: not at module level)
+
+        instrument_denoisers(self.pipeline, self.clock)  # denoiser calls and time: 'instrument'-stage hooks
         from omni_core.platforms.threads import ContentionGauge, threads_per_process
 
         # the budget drops to one thread while the CPU is contended, unless the user fixed it (cpu_threads)

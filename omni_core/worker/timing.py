@@ -4,6 +4,14 @@ The runner times every call into the pipeline during a wave, so the engine can s
 wall time and report its own cost per denoising step (scheduling, transport, bookkeeping, progress and
 preview events, output delivery). That split is what ``bench/hot_path.py`` prints and what
 ``engine.stats()`` accumulates; it costs two ``perf_counter`` calls per pipeline call.
+
+Inside ``denoise_step``, an ``instrument``-stage hook (:mod:`omni_core.worker.instrument`, the outermost stage
+of :mod:`omni_core.hooks`' registry) on every declared denoiser counts the calls into the denoiser itself and their
+time (``denoiser_calls``, ``denoiser_s``), as the caller made them: with a cache, reused calls count too (they
+are cheap), and a call a cache splits per request counts once. ``denoise_s - denoiser_s`` is then the step's
+own cost around the model (CFG combination, the scheduler step, latent packing). The times are host wall time:
+on an accelerator a call returns once its kernels are queued, so there ``denoiser_s`` can be far below the
+model's device time (``denoise_s``, whose scheduler step waits for the result, is the upper bound).
 """
 
 from __future__ import annotations
@@ -15,8 +23,9 @@ from typing import Any, Callable, Iterator
 
 #: keys a ``RunnerOutput.metrics`` carries for its wave (merged across data-parallel replicas by ``max``,
 #: as replicas run side by side): seconds inside pipeline calls, of which inside ``denoise_step``, and how
-#: many ``denoise_step`` calls (denoising steps of the wave) there were
-WAVE_TIMING_KEYS = ("pipeline_s", "denoise_s", "denoise_calls")
+#: many ``denoise_step`` calls (denoising steps of the wave) there were; seconds inside the declared denoisers'
+#: forward calls and how many such calls (CFG branches and experts each count)
+WAVE_TIMING_KEYS = ("pipeline_s", "denoise_s", "denoise_calls", "denoiser_s", "denoiser_calls")
 
 
 _local = threading.local()
@@ -44,6 +53,9 @@ class WaveClock:
         self.pipeline_s = 0.0
         self.denoise_s = 0.0
         self.denoise_calls = 0
+        #: inside the declared denoisers' forward (the :class:`DenoiserTimer` hooks)
+        self.denoiser_s = 0.0
+        self.denoiser_calls = 0
         #: time spent in the runner's own callbacks while ``forward`` runs (request path): not the model's
         self._excluded_s = 0.0
 
@@ -84,13 +96,16 @@ class WaveClock:
         time, calls and callback time (their sum would count the same wall time twice)."""
         self.denoise_s += max(c.denoise_s for c in lanes)
         self.denoise_calls += max(c.denoise_calls for c in lanes)
+        self.denoiser_s += max(c.denoiser_s for c in lanes)
+        self.denoiser_calls += max(c.denoiser_calls for c in lanes)
         self._excluded_s += max(c._excluded_s for c in lanes)
 
     def take(self) -> dict[str, float]:
         out = {"pipeline_s": max(0.0, self.pipeline_s - self._excluded_s), "denoise_s": self.denoise_s,
-               "denoise_calls": self.denoise_calls}
-        self.pipeline_s = self.denoise_s = self._excluded_s = 0.0
-        self.denoise_calls = 0
+               "denoise_calls": self.denoise_calls, "denoiser_s": self.denoiser_s,
+               "denoiser_calls": self.denoiser_calls}
+        self.pipeline_s = self.denoise_s = self.denoiser_s = self._excluded_s = 0.0
+        self.denoise_calls = self.denoiser_calls = 0
         return out
 
 
