@@ -15,6 +15,8 @@ import platform as py_platform
 import sys
 from typing import Any
 
+import attrs
+
 PACKAGES = ("omni-core", "torch", "diffusers", "transformers", "accelerate", "safetensors", "cache-dit", "pluggy",
             "attrs")
 SWITCHES = ("OMNI_PLUGINS", "OMNI_DISABLE_PLUGINS", "OMNI_STRICT_PLUGINS", "OMNI_NO_PLUGINS", "OMNI_PLATFORM",
@@ -28,6 +30,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--model", default=None,
                    help="also print what each performance_mode (speed, memory, auto) would choose for this model here")
+    p.add_argument("--plan", action="store_true",
+                   help="with --model: print the load plan (where the weights are at each step, in which order the "
+                        "options apply) for the engine options given")
+    from omni_core.cli.options import add_engine_options
+
+    add_engine_options(p)
     p.set_defaults(func=run_env)
 
 
@@ -70,8 +78,8 @@ def _backend_rows(pm, kind: str, platform, conflicts: dict, default: str | None 
     return rows
 
 
-def collect_env(pm=None, model: str | None = None) -> dict[str, Any]:
-    """The ``omni env --json`` payload."""
+def collect_env(pm=None, model: str | None = None, plan_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``omni env --json`` payload; with ``plan_options`` (engine options) and ``model``, the load plan."""
     from omni_core.plugins.manager import ACTIVE, get_plugin_manager
 
     pm = pm or get_plugin_manager()
@@ -105,7 +113,28 @@ def collect_env(pm=None, model: str | None = None) -> dict[str, Any]:
         "pipelines": pipelines,
         "quantization": _quantization_rows(platform),
         **({"performance_modes": _preset_report(pm, model, platform)} if model else {}),
+        **({"load_plan": _plan_report(pm, model, platform, plan_options)} if model and plan_options is not None
+           else {}),
     }
+
+
+def _plan_report(pm, model: str, platform, options: dict[str, Any]) -> dict[str, Any]:
+    """The load plan of ``model`` with engine ``options`` on this platform's first device (after the
+    ``performance_mode`` preset fills unset options), as ``omni generate``/``serve`` would run it."""
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.optimize.plan import plan_load
+    from omni_core.optimize.presets import apply_preset
+    from omni_core.pipelines.loader import resolve_model
+
+    try:
+        config = OmniDiffusionConfig(model=model, **options)
+        device = platform.get_torch_device(0)
+        config, _ = apply_preset(config, resolve_model(model, pm).model_path, device)
+        steps = plan_load(config, device)
+    except Exception as exc:  # noqa: BLE001 - env describes, it does not crash
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"device": str(device), "steps": [attrs.asdict(step) for step in steps],
+            "lines": [step.describe() for step in steps]}
 
 
 def _quantization_rows(platform) -> list[dict[str, Any]]:
@@ -200,6 +229,14 @@ def format_env(env: dict[str, Any]) -> str:
             lines.append(f"performance_mode={mode}: {r.get('reason')}; chose {r.get('chose') or 'nothing'}"
                          + (f", kept {r['kept']}" if r.get("kept") else "")
                          + f" (weights {r['weight_bytes'] / 2**20:.1f} MiB, free {r['free_bytes'] / 2**30:.1f} GiB)")
+    if "load_plan" in env:
+        lines.append("")
+        plan = env["load_plan"]
+        if "error" in plan:
+            lines.append(f"load plan: cannot be made: {plan['error']}")
+        else:
+            lines.append(f"load plan (target {plan['device']}; step, components -> where their weights are):")
+            lines += [f"  {i}. {line}" for i, line in enumerate(plan["lines"], 1)]
     return "\n".join(lines)
 
 
@@ -211,6 +248,13 @@ def _pipeline_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def run_env(args: argparse.Namespace) -> int:
-    env = collect_env(model=getattr(args, "model", None))
+    from omni_core.cli.options import engine_options
+    from omni_core.errors import ConfigError
+
+    if getattr(args, "plan", False) and not args.model:
+        raise ConfigError("omni env --plan needs --model (the plan depends on the model's folder and the options)",
+                          field="model")
+    env = collect_env(model=getattr(args, "model", None),
+                      plan_options=engine_options(args) if getattr(args, "plan", False) else None)
     print(json.dumps(env, indent=2) if args.json else format_env(env))
     return 0
