@@ -4,6 +4,10 @@ Request path: ``execute_batch`` runs whole requests through ``pipeline.forward``
 between steps. Step path: ``execute_step`` encodes new requests, runs one batched ``denoise_step`` over
 every scheduled request, steps each request's own scheduler and decodes the finished ones. An exception in
 one request fails only that request.
+
+Ranks fail together: with several ranks in a replica, every failure is agreed before anyone acts on it, so a
+rank-local exception (an out-of-memory error on one GPU, say) fails the call on every rank and no rank goes on
+with collectives its peers have left (:meth:`ModelRunner.sync_failure`, :class:`PeerFailure`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ def error_output(request_id: str, exc: BaseException | str, state: StepState | N
     if frame:
         out.metrics["error_frame"] = frame
     return out
+
+
+class PeerFailure(RuntimeError):
+    """Raised on every rank of a replica whose peer failed the same call: the ranks fail it together and stay
+    in step (the failing rank raises its own exception; its peers raise this one, naming it)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank} of this replica failed the same call (its error is in that rank's log); "
+                         f"every rank fails it together")
+        self.rank = rank
 
 
 class _Control:
@@ -167,7 +181,11 @@ class ModelRunner:
             self._abort_ids.update(request_ids)
 
     def agree_stopped(self, request_ids: list[str]) -> set[str]:
-        """Which of ``request_ids`` to stop; the replica's leader decides and its ranks learn the same answer."""
+        """Which of ``request_ids`` to stop; the replica's leader decides and its ranks learn the same answer.
+        A step boundary is also a failure sync point: a peer that failed since the last one raises here."""
+        peer = self.sync_failure(False)
+        if peer is not None:
+            raise PeerFailure(peer)
         if self.poll_aborts is not None:
             with self._poll_lock:  # lanes ask at once; one of them drains the queue
                 polled = self.poll_aborts()
@@ -190,6 +208,58 @@ class ModelRunner:
         t = torch.tensor(flags, dtype=torch.uint8, device=device)
         dist.broadcast(t, src=src, group=group)
         return [bool(x) for x in t.tolist()]
+
+    def sync_failure(self, failed: bool) -> int | None:
+        """The highest rank of the replica that failed since the last sync point (this one if ``failed``), or
+        None: an all-reduce of a one-element flag where the replica has several ranks. Every rank meets the
+        same sync points -- each step boundary of the request path, the end of each forward or denoise attempt
+        -- and a rank that fails goes straight to its next one, so its peers learn of the failure there instead
+        of waiting in a collective it has left (for a timeout that tears every rank down)."""
+        group, _, size = self.stop_group
+        if size <= 1:
+            return self.rank if failed else None
+        import torch
+        import torch.distributed as dist
+
+        device = "cpu" if dist.get_backend(group) == "gloo" else self.device
+        t = torch.tensor([self.rank + 1 if failed else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        value = int(t.item())
+        return value - 1 if value else None
+
+    def _agreed(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        """``fn(arg)``, failing on every rank of the replica if it fails on any (:meth:`sync_failure`)."""
+        try:
+            out = fn(arg)
+        except PeerFailure:
+            raise  # agreed already, at a sync point inside ``fn``
+        except Exception:
+            if self.stop_group[2] > 1:
+                logger.error("rank %d failed; its peers fail the call with it", self.rank, exc_info=True)
+                self.sync_failure(True)
+            raise
+        peer = self.sync_failure(False)
+        if peer is not None:
+            raise PeerFailure(peer)
+        return out
+
+    def _agree_failures(self, request_ids: list[str], outputs: dict[str, DiffusionOutput]) -> None:
+        """Step path: a request that failed on any rank of the replica (in ``outputs`` as an error) fails on all
+        of them, so no rank keeps a state its peers dropped. One all-reduce of a flag per request."""
+        group, _, size = self.stop_group
+        if size <= 1 or not request_ids:
+            return
+        import torch
+        import torch.distributed as dist
+
+        device = "cpu" if dist.get_backend(group) == "gloo" else self.device
+        mine = [self.rank + 1 if rid in outputs and outputs[rid].status == "error" else 0 for rid in request_ids]
+        t = torch.tensor(mine, dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        for rid, value, own in zip(request_ids, t.tolist(), mine):
+            if value and not own:
+                outputs[rid] = error_output(rid, PeerFailure(value - 1), self.states.get(rid))
+                self._forget(rid)
 
     def _forget(self, request_id: str) -> None:
         if getattr(self, "lora", None) is not None:
@@ -273,7 +343,7 @@ class ModelRunner:
 
     def _forward(self, states: list[StepState]) -> list[DiffusionOutput]:
         try:
-            outs = self.pipeline.forward(states, _Control(self))
+            outs = self._agreed(lambda batch: self.pipeline.forward(batch, _Control(self)), states)
         finally:
             self.flush_progress()  # the last step's events, before the outputs
         return [self._finish_output(s, o, {}) for s, o in zip(states, outs)]
@@ -304,6 +374,7 @@ class ModelRunner:
         outputs: dict[str, DiffusionOutput] = {}
         with torch.inference_mode():
             self.clock.timed(self._encode_new, sched.new_requests, outputs)
+            self._agree_failures([r.request_id for r in sched.new_requests], outputs)
         self.release(replacement.finished_ids)
         return RunnerOutput(outputs=outputs, held_ids=self.held_ids(), metrics=self.clock.take(), skipped=True)
 
@@ -317,6 +388,7 @@ class ModelRunner:
         t0, sent0 = time.perf_counter(), sent_bytes()
         with torch.inference_mode():
             timed(self._encode_new, sched.new_requests, outputs)
+            self._agree_failures([r.request_id for r in sched.new_requests], outputs)  # same batch on every rank
             active = [self.states[r] for r in sched.scheduled_ids if r in self.states and not self.states[r].done]
             preds = timed(self._denoise, active, outputs)
             for state, pred in preds:
@@ -352,6 +424,7 @@ class ModelRunner:
                                           step_index=state.step_index, num_steps=state.num_steps)
                 out.metrics.update(wave)
                 outputs[rid] = out
+            self._agree_failures(list(sched.scheduled_ids), outputs)
         return RunnerOutput(outputs=outputs, held_ids=self.held_ids(), metrics=self.clock.take())
 
     def _encode_new(self, requests: list[OmniDiffusionRequest], outputs: dict[str, DiffusionOutput]) -> None:
@@ -409,10 +482,12 @@ class ModelRunner:
             outputs[state.request_id] = error_output(state.request_id, exc, state)
             self._forget(state.request_id)
 
-        preds = batched_then_one_by_one(active, lambda batch: self.lanes.map(self.pipeline.denoise_step, batch,
-                                                                             self.clock),
-                                        lambda state: self.pipeline.denoise_step([state])[0], failed,
-                                        what="denoise_step")
+        # each attempt is agreed by the ranks: all retry one by one, or none does (an error on one rank only)
+        preds = batched_then_one_by_one(
+            active, lambda batch: self._agreed(lambda b: self.lanes.map(self.pipeline.denoise_step, b, self.clock),
+                                               batch),
+            lambda state: self._agreed(lambda st: self.pipeline.denoise_step([st])[0], state), failed,
+            what="denoise_step")
         return [(state, pred) for state, pred in zip(active, preds) if state.request_id not in outputs]
 
 

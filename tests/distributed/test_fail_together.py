@@ -1,0 +1,109 @@
+"""Ranks fail together (issue #36): an exception on one rank only -- an out-of-memory error on one GPU, say --
+fails the call on every rank of the replica within the same wave, and every rank serves the next request.
+Nothing waits for a timeout: without the agreement, the failing rank retried request by request while its peer
+went on, their collectives stopped matching, and the ranks hung until the process group's timeout (NCCL's
+watchdog tears every rank down after 120 s).
+
+Two gloo ranks run a :class:`~omni_core.worker.runner.ModelRunner` each over a stub pipeline whose denoise step
+holds a collective (as a sequence-parallel model's does) and raises on rank 1 for the request prompted ``bad``,
+after that collective. A failure *before* a collective its peers wait in is not covered: that needs the process
+group aborted and rebuilt (docs/gpu.md, "what is left").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_core.distributed import spawn_workers
+
+pytestmark = pytest.mark.dist
+
+#: seconds the whole check may take; every wave must end well inside the gloo timeout
+TIMEOUT_S = 90
+
+
+def _worker(rank: int, world_size: int, path: str) -> list[tuple]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from omni_core.config import OmniDiffusionConfig, SamplingParams
+    from omni_core.outputs import DiffusionOutput
+    from omni_core.pipelines.base import OmniPipeline
+    from omni_core.request import OmniDiffusionRequest
+    from omni_core.waves import DiffusionSchedulerOutput
+    from omni_core.worker.runner import ModelRunner
+
+    class Stub(OmniPipeline):
+        def __init__(self) -> None:
+            pass
+
+        def prepare_encode(self, state):
+            state.num_steps = 2
+            return state
+
+        def denoise_step(self, states):
+            x = torch.ones(len(states))
+            dist.all_reduce(x)  # the step's collective
+            if rank == 1 and any(s.request.prompt == "bad" for s in states):
+                raise torch.OutOfMemoryError("CUDA out of memory (test: rank 1 only)")
+            return list(x)
+
+        def step_scheduler(self, state, pred):
+            state.step_index += 1
+
+        def post_decode(self, state):
+            return DiffusionOutput(request_id=state.request_id, tensor=torch.zeros(1))
+
+    runner = ModelRunner(OmniDiffusionConfig(model="shapes"), None, device=torch.device("cpu"),
+                         dtype=torch.float32, rank=rank, world_size=world_size, stop_group=(None, 0, world_size))
+    runner.pipeline = Stub()
+    rows: list[tuple] = []
+
+    def req(name):
+        return OmniDiffusionRequest(prompt=name, request_id=f"{path}-{name}",
+                                    sampling_params=SamplingParams(seed=0, num_inference_steps=2))
+
+    def record(wave, result):
+        rows.append((wave, {rid.split("-", 1)[1]: (o.status, o.finished, o.error or "")
+                            for rid, o in result.outputs.items()}, sorted(runner.held_ids())))
+
+    t0 = time.monotonic()
+    if path == "request":
+        record(1, runner.execute_batch(DiffusionSchedulerOutput(new_requests=[req("a"), req("bad"), req("b")])))
+        record(2, runner.execute_batch(DiffusionSchedulerOutput(new_requests=[req("bad")])))
+        record(3, runner.execute_batch(DiffusionSchedulerOutput(new_requests=[req("c")])))
+    else:
+        reqs = [req("a"), req("bad"), req("b")]
+        ids = [r.request_id for r in reqs]
+        record(1, runner.execute_step(DiffusionSchedulerOutput(new_requests=reqs, scheduled_ids=ids)))
+        live = [i for i in ids if not i.endswith("-bad")]
+        record(2, runner.execute_step(DiffusionSchedulerOutput(scheduled_ids=live, finished_ids=[ids[1]])))
+        c = req("c")
+        record(3, runner.execute_step(DiffusionSchedulerOutput(new_requests=[c], scheduled_ids=[c.request_id])))
+        record(4, runner.execute_step(DiffusionSchedulerOutput(scheduled_ids=[c.request_id])))
+    rows.append(("seconds", time.monotonic() - t0))
+    return rows
+
+
+@pytest.mark.parametrize("path", ["request", "step"])
+def test_one_rank_raising_fails_the_wave_on_both_and_both_serve_the_next(path):
+    results = spawn_workers(f"{__file__}:_worker", 2, (path,), timeout=TIMEOUT_S)
+    for rank, rows in enumerate(results):
+        seconds = rows.pop()[1]
+        assert seconds < 30, f"rank {rank} took {seconds:.0f} s: something waited for a timeout"
+        waves = {wave: (outs, held) for wave, outs, held in rows}
+        other = "CUDA out of memory" if rank == 1 else "rank 1 of this replica failed the same call"
+        if path == "request":
+            assert {k: v[0] for k, v in waves[1][0].items()} == {"a": "completed", "bad": "error", "b": "completed"}
+            assert other in waves[1][0]["bad"][2], (rank, waves[1][0]["bad"])
+            assert waves[2][0]["bad"][0] == "error" and other in waves[2][0]["bad"][2]
+            assert waves[3][0] == {"c": ("completed", True, "")}
+        else:
+            assert waves[1][0]["bad"][0] == "error" and other in waves[1][0]["bad"][2], (rank, waves[1])
+            assert [waves[1][0][k][:2] for k in ("a", "b")] == [("completed", False)] * 2, (rank, waves[1])
+            assert waves[1][1] == ["step-a", "step-b"], (rank, waves[1])  # nobody holds 'bad' any more
+            assert waves[2][0] == {"a": ("completed", True, ""), "b": ("completed", True, "")}, (rank, waves[2])
+            assert waves[4][0] == {"c": ("completed", True, "")} and waves[4][1] == [], (rank, waves[4])
+    assert [r[:1] for r in results[0]] == [r[:1] for r in results[1]]
