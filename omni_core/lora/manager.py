@@ -96,8 +96,13 @@ class LoraManager:
         self._evict(self.config.max_loras - 1)
         self._count += 1
         name = f"omni_lora_{self._count}"
-        # by folder + file name, exactly as a user calls diffusers (its metadata, e.g. lora_alpha, is read too)
-        with self._components_set_aside():
+        import torch
+
+        # by folder + file name, exactly as a user calls diffusers (its metadata, e.g. lora_alpha, is read too);
+        # outside inference mode: the runner calls this inside it, and diffusers' state_dict() of a torchao
+        # (int8) model detaches its weights, which a tensor subclass cannot do there ("Cannot set
+        # version_counter for inference tensor")
+        with self._components_set_aside(), torch.inference_mode(False):
             self.diffusers_pipe.load_lora_weights(os.path.dirname(path), weight_name=os.path.basename(path),
                                                   adapter_name=name)
         self.loaded[path] = name

@@ -1,0 +1,110 @@
+"""Which engine features combine, declared once as data: the pairs the engine refuses before any worker starts.
+
+A *feature* is a named predicate on :class:`~omni_core.config.OmniDiffusionConfig` (``tea_cache`` is
+``cache_backend="tea_cache"``, ``ulysses`` is ``parallel_config.ulysses_degree > 1``, ...). :data:`REFUSED` lists
+the pairs of features that cannot run together, each with the reason; :func:`check_combinations` raises a
+:class:`~omni_core.errors.ConfigError` naming both options and the reason for the first such pair a config turns
+on. The engine calls it with the rest of its start-up checks (``DiffusionEngine.__init__``), after the
+performance preset has filled its options, so a preset cannot produce a refused pair either.
+
+Pairs that are *one option* (``cache_backend``, ``offload``, ``step_execution``) cannot be written in a config at
+all; :data:`ONE_OPTION` says so for the documentation's table. Refusals that depend on the machine rather than
+on the pair (offload with more ranks than devices: ``omni_core.optimize.offload.check_offload``) stay where the
+machine is known; :data:`PLATFORM_REFUSED` names them for the table. Everything else combines: the matrix test
+(``tests/combos/test_matrix.py``) runs every pair on a tiny model and compares it with the same run without
+the second feature, within that feature's tolerance (``omni_core/testing/combination_matrix.py``).
+
+Import-light: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from omni_core.errors import ConfigError
+
+
+def _quantizes_denoiser(config: Any) -> bool:
+    return (config.quantization not in (None, "none") and "denoiser" in tuple(config.quantize_components or ()))
+
+
+@attrs.frozen
+class Feature:
+    """A feature a config can turn on: its name, the option(s) as a user writes them, and the predicate."""
+
+    name: str
+    option: str
+    enabled: Callable[[Any], bool] = attrs.field(repr=False)
+
+
+#: every feature of the combination matrix that a config decides (``lora`` is per request: nothing to check)
+FEATURES: dict[str, Feature] = {f.name: f for f in (
+    Feature("tea_cache", "cache_backend='tea_cache'", lambda c: c.cache_backend == "tea_cache"),
+    Feature("cache_dit", "cache_backend='cache_dit'", lambda c: c.cache_backend == "cache_dit"),
+    Feature("int8", "quantization='int8' (of the denoiser)", _quantizes_denoiser),
+    Feature("gguf", "denoiser_weights='<file>.gguf'", lambda c: c.denoiser_weights is not None),
+    Feature("offload_model", "offload='model'", lambda c: c.offload == "model"),
+    Feature("offload_group", "offload='group'", lambda c: c.offload == "group"),
+    Feature("compile", "compile=True", lambda c: bool(c.compile)),
+    Feature("vae_tiling", "vae_tiling", lambda c: bool(c.vae_tiling)),
+    Feature("ulysses", "parallel_config.ulysses_degree > 1", lambda c: c.parallel_config.ulysses_degree > 1),
+    Feature("ring", "parallel_config.ring_degree > 1", lambda c: c.parallel_config.ring_degree > 1),
+    Feature("cfg_parallel", "parallel_config.cfg_parallel_size=2", lambda c: c.parallel_config.cfg_parallel_size > 1),
+    Feature("step", "step_execution=True", lambda c: bool(c.step_execution)),
+    Feature("request", "step_execution=False", lambda c: not c.uses_step_execution),
+    Feature("streaming", "streaming_output=True", lambda c: bool(c.streaming_output)),
+)}
+
+#: pairs refused on every machine: ``(feature, feature) -> why`` (the ConfigError's reason)
+REFUSED: dict[tuple[str, str], str] = {
+    ("cache_dit", "ulysses"): "cache_dit takes its skip decisions on each rank's share of the sequence and they are "
+                              "not agreed across the sequence-parallel group (tea_cache's are: use it instead)",
+    ("cache_dit", "ring"): "cache_dit takes its skip decisions on each rank's share of the sequence and they are "
+                           "not agreed across the sequence-parallel group (tea_cache's are: use it instead)",
+    ("int8", "gguf"): "the GGUF file's denoiser weights are already quantized (dequantized per forward) and torchao "
+                      "cannot quantize them again; quantize other components (quantize_components without "
+                      "'denoiser') or drop one of the two",
+}
+
+#: pairs that are two values of one option, so no config can ask for both
+ONE_OPTION: dict[tuple[str, str], str] = {
+    ("tea_cache", "cache_dit"): "one option (cache_backend): one cache backend per engine",
+    ("offload_model", "offload_group"): "one option (offload)",
+    ("step", "request"): "one option (step_execution)",
+}
+
+#: pairs refused only where the machine cannot hold them, by the check named
+PLATFORM_REFUSED: dict[tuple[str, str], str] = {
+    (off, par): "refused where the ranks outnumber the devices (always on CPU): ranks sharing a device would each "
+                "keep a host copy (omni_core/optimize/offload.py check_offload)"
+    for off in ("offload_model", "offload_group") for par in ("ulysses", "ring", "cfg_parallel")}
+
+
+def refusal(a: str, b: str) -> str | None:
+    """The reason ``a`` and ``b`` are refused together on every machine (either order), or None."""
+    return REFUSED.get((a, b)) or REFUSED.get((b, a))
+
+
+def enabled_features(config: Any) -> list[str]:
+    """Names of the features ``config`` turns on, in :data:`FEATURES` order."""
+    return [name for name, f in FEATURES.items() if f.enabled(config)]
+
+
+def check_combinations(config: Any) -> None:
+    """Raise :class:`ConfigError` for the first refused pair ``config`` turns on: the message names both
+    options and why (``field`` is the second option's config field)."""
+    on = enabled_features(config)
+    for i, a in enumerate(on):
+        for b in on[i + 1:]:
+            why = refusal(a, b)
+            if why is not None:
+                raise ConfigError(f"{FEATURES[a].option} cannot be combined with {FEATURES[b].option}: {why}",
+                                  field=_field(b))
+
+
+def _field(feature: str) -> str:
+    return {"cache_dit": "cache_backend", "tea_cache": "cache_backend", "int8": "quantization",
+            "gguf": "denoiser_weights", "ulysses": "parallel_config", "ring": "parallel_config",
+            "cfg_parallel": "parallel_config"}.get(feature, feature)
