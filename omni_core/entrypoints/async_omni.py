@@ -12,8 +12,8 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from omni_core.engine.client import EngineClient, start_engine
-from omni_core.entrypoints.common import build_config, build_requests, build_sampling_params
-from omni_core.errors import RequestFailedError
+from omni_core.entrypoints.common import as_prompt_list, build_config, build_requests, build_sampling_params_list
+from omni_core.errors import ConfigError, RequestFailedError
 from omni_core.outputs import DiffusionOutput
 
 
@@ -27,11 +27,20 @@ class AsyncOmni:
                        **sampling_kwargs: Any) -> AsyncIterator[DiffusionOutput]:
         """Yield intermediate outputs (when streaming) and the final output last.
 
+        ``sampling_params``: a ``SamplingParams``, a dict, None, or a list of one of those (vLLM's one-per-prompt
+        convention, as ``Omni.generate`` takes it).
+
         An aborted request ends with a final output whose ``status`` is ``"aborted"``; a failed one raises
         :class:`RequestFailedError`. Leaving the loop early (or cancelling the task) aborts the request.
         """
-        params = build_sampling_params(sampling_params, sampling_kwargs)
-        (request,) = build_requests(prompt, params, request_id)
+        prompts = as_prompt_list(prompt)
+        if len(prompts) != 1:
+            raise ConfigError(f"AsyncOmni.generate takes one prompt, got a list of {len(prompts)}: call it once per "
+                              f"prompt (concurrent requests share the engine's waves), or use Omni.generate",
+                              field="prompt")
+        # one SamplingParams, or vLLM's one-per-prompt list (here: of one)
+        (params,) = build_sampling_params_list(sampling_params, sampling_kwargs, 1)
+        (request,) = build_requests(prompts, params, request_id)
         (handle,) = self.engine.submit([request])
         finished = False
         try:

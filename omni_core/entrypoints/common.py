@@ -27,12 +27,47 @@ def build_sampling_params(sampling_params: Any, kwargs: Mapping[str, Any]) -> Sa
                       field="sampling_params")
 
 
-def build_requests(prompts: Any, params: SamplingParams, request_id: str | None = None) -> list[OmniDiffusionRequest]:
+def build_sampling_params_list(sampling_params: Any, kwargs: Mapping[str, Any], num_prompts: int
+                                ) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt: ``sampling_params`` is one for all (SamplingParams, a dict or None), or,
+    as in vLLM, a list or tuple of those with one entry per prompt. Keyword arguments apply to every prompt."""
+    if not isinstance(sampling_params, (list, tuple)):
+        return [build_sampling_params(sampling_params, kwargs)] * num_prompts
+    if len(sampling_params) != num_prompts:
+        raise ConfigError(f"sampling_params is a list of {len(sampling_params)}, but there "
+                          f"{'is 1 prompt' if num_prompts == 1 else f'are {num_prompts} prompts'}: give one "
+                          f"SamplingParams (or dict) per prompt, or a single one for all", field="sampling_params")
+    out = []
+    for i, params in enumerate(sampling_params):
+        if isinstance(params, (list, tuple)):
+            raise ConfigError(f"sampling_params[{i}] is a {type(params).__name__}; each entry must be "
+                              f"SamplingParams, a dict or None", field="sampling_params")
+        try:
+            out.append(build_sampling_params(params, kwargs))
+        except ConfigError as exc:
+            if exc.field != "sampling_params":
+                raise
+            raise ConfigError(f"sampling_params[{i}]: {exc}", field="sampling_params") from None
+    return out
+
+
+def as_prompt_list(prompts: Any) -> list:
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ConfigError("prompts must be a string, a dict with 'prompt' (and 'negative_prompt'), or a non-empty "
                           "list of those", field="prompts")
+    return list(prompts)
+
+
+def build_requests(prompts: Any, params: SamplingParams | list[SamplingParams], request_id: str | None = None
+                   ) -> list[OmniDiffusionRequest]:
+    """Requests for ``prompts``; ``params`` is one SamplingParams for all, or a list with one per prompt."""
+    prompts = as_prompt_list(prompts)
     if request_id is not None and len(prompts) > 1:
         raise ConfigError("request_id can only be given for a single prompt", field="request_id")
-    return [OmniDiffusionRequest.from_prompt(p, params, request_id) for p in prompts]
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ConfigError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts; give one per prompt",
+                          field="sampling_params")
+    return [OmniDiffusionRequest.from_prompt(p, sp, request_id) for p, sp in zip(prompts, per_prompt)]

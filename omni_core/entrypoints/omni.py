@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from omni_core.engine.client import EngineClient, start_engine
-from omni_core.entrypoints.common import build_config, build_requests, build_sampling_params
+from omni_core.entrypoints.common import as_prompt_list, build_config, build_requests, build_sampling_params_list
 from omni_core.errors import RequestFailedError
 from omni_core.outputs import DiffusionOutput
 
@@ -24,8 +24,13 @@ class Omni:
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool = True,
                  **sampling_kwargs: Any) -> list[DiffusionOutput]:
-        """One output per prompt, in order. Every request is validated before any is queued."""
-        params = build_sampling_params(sampling_params, sampling_kwargs)
+        """One output per prompt, in order. Every request is validated before any is queued.
+
+        ``sampling_params``: one ``SamplingParams`` (or dict) for every prompt, or -- vLLM's convention -- a list
+        with one per prompt (different seeds, sizes or LoRA adapters in one call; compatible ones share a
+        wave). Keyword arguments (``seed=0``) apply to every prompt."""
+        prompts = as_prompt_list(prompts)
+        params = build_sampling_params_list(sampling_params, sampling_kwargs, len(prompts))
         requests = [self.engine.prepare_request(r) for r in build_requests(prompts, params)]
         bar = _progress_bar(requests, use_tqdm)
         try:  # all at once, so compatible prompts share a wave
