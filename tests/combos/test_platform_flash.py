@@ -95,13 +95,14 @@ def _fa3_module():
 
 
 @pytest.mark.parametrize(("cap", "expected", "reason"), [
-    ((8, 0), "TORCH_SDPA", "FlashAttention-3 runs on Hopper GPUs only (sm90), this GPU is sm80"),
-    ((8, 9), "TORCH_SDPA", "this GPU is sm89"),
+    ((7, 5), "TORCH_SDPA", "FlashAttention-3 needs an Ampere or newer GPU (compute capability >= 8.0), this GPU is sm75"),
+    ((8, 0), "FLASH_ATTN", ""),
+    ((8, 9), "FLASH_ATTN", ""),
     ((9, 0), "FLASH_ATTN", ""),
 ])
-def test_only_fa3_installed_is_the_default_on_hopper_only(monkeypatch, cap, expected, reason):
-    """FA3 alone on an Ampere/Ada GPU would fail at its first forward ("FlashAttention-3 only supports Hopper
-    GPUs"): the platform must not pick it there, and the flash plugin says why."""
+def test_only_fa3_installed_is_the_default_on_ampere_and_newer(monkeypatch, cap, expected, reason):
+    """Current FA3 runs on sm80+ (``hopper/flash_api.cpp``: ``is_sm8x = major >= 8``; it was sm90-only before,
+    issue #36): the platform picks FA3 alone there, and below sm80 the flash plugin says why not."""
     import torch
 
     fb = pytest.importorskip("omni_attention_flash.backend")

@@ -1,6 +1,6 @@
 """FLASH_ATTN against stand-ins that keep each real library's signature and architecture rule (read from the
 sources: flash-attn 2.8 ``flash_attn_interface.py``, FA3 ``hopper/flash_attn_interface.py`` and its
-``is_sm90`` check, ROCm aiter ``aiter/ops/mha.py``). Each stand-in raises where the real function would:
+``is_sm8x`` check (``major >= 8``; sm90 only before FA3 gained Ampere support), ROCm aiter ``aiter/ops/mha.py``). Each stand-in raises where the real function would:
 a varlen argument in the wrong slot, or a GPU architecture its kernels are not built for."""
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def fa2_module():
 
 
 def fa3_module():
-    """FA3 (hopper): no ``dropout_p``; ``seqused_q/k`` after ``max_seqlen_k``; Hopper (sm90) only."""
-    hopper = (lambda c: tuple(c) == (9, 0), "FlashAttention-3 only supports Hopper GPUs.")
+    """FA3 (hopper): no ``dropout_p``; ``seqused_q/k`` after ``max_seqlen_k``; sm80+ (``hopper/flash_api.cpp``)."""
+    hopper = (lambda c: c >= (8, 0), "FlashAttention only supports Ampere GPUs or newer.")
 
     def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                         v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
@@ -159,31 +159,31 @@ def _pick(monkeypatch, capability, version=None):
 
 @pytest.mark.parametrize(("capability", "label"), [((8, 0), "flash-attn 2.8.3"), ((8, 9), "flash-attn 2.8.3"),
                                                    ((9, 0), "FlashAttention-3 3.0.0")])
-def test_fa3_on_hopper_and_fa2_elsewhere(monkeypatch, installed, capability, label):
+def test_fa3_on_hopper_and_fa2_elsewhere_when_both_are_installed(monkeypatch, installed, capability, label):
     installed("flash_attn", "flash_attn_interface")
     assert _pick(monkeypatch, capability).label == label
     assert fb.FlashAttentionBackend.check_capability(capability) is None
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (10, 0), (12, 0)])
-def test_only_fa3_on_a_non_hopper_gpu_is_unusable_with_the_reason(monkeypatch, installed, capability):
-    """The stand-in FA3 raises at the first call off Hopper, as the real one does; the backend says so first."""
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0)])
+def test_fa3_alone_runs_on_ampere_and_newer(monkeypatch, installed, capability):
+    """Current FA3 accepts sm8x (``is_sm8x = major >= 8``): an FA3-only install is used on an A100 (issue #36)."""
     installed("flash_attn_interface")
-    sm = f"sm{capability[0]}{capability[1]}"
-    with pytest.raises(RuntimeError, match="only supports Hopper"):  # what a forward would have hit
-        GPU["capability"] = capability
-        fa3_module().flash_attn_func(*_qkv(1, 2, 2, 1, 1, 8))
-    why = fb.FlashAttentionBackend.check_capability(capability)
-    assert why and f"FlashAttention-3 runs on Hopper GPUs only (sm90), this GPU is {sm}" in why
-    assert "flash_attn is not installed" in why
-    with pytest.raises(ComponentUnavailableError, match=f"Hopper GPUs only.*{sm}"):
-        _pick(monkeypatch, capability)
+    GPU["capability"] = capability
+    fa3_module().flash_attn_func(*_qkv(1, 2, 2, 1, 1, 8))  # what a forward does: no error
+    assert fb.FlashAttentionBackend.check_capability(capability) is None
+    assert _pick(monkeypatch, capability).label == "FlashAttention-3 3.0.0"
+    assert _pick(monkeypatch, capability, version=3).label == "FlashAttention-3 3.0.0"
 
 
-def test_pinned_fa3_off_hopper_and_old_gpus_are_refused(monkeypatch, installed):
+def test_pre_ampere_gpus_are_refused_for_every_source(monkeypatch, installed):
     installed("flash_attn", "flash_attn_interface")
-    with pytest.raises(ComponentUnavailableError, match=r"fa_version=3: .*Hopper GPUs only \(sm90\), this GPU is sm86"):
-        _pick(monkeypatch, (8, 6), version=3)
+    with pytest.raises(RuntimeError, match="Ampere GPUs or newer"):  # what a forward would have hit
+        GPU["capability"] = (7, 5)
+        fa3_module().flash_attn_func(*_qkv(1, 2, 2, 1, 1, 8))
+    with pytest.raises(ComponentUnavailableError, match=r"fa_version=3: .*FlashAttention-3 needs an Ampere or newer "
+                                                         r"GPU \(compute capability >= 8.0\), this GPU is sm75"):
+        _pick(monkeypatch, (7, 5), version=3)
     with pytest.raises(ComponentUnavailableError, match="Ampere or newer.*sm75"):
         _pick(monkeypatch, (7, 5))
     assert "sm75" in fb.FlashAttentionBackend.check_capability((7, 5))
@@ -196,9 +196,11 @@ def test_availability_includes_the_architecture_once_cuda_is_in_use(monkeypatch,
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(fb, "initialised_capability", lambda: None)
     assert fb.FlashAttentionBackend.is_available() == (True, "")
-    monkeypatch.setattr(fb, "initialised_capability", lambda: (8, 0))
+    monkeypatch.setattr(fb, "initialised_capability", lambda: (7, 5))
     ok, why = fb.FlashAttentionBackend.is_available()
-    assert not ok and "Hopper GPUs only" in why and "sm80" in why
+    assert not ok and "Ampere or newer" in why and "sm75" in why
+    monkeypatch.setattr(fb, "initialised_capability", lambda: (8, 0))
+    assert fb.FlashAttentionBackend.is_available() == (True, "")
     monkeypatch.setattr(fb, "initialised_capability", lambda: (9, 0))
     assert fb.FlashAttentionBackend.is_available() == (True, "")
 

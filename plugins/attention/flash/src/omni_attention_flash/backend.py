@@ -6,11 +6,12 @@ head ``h`` to kv head ``h // (heads // kv_heads)``, as ``repeat_interleave`` doe
 key-padding mask into a varlen call (keys unpadded, ``cu_seqlens``). Any other mask is refused: flash has
 no dense-mask input, and ignoring a mask would be silently wrong.
 
-Kernel sources, best first for a device: FlashAttention-3 (``flash_attn_interface``, Hopper sm90 only),
-flash-attn 2 (``flash_attn``, CUDA sm80+ or ROCm), aiter (ROCm, PyPI package ``amd-aiter``).
+Kernel sources, best first for a device: FlashAttention-3 (``flash_attn_interface``) on Hopper, flash-attn 2
+(``flash_attn``, CUDA sm80+ or ROCm) first elsewhere, aiter (ROCm, PyPI package ``amd-aiter``). Current FA3
+(``hopper/flash_api.cpp``: ``is_sm8x = major >= 8``, "Ampere GPUs or newer") runs on sm8x too, so an FA3-only
+install is used on an A100; FA3 builds from before that change refuse non-Hopper GPUs at the first forward.
 ``options={"fa_version": 2}`` (or ``3``) pins one. A source whose kernels are not built for the GPU's
-architecture is skipped with the reason, so an FA3-only install on an Ampere GPU is reported unusable rather
-than failing at its first forward. Every call passes the arguments the sources name alike by keyword
+architecture (older than sm80) is skipped with the reason rather than failing at its first forward. Every call passes the arguments the sources name alike by keyword
 (their positional orders differ). This module imports without any of them; it needs torch.
 """
 
@@ -39,7 +40,7 @@ SOURCES: tuple[tuple[str, str, int, str], ...] = (
     ("aiter", "aiter", 2, "rocm"),
 )
 INSTALL_HINT = ("install flash-attn >= 2.6 (pip install 'omni-attention-flash[kernels]' --no-build-isolation), "
-                "FlashAttention-3 (flash-attention/hopper, Hopper GPUs only) or, on ROCm, aiter "
+                "FlashAttention-3 (flash-attention/hopper, sm80+) or, on ROCm, aiter "
                 "(pip install amd-aiter; the PyPI package named 'aiter' is unrelated)")
 
 
@@ -91,15 +92,15 @@ def _serves_this_torch(where: str) -> bool:
 def arch_problem(fa_version: int, capability: tuple[int, int], rocm: bool = False) -> str | None:
     """Why a flash-attention ``fa_version`` kernel does not run on a GPU of this compute capability, or None.
 
-    The libraries' own checks (raised at the first forward): FA3 ``is_sm90`` ("FlashAttention-3 only supports
-    Hopper GPUs"), flash-attn 2 ``cc_major >= 8`` ("FlashAttention only supports Ampere GPUs or newer").
+    The libraries' own checks (raised at the first forward): FA3 ``is_sm8x = major >= 8`` and flash-attn 2
+    ``cc_major >= 8`` (both "FlashAttention only supports Ampere GPUs or newer"; FA3 was sm90-only before).
     ROCm builds check their own targets.
     """
     if rocm:
         return None
     sm = f"sm{capability[0]}{capability[1]}"
-    if fa_version == 3 and tuple(capability) != (9, 0):
-        return f"FlashAttention-3 runs on Hopper GPUs only (sm90), this GPU is {sm}"
+    if fa_version == 3 and tuple(capability) < (8, 0):
+        return f"FlashAttention-3 needs an Ampere or newer GPU (compute capability >= 8.0), this GPU is {sm}"
     if tuple(capability) < (8, 0):
         return f"flash-attn needs an Ampere or newer GPU (compute capability >= 8.0), this GPU is {sm}"
     return None
@@ -150,7 +151,9 @@ def select_kernels(capability: tuple[int, int], version: int | None = None) -> F
     """The first source, best first, that is installed, imports and is built for this GPU; else why none is."""
     rocm = torch.version.hip is not None
     tried: list[str] = []
-    for label, mod, fa, where in SOURCES:
+    hopper = tuple(capability) == (9, 0)
+    # FA3 first on Hopper (its home); elsewhere flash-attn 2 first where both are installed
+    for label, mod, fa, where in sorted(SOURCES, key=lambda s: s[2] == 3 and not hopper):
         if (version is not None and fa != version) or not _serves_this_torch(where):
             continue
         if not _module_present(mod):

@@ -55,8 +55,8 @@ def detect() -> tuple[bool, str]:
 
 
 class CudaPlatform(CudaLikePlatform):
-    """FLASH_ATTN by default on sm80..sm90 where an installed kernel is built for the GPU (FA3 runs on sm90
-    only, flash-attn 2 on sm80+), else TORCH_SDPA."""
+    """FLASH_ATTN by default on sm80..sm90 where an installed kernel is built for the GPU (current FA3 and
+    flash-attn 2 both run on sm80+; FA3 is preferred on sm90), else TORCH_SDPA."""
 
     name = NAME
     flash_capabilities = FLASH_DEFAULT_CAPABILITIES
