@@ -1,5 +1,5 @@
 """SAGE_ATTN against a stand-in that keeps ``sageattention.sageattn``'s signature and its dispatch on the GPU
-architecture (``core.py``: sm80, sm86, sm89, sm90, plus sm120 from 2.2.0; ``ValueError("Unsupported CUDA
+architecture (``core.py``: sm80, sm86, sm89, sm90, plus sm120 and sm121 from 2.2.0; ``ValueError("Unsupported CUDA
 architecture: ...")`` anywhere else, at the first forward), and Ring attention through the kernel's own
 log-sum-exp (``return_lse=True``)."""
 
@@ -20,7 +20,8 @@ CAPABILITIES = [(7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (12, 0)
 
 def stand_in(version: str, capability: tuple[int, int], calls: list | None = None):
     """``sageattn`` of ``version`` on a GPU of ``capability``: dispatches as the real one, computes exactly."""
-    archs = {"sm80", "sm86", "sm89", "sm90"} | ({"sm120"} if sb._version_tuple(version) >= (2, 2) else set())
+    # main-branch core.py (2.2.0 since 6a64eb3): sm120 and sm121
+    archs = {"sm80", "sm86", "sm89", "sm90"} | ({"sm120", "sm121"} if sb._version_tuple(version) >= (2, 2) else set())
 
     def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
         arch = f"sm{capability[0]}{capability[1]}"

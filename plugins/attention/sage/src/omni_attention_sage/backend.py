@@ -4,7 +4,7 @@ Omni's layout ``[batch, seq, heads, head_dim]`` is sageattn's ``tensor_layout="N
 transposed; grouped-query attention is native (query heads divisible by kv heads). SageAttention quantizes
 Q/K to INT8 (and P/V to FP8 on Ada/Hopper), so it matches TORCH_SDPA only approximately, and it takes no
 mask: a masked call is refused, never silently unmasked. ``sageattn`` dispatches on the GPU architecture
-(sm80, sm86, sm89, sm90; sm120 from 2.2.0) and raises a bare ``ValueError`` at the first forward elsewhere,
+(sm80, sm86, sm89, sm90; sm120 and sm121 from 2.2.0) and raises a bare ``ValueError`` at the first forward elsewhere,
 so the architecture is checked first and reported with the reason. Ring attention gets the kernel's own
 log-sum-exp (``return_lse=True``), never a full score matrix. This module imports without sageattention.
 """
@@ -26,7 +26,9 @@ NAME = "SAGE_ATTN"
 MIN_VERSION = (2, 0)
 #: architectures ``sageattention.sageattn`` dispatches (its ``get_cuda_arch_versions`` branch), by version
 ARCHS = ("sm80", "sm86", "sm89", "sm90")
-ARCHS_FROM = {(2, 2): ("sm120",)}
+#: sm121 (GB10): dispatched on SageAttention's main branch since 6a64eb3, after the v2.2.0 tag, with the version
+#: string still "2.2.0" -- a build of the tag itself raises its own ValueError on sm121 at the first forward
+ARCHS_FROM = {(2, 2): ("sm120", "sm121")}
 INSTALL_HINT = ("PyPI carries only sageattention 1.0.x (Triton-only); build >= 2 from "
                 "https://github.com/thu-ml/SageAttention (pip install . --no-build-isolation)")
 
