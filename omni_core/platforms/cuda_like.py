@@ -65,6 +65,12 @@ class CudaLikePlatform(Platform):
 
         return int(torch.cuda.max_memory_allocated(device))
 
+    def reset_peak_memory(self, device: Any = None) -> None:
+        """``torch.cuda.reset_peak_memory_stats``: the peak starts again at what is allocated now."""
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         """Bytes ``allocated``/``reserved`` by torch's allocator, plus the device's ``free`` and ``total``."""
         import torch

@@ -52,9 +52,14 @@ class Platform:
         return {"allocated": 0, "reserved": 0, "total": 0}
 
     def peak_memory_bytes(self, device: Any = None) -> int:
-        """The most memory this process has held on ``device`` so far (0 where unknown): reported with every
-        finished request as ``metrics["peak_memory_mb"]`` (the server's ``usage.peak_memory_mb``)."""
+        """The most memory this process has held on ``device`` since the last :meth:`reset_peak_memory` (0 where
+        unknown). The runner resets it at the start of every wave, so each finished request's
+        ``metrics["peak_memory_mb"]`` (the server's ``usage.peak_memory_mb``) is the peak of the waves it ran in,
+        not of the process's life."""
         return 0
+
+    def reset_peak_memory(self, device: Any = None) -> None:
+        """Start a new peak for :meth:`peak_memory_bytes` at what ``device`` holds now (no-op where unknown)."""
 
     def default_attention_backend(self, head_size: int, dtype: Any) -> str:
         """The attention backend this platform prefers for a head size and dtype."""

@@ -128,6 +128,8 @@ class ModelRunner:
         self._abort_lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._in_flight: set[str] = set()
+        #: request id -> the highest wave peak (MiB) of the step waves it has run in so far (step path)
+        self._request_peak: dict[str, float] = {}
         #: pipeline time of the current wave (``RunnerOutput.metrics``; see ``omni_core.worker.timing``)
         self.clock = WaveClock()
 
@@ -265,6 +267,7 @@ class ModelRunner:
         if getattr(self, "lora", None) is not None:
             self.lora.release(request_id)
         self.states.pop(request_id, None)
+        self._request_peak.pop(request_id, None)
         self._in_flight.discard(request_id)
         with self._abort_lock:
             self._abort_ids.discard(request_id)
@@ -282,7 +285,8 @@ class ModelRunner:
         out.metrics.update(extra)
         out.metrics.setdefault("num_steps", state.step_index)
         out.metrics["seed"] = state.request.seed
-        out.metrics["peak_memory_mb"] = self._peak_memory_mb()
+        # the peak of this wave (reset at its start) and of the earlier waves the request ran in
+        out.metrics["peak_memory_mb"] = max(self._request_peak.pop(state.request_id, 0.0), self._peak_memory_mb())
         if self.cache_backend is not None:
             out.metrics.update(self.cache_backend.request_metrics(state))
         return out
@@ -295,6 +299,15 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - a platform that cannot tell reports 0, never fails a request
             return 0.0
 
+    def _reset_peak_memory(self) -> None:
+        """A new wave: the platform's peak starts again (``peak_memory_mb`` is per request, not per process)."""
+        from omni_core.platforms import platform_for
+
+        try:
+            platform_for(self.config).reset_peak_memory(self.device)
+        except Exception:  # noqa: BLE001 - as _peak_memory_mb: never fails a wave
+            pass
+
     def begin_request(self, state: StepState) -> None:
         if self.cache_backend is not None:
             self.cache_backend.begin_request(state)
@@ -303,6 +316,7 @@ class ModelRunner:
         import torch
 
         self.clock.take()  # nothing left over from a wave that raised
+        self._reset_peak_memory()
         self.release(sched.finished_ids)
         reqs = sched.new_requests
         batch_ids = {r.request_id for r in reqs}
@@ -382,6 +396,7 @@ class ModelRunner:
         import torch
 
         self.clock.take()  # nothing left over from a wave that raised
+        self._reset_peak_memory()
         self.release(sched.finished_ids)
         outputs: dict[str, DiffusionOutput] = {}
         timed = self.clock.timed
@@ -425,6 +440,11 @@ class ModelRunner:
                 out.metrics.update(wave)
                 outputs[rid] = out
             self._agree_failures(list(sched.scheduled_ids), outputs)
+            if self.states:  # the requests that go on keep this wave's peak for their final output
+                peak = self._peak_memory_mb()
+                for rid in sched.scheduled_ids:
+                    if rid in self.states:
+                        self._request_peak[rid] = max(self._request_peak.get(rid, 0.0), peak)
         return RunnerOutput(outputs=outputs, held_ids=self.held_ids(), metrics=self.clock.take())
 
     def _encode_new(self, requests: list[OmniDiffusionRequest], outputs: dict[str, DiffusionOutput]) -> None:

@@ -227,3 +227,83 @@ def test_uni_executor_delivers_host_tensors(monkeypatch):
     ex = UniProcExecutor.__new__(UniProcExecutor)
     ex.runner = type("R", (), {"execute_step": lambda self, s: result, "execute_batch": lambda self, s: result})()
     _assert_host(ex.execute_step(None), image)
+
+
+# ------------------------------------------------------------------------------------------ peak memory per request
+class _PeakPlatform:
+    """A platform whose allocator the stub pipeline drives: ``peak`` since the last reset, in bytes."""
+
+    def __init__(self) -> None:
+        self.current = self.peak = 0
+
+    def hold(self, mib: int) -> None:
+        self.peak = max(self.peak, self.current + mib * 2**20)
+
+    def peak_memory_bytes(self, device=None) -> int:
+        return self.peak
+
+    def reset_peak_memory(self, device=None) -> None:
+        self.peak = self.current
+
+
+def _peak_runner(monkeypatch):
+    import omni_core.platforms as platforms
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.outputs import DiffusionOutput
+    from omni_core.pipelines.base import OmniPipeline
+    from omni_core.worker.runner import ModelRunner
+
+    platform = _PeakPlatform()
+    monkeypatch.setattr(platforms, "platform_for", lambda config: platform)
+
+    class Stub(OmniPipeline):
+        """Each denoise step holds the MiB its prompt names (``"100"``) while it runs."""
+
+        def __init__(self) -> None:
+            pass
+
+        def prepare_encode(self, state):
+            state.num_steps = state.sampling_params.num_inference_steps
+            return state
+
+        def denoise_step(self, states):
+            for s in states:
+                platform.hold(int(s.request.prompt.split()[s.step_index % len(s.request.prompt.split())]))
+            return [None] * len(states)
+
+        def step_scheduler(self, state, pred):
+            state.step_index += 1
+
+        def post_decode(self, state):
+            return DiffusionOutput(request_id=state.request_id, tensor=torch.zeros(1))
+
+    runner = ModelRunner(OmniDiffusionConfig(model="shapes"), None, device=torch.device("cpu"), dtype=torch.float32)
+    runner.pipeline = Stub()
+    return runner
+
+
+def _req(prompt: str, steps: int = 1):
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+
+    return OmniDiffusionRequest(prompt=prompt, sampling_params=SamplingParams(seed=0, num_inference_steps=steps))
+
+
+def test_peak_memory_is_per_request_not_per_process(monkeypatch):
+    """A small request after a large one reports its own peak (it was the process-lifetime peak, issue #36)."""
+    from omni_core.waves import DiffusionSchedulerOutput
+
+    runner = _peak_runner(monkeypatch)
+    peaks = []
+    for prompt in ("100", "10"):  # request path: one wave each
+        r = _req(prompt)
+        out = runner.execute_batch(DiffusionSchedulerOutput(new_requests=[r])).outputs[r.request_id]
+        peaks.append(out.metrics["peak_memory_mb"])
+    # step path: a request's peak is the highest of the waves it ran in, also when that was not its last wave
+    big, small = _req("100 1", steps=2), _req("10", steps=1)
+    runner.execute_step(DiffusionSchedulerOutput(new_requests=[big], scheduled_ids=[big.request_id]))
+    outs = runner.execute_step(DiffusionSchedulerOutput(new_requests=[small],
+                                                        scheduled_ids=[big.request_id, small.request_id])).outputs
+    assert peaks == [100.0, 10.0]
+    assert outs[big.request_id].metrics["peak_memory_mb"] == 100.0
+    assert outs[small.request_id].metrics["peak_memory_mb"] == 10.0  # its one wave (big held 1 MiB there)
