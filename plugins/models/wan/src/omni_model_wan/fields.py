@@ -10,4 +10,15 @@ GUIDANCE_SCALE_2 = SamplingField(
     help="Wan 2.2's second-expert (low-noise stage) guidance scale; default: guidance_scale; needs a two-expert "
          "folder")
 
-SAMPLING_FIELDS = (GUIDANCE_SCALE_2,)
+#: Wan 2.2's expert boundary for this request (vLLM-Omni's ``boundary_ratio``): steps with
+#: ``t >= boundary_ratio * num_train_timesteps`` run the first (high-noise) expert; default: the folder's
+BOUNDARY_RATIO = SamplingField(
+    name="boundary_ratio", type="float", default=None, min=0.0, max=1.0, splits_batch=True,
+    help="Wan 2.2's expert boundary (fraction of the training timesteps); default: the folder's; needs a "
+         "two-expert folder")
+#: the flow-matching scheduler's shift for this request (vLLM-Omni's ``flow_shift``); default: the folder's
+FLOW_SHIFT = SamplingField(
+    name="flow_shift", type="float", default=None, min=0.01, max=100.0, splits_batch=True,
+    help="the scheduler's flow shift (diffusers' shift / flow_shift); default: the folder's scheduler config")
+
+SAMPLING_FIELDS = (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT)

@@ -105,6 +105,12 @@ class WanPipeline(DiffusersStepPipeline):
         if params.guidance_scale_2 is not None and model_path and index.get("boundary_ratio") is None:
             raise ConfigError(f"guidance_scale_2 needs a two-expert Wan 2.2 model (boundary_ratio in "
                               f"model_index.json); {model_path!r} has none", field="guidance_scale_2")
+        if params.boundary_ratio is not None and model_path and index.get("boundary_ratio") is None:
+            raise ConfigError(f"boundary_ratio needs a two-expert Wan 2.2 model (boundary_ratio in "
+                              f"model_index.json); {model_path!r} has one expert", field="boundary_ratio")
+        if params.flow_shift is not None and model_path and _shift_key(model_path) is None:
+            raise ConfigError(f"flow_shift: the scheduler of {model_path!r} has no 'shift' or 'flow_shift' setting",
+                              field="flow_shift")
         return params
 
     # ------------------------------------------------------------------ worker process
@@ -153,6 +159,11 @@ class WanPipeline(DiffusersStepPipeline):
         state.prompt_embeds = pe.to(self.transformer_dtype)
         state.negative_prompt_embeds = ne.to(self.transformer_dtype) if ne is not None else None
         scheduler = self.new_scheduler()
+        if sp.flow_shift is not None:  # this request's shift (vLLM-Omni's flow_shift)
+            key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
+            scheduler = type(scheduler).from_config(scheduler.config, **{key: sp.flow_shift})
+        if sp.boundary_ratio is not None and self.boundary_timestep is not None:
+            state.extra["boundary_timestep"] = sp.boundary_ratio * scheduler.config.num_train_timesteps
         scheduler.set_timesteps(sp.num_inference_steps, device=self.device)
         self.start_schedule(state, scheduler, scheduler.timesteps)
         self.seed_generator(state)
@@ -221,7 +232,8 @@ class WanPipeline(DiffusersStepPipeline):
     def expert_for(self, state: StepState) -> tuple[str, float]:
         """The expert and guidance scale for the state's current timestep (diffusers' boundary rule)."""
         t = state.timesteps[state.step_index]
-        if self.boundary_timestep is None or t >= self.boundary_timestep:
+        boundary = state.extra.get("boundary_timestep", self.boundary_timestep)
+        if boundary is None or t >= boundary:
             return "transformer", state.extra["cfg_scale"]
         return "transformer_2", state.extra["cfg_scale_2"]
 
@@ -274,3 +286,15 @@ class WanPipeline(DiffusersStepPipeline):
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The middle latent frame of the first video ``[C, h, w]``."""
         return state.latents[0, :, state.latents.shape[2] // 2]
+
+def _shift_key(model_path: str) -> str | None:
+    """The scheduler config's shift setting (``flow_shift``: UniPC; ``shift``: flow-match Euler), or None."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return "shift"  # not a readable folder here: the worker's scheduler decides
+    return next((k for k in ("flow_shift", "shift") if k in config), None)
