@@ -311,15 +311,17 @@ def _with_model_fields(fields: Mapping[str, str], sampling: Mapping[str, str], m
 #: the core's body fields (name -> kind); a model's declared sampling fields join them (``model_field_kinds``)
 IMAGE_FIELDS = {
     "prompt": "str", "model": "str", "n": "int", "size": "str", "response_format": "str", "stream": "bool",
+    "partial_images": "int", "step_previews": "bool",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
     "extra_args": "object", "lora": "str", "lora_scale": "number",
 }
+#: OpenAI's bound on ``partial_images`` (0 to 3 previews before the final image)
+MAX_PARTIAL_IMAGES = 3
 #: OpenAI fields accepted only at the value this server produces anyway
 IMAGE_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "style": ("vivid", "natural"),
                            "background": ("auto", "opaque"), "output_format": ("png",),
                            "moderation": ("auto", "low")}
-IMAGE_UNSUPPORTED = {"partial_images": "a stream sends one preview per denoising step",
-                     "output_compression": "images are PNG", "svg": "images are PNG"}
+IMAGE_UNSUPPORTED = {"output_compression": "images are PNG", "svg": "images are PNG"}
 #: request field -> SamplingParams keyword (model-declared fields keep their name)
 _IMAGE_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
@@ -335,6 +337,41 @@ class ImageRequest:
     stream: bool
     #: input images (PIL), for edit models
     images: tuple = ()
+    #: OpenAI's ``partial_images`` (streams only): that many previews spread over the steps before the final image
+    partial_images: int = 0
+    #: omni's extension ``step_previews`` (streams only): a preview after every denoising step
+    step_previews: bool = False
+
+    @property
+    def wants_previews(self) -> bool:
+        """The engine computes previews for this request only when a stream will send some."""
+        return self.stream and (self.partial_images > 0 or self.step_previews)
+
+
+def _stream_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``partial_images`` (OpenAI's, 0 to 3) and ``step_previews`` (omni's); both shape a stream only."""
+    partial = fields.get("partial_images", 0)
+    if not 0 <= partial <= MAX_PARTIAL_IMAGES:
+        raise invalid(f"'partial_images'={partial} is invalid: allowed values are "
+                      f"{', '.join(str(k) for k in range(MAX_PARTIAL_IMAGES + 1))} (previews before the final image; "
+                      f"'step_previews': true streams one per denoising step)", "partial_images")
+    step = fields.get("step_previews", False)
+    if step and partial:
+        raise invalid("give either 'partial_images' (OpenAI's: 1 to 3 previews spread over the steps) or "
+                      "'step_previews': true (omni's: one per step), not both", "step_previews")
+    return {"partial_images": partial, "step_previews": step}
+
+
+def partial_image_steps(partial_images: int, num_steps: int) -> frozenset[int]:
+    """The steps (1-based) after which a stream with ``partial_images`` previews sends them: spread evenly over
+    the ``num_steps`` steps, the final image coming after the last step. Fewer when there are fewer steps than
+    previews asked for (OpenAI's documentation allows the final image before every partial image)."""
+    if partial_images <= 0 or num_steps <= 0:
+        return frozenset()
+    if num_steps <= partial_images:
+        return frozenset(range(1, num_steps + (1 if num_steps == 1 else 0)))
+    return frozenset(min(num_steps - 1, max(1, int((i + 1) * num_steps / (partial_images + 1) + 0.5)))
+                     for i in range(partial_images))
 
 
 def parse_image_request(body: Any, *, model_fields: Sequence[Any] | None = None) -> ImageRequest:
@@ -350,7 +387,7 @@ def parse_image_request(body: Any, *, model_fields: Sequence[Any] | None = None)
                       f"'b64_json'", "response_format", code="unsupported_value")
     params = _sampling(fields, sampling)
     return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
-                        model=fields.get("model"), stream=fields.get("stream", False))
+                        model=fields.get("model"), stream=fields.get("stream", False), **_stream_fields(fields))
 
 
 # ------------------------------------------------------------------------------------------ edits
@@ -374,7 +411,7 @@ def parse_edit_request(form: Any, *, model_fields: Sequence[Any] | None = None) 
         raise invalid(f"'response_format'={fmt!r} is not supported: this server returns images inline, use "
                       f"'b64_json'", "response_format", code="unsupported_value")
     return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=_sampling(fields, sampling),
-                        model=fields.get("model"), stream=fields.get("stream", False))
+                        model=fields.get("model"), stream=fields.get("stream", False), **_stream_fields(fields))
 
 
 # ------------------------------------------------------------------------------------------ chat completions
@@ -383,7 +420,12 @@ CHAT_GENERATION_FIELDS = {
     "n": "int", "size": "str", "width": "int", "height": "int", "num_inference_steps": "int",
     "guidance_scale": "number", "negative_prompt": "str", "seed": "int", "num_frames": "int", "fps": "int",
     "extra_args": "object", "lora": "str", "lora_scale": "number",
+    # vLLM-Omni's spellings: its older chat server read ``num_outputs_per_prompt`` (its text_to_image client sends
+    # it in ``extra_body``); its newer protocol calls the model options ``extra_params``
+    "num_outputs_per_prompt": "int", "extra_params": "object",
 }
+#: vLLM-Omni's name -> ours, for fields that mean the same (giving both is a 400)
+VLLM_OMNI_ALIASES = {"num_outputs_per_prompt": "n", "extra_params": "extra_args"}
 #: chat-completion fields that mean nothing to an image model; read and left alone, as vLLM-Omni does
 CHAT_IGNORED = ("user", "temperature", "top_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
                 "presence_penalty", "stop", "modalities", "response_format")
@@ -397,12 +439,26 @@ class ChatImageRequest:
     request: ImageRequest
     #: the image URLs of the last user message, in order (data URLs)
     image_urls: tuple
+    #: frames per second of the MP4 a video model's answer carries
+    fps: int = 16
 
 
-def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None) -> ChatImageRequest:
-    """``POST /v1/chat/completions`` for an image model (vLLM-Omni's image route): the last user message is the
-    prompt (its text parts joined; its ``image_url`` parts are input images), generation fields come at the top
-    level or in ``extra_body``."""
+def _aliases(fields: dict[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """vLLM-Omni's spellings (``num_outputs_per_prompt``, ``extra_params``) read as ours; both is a 400."""
+    for theirs, ours in aliases.items():
+        if theirs in fields:
+            if ours in fields:
+                raise invalid(f"give either '{ours}' or '{theirs}' (vLLM-Omni's name for it), not both", theirs)
+            fields[ours] = fields.pop(theirs)
+    return fields
+
+
+def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, video: bool = False
+                       ) -> ChatImageRequest:
+    """``POST /v1/chat/completions`` (vLLM-Omni's image route, and its older server's video route): the last user
+    message is the prompt (its text parts joined; its ``image_url`` parts are input images), generation fields come
+    at the top level or in ``extra_body``. ``video``: the served model makes videos (``num_frames`` and ``fps``
+    count)."""
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {type(body).__name__}", None, code="invalid_body")
     body = dict(body)
@@ -422,13 +478,16 @@ def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None) 
                       code="unsupported_value")
     text, urls = _last_user_message(messages)
     kinds, sampling = _with_model_fields({"model": "str", **CHAT_GENERATION_FIELDS}, _CHAT_SAMPLING, model_fields)
-    fields = _read_fields(body, kinds, ignored=CHAT_IGNORED)
-    fields.pop("fps", None)  # vLLM-Omni's client sends its --fps with image requests too
-    if fields.get("num_frames") == 1:
+    fields = _aliases(_read_fields(body, kinds, ignored=CHAT_IGNORED), VLLM_OMNI_ALIASES)
+    fps = fields.pop("fps", DEFAULT_FPS)  # vLLM-Omni's client sends its --fps with image requests too
+    if video:
+        if not 1 <= fps <= MAX_FPS:
+            raise invalid(f"'fps'={fps} is invalid: must be between 1 and {MAX_FPS}", "fps")
+    elif fields.get("num_frames") == 1:
         fields.pop("num_frames")
     request = ImageRequest(prompt=text, negative_prompt=fields.get("negative_prompt"),
                            params=_sampling(fields, sampling), model=fields.get("model"), stream=False)
-    return ChatImageRequest(request=request, image_urls=tuple(urls))
+    return ChatImageRequest(request=request, image_urls=tuple(urls), fps=fps)
 
 
 def _last_user_message(messages: Any) -> tuple[str, list]:
@@ -463,7 +522,15 @@ VIDEO_FIELDS = {
     "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
     "extra_args": "object", "width": "int", "height": "int", "lora": "str", "lora_scale": "number",
+    # vLLM-Omni's video protocol: ``extra_params`` is its name for extra_args; ``video_params`` a block of
+    # width/height/num_frames/fps (the top-level fields win, as there)
+    "extra_params": "object", "video_params": "object",
 }
+#: vLLM-Omni's video switches accepted at their default (off): this server has no audio or frame interpolation
+_OFF = (False, "false", "False")
+VIDEO_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "generate_sound": _OFF,
+                           "enable_frame_interpolation": _OFF}
+_VIDEO_PARAMS_BLOCK = ("width", "height", "num_frames", "fps")
 #: the field of ``/v1/videos`` holding the input image of an image-to-video model (a file part, or a data URL)
 INPUT_REFERENCE = "input_reference"
 VIDEO_UNSUPPORTED = {"remixed_from_video_id": "remixing is not supported"}
@@ -498,7 +565,17 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
     :func:`parse_image_request`."""
     kinds, sampling = _with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)
     fields = _read_fields(body, kinds, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
-                          accepted_defaults={"quality": ("auto", "standard")}, from_form=from_form)
+                          accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, from_form=from_form)
+    fields = _aliases(fields, {"extra_params": "extra_args"})
+    block = fields.pop("video_params", None)
+    if block is not None:
+        unknown = sorted(set(block) - set(_VIDEO_PARAMS_BLOCK))
+        if unknown:
+            raise invalid(f"'video_params' has unknown key '{unknown[0]}'; allowed: {', '.join(_VIDEO_PARAMS_BLOCK)}",
+                          "video_params", code="unknown_parameter")
+        for name in _VIDEO_PARAMS_BLOCK:
+            if block.get(name) is not None and name not in fields:
+                fields[name] = _check(f"video_params.{name}", block[name], "int")
     prompt = _prompt(fields)
     fps = fields.get("fps", DEFAULT_FPS)
     if not 1 <= fps <= MAX_FPS:
@@ -690,7 +767,7 @@ def image_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, An
 
 def video_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
     return body_schema(_with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)[0],
-                       accepted_defaults={"quality": ("auto", "standard")}, ignored=("user",))
+                       accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, ignored=("user",))
 
 
 # ------------------------------------------------------------------------------------------ scheduling

@@ -49,7 +49,7 @@ def test_a_request_past_its_timeout_answers_504(live):
 
 def test_a_streamed_request_past_its_timeout_ends_with_a_timeout_error_event(live):
     engine, client = live
-    with client.stream("POST", "/v1/images/generations", json={**SLOW, "stream": True, "timeout": 0.3}) as r:
+    with client.stream("POST", "/v1/images/generations", json={**SLOW, "stream": True, "step_previews": True, "timeout": 0.3}) as r:
         assert r.status_code == 200
         text = "".join(r.iter_text())
     events = [block for block in text.split("\n\n") if block.strip()]

@@ -95,11 +95,12 @@ def test_omni_serve_cli_with_openai_client(tiny_model, cli_server):
                                     n=2, extra_body={"seed": 9, "num_inference_steps": 3})
     assert len(result.data) == 2 and png(result.data[0].b64_json).shape == (16, 32, 3)
 
+    # OpenAI's streaming example (partial_images=2): 2 previews spread over the 3 steps, then the image
     events = list(client.images.generate(model="tiny", prompt="a red circle", size="32x16", stream=True,
-                                         extra_body={"seed": 9, "num_inference_steps": 3}))
+                                         partial_images=2, extra_body={"seed": 9, "num_inference_steps": 3}))
     types = [e.type for e in events]
-    assert types == ["image_generation.partial_image"] * 3 + ["image_generation.completed"]
-    assert [e.partial_image_index for e in events[:3]] == [0, 1, 2]
+    assert types == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
     assert np.array_equal(png(events[-1].b64_json), png(result.data[0].b64_json))
 
     with pytest.raises(openai.BadRequestError) as info:
@@ -248,7 +249,8 @@ def _in_flight(url: str, headers: dict, slow: dict) -> tuple[dict, "object", "ob
 
     def streamed() -> None:
         t = time.monotonic()
-        with httpx.stream("POST", f"{url}/v1/images/generations", json={**slow, "stream": True}, headers=headers,
+        with httpx.stream("POST", f"{url}/v1/images/generations", json={**slow, "stream": True, "step_previews": True},
+                          headers=headers,
                           timeout=120) as s:
             results["stream"] = (s.status_code, sse_events(s), time.monotonic() - t)
 

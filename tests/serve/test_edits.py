@@ -111,14 +111,14 @@ def test_an_upload_larger_than_max_body_but_under_the_upload_cap(edit_model, sta
     assert r.status_code == 413 and "max_body_bytes=1000" in r.json()["error"]["message"]
 
 
-def test_streamed_edit_sends_a_preview_per_step(edit_server):
+def test_streamed_edit_with_step_previews_sends_a_preview_per_step_named_as_openai_names_edit_events(edit_server):
     with edit_server.client() as http:
         r = http.post("/v1/images/edits", files=[("image", ("x.png", png(), "image/png"))],
-                      data={"prompt": "edit", "stream": "true", "size": "16x16", "num_inference_steps": "3"})
+                      data={"prompt": "edit", "stream": "true", "step_previews": "true", "size": "16x16",
+                            "num_inference_steps": "3"})
     assert r.status_code == 200
     events = [line for line in r.text.splitlines() if line.startswith("event:")]
-    assert events.count("event: image_generation.partial_image") == 3
-    assert events[-1] == "event: image_generation.completed"
+    assert events == ["event: image_edit.partial_image"] * 3 + ["event: image_edit.completed"]
 
 
 def test_a_text_model_refuses_edits_naming_image(server):

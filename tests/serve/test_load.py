@@ -30,7 +30,7 @@ async def _request(client: httpx.AsyncClient, body: dict, stream: bool) -> tuple
         else:
             return _refusal(r.status_code, r.headers, r.json())
         return r.status_code, {}
-    async with client.stream("POST", "/v1/images/generations", json={**body, "stream": True}) as r:
+    async with client.stream("POST", "/v1/images/generations", json={**body, "stream": True, "step_previews": True}) as r:
         if r.status_code != 200:
             return _refusal(r.status_code, r.headers, json.loads(await r.aread()))
         events = []

@@ -50,7 +50,11 @@ def test_nulls_and_auto_mean_the_model_default():
     ({"prompt": "x", "extra_args": []}, "extra_args"),
     ({"prompt": "x", "quality": "hd"}, "quality"),
     ({"prompt": "x", "output_format": "jpeg"}, "output_format"),
-    ({"prompt": "x", "partial_images": 2}, "partial_images"),
+    ({"prompt": "x", "partial_images": 4}, "partial_images"),
+    ({"prompt": "x", "partial_images": -1}, "partial_images"),
+    ({"prompt": "x", "partial_images": "two"}, "partial_images"),
+    ({"prompt": "x", "stream": True, "partial_images": 2, "step_previews": True}, "step_previews"),
+    ({"prompt": "x", "step_previews": "on"}, "step_previews"),
     ({"prompt": "x", "num_inference_step": 4}, "num_inference_step"),
 ])
 def test_invalid_image_requests_name_the_field(body, param):

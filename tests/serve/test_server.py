@@ -113,7 +113,8 @@ def test_a_failing_request_answers_500_and_leaves_nothing(server, wait_idle):
         assert r.status_code == 500
         assert r.json()["error"]["code"] == "generation_failed" and "injected failure" in r.json()["error"]["message"]
         with c.stream("POST", "/v1/images/generations",
-                      json={"prompt": "x", "stream": True, "extra_args": {"fail_at_step": 2}}) as s:
+                      json={"prompt": "x", "stream": True, "step_previews": True,
+                            "extra_args": {"fail_at_step": 2}}) as s:
             events = sse_events(s)
     assert [e for e, _ in events] == ["image_generation.partial_image", "image_generation.partial_image", "error"]
     assert "injected failure" in events[-1][1]["error"]["message"]
@@ -121,12 +122,12 @@ def test_a_failing_request_answers_500_and_leaves_nothing(server, wait_idle):
 
 
 # ------------------------------------------------------------------------------------------ streaming
-def test_stream_sends_one_preview_per_step_then_the_same_final_image(server, tiny_model, start_server, decode_png):
+def test_step_previews_stream_one_preview_per_step_then_the_same_final_image(server, tiny_model, start_server, decode_png):
     body = {"prompt": "a blue square", "seed": 11, "size": "32x32", "num_inference_steps": 5, "guidance_scale": 3.0,
             "negative_prompt": "red"}
     with server.client() as c:
         plain = decode_png(c.post("/v1/images/generations", json=body).json()["data"][0]["b64_json"])
-        with c.stream("POST", "/v1/images/generations", json={**body, "stream": True}) as s:
+        with c.stream("POST", "/v1/images/generations", json={**body, "stream": True, "step_previews": True}) as s:
             assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
             events = sse_events(s)
     partial = [d for e, d in events if e == "image_generation.partial_image"]
@@ -154,7 +155,8 @@ def test_stream_sends_one_preview_per_step_then_the_same_final_image(server, tin
 def test_stream_of_n_images_ends_with_one_completed_event_each(server, decode_png):
     with server.client() as c:
         with c.stream("POST", "/v1/images/generations",
-                      json={"prompt": "two", "n": 2, "seed": 5, "num_inference_steps": 2, "stream": True}) as s:
+                      json={"prompt": "two", "n": 2, "seed": 5, "num_inference_steps": 2, "stream": True,
+                            "step_previews": True}) as s:
             events = sse_events(s)
         plain = c.post("/v1/images/generations", json={"prompt": "two", "n": 2, "seed": 5,
                                                        "num_inference_steps": 2}).json()
@@ -185,7 +187,7 @@ def test_client_disconnect_aborts_a_non_streamed_request(server, wait_idle):
 def test_client_disconnect_aborts_a_streamed_request(server, wait_idle):
     engine = server.engine
     before = engine.stats()
-    sock = open_request(server.url, "/v1/images/generations", slow(stream=True))
+    sock = open_request(server.url, "/v1/images/generations", slow(stream=True, step_previews=True))
     received = b""
     while b"image_generation.partial_image" not in received:
         received += sock.recv(65536)

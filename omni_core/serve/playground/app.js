@@ -146,7 +146,8 @@ async function generate(event) {
 
 async function runImage(s, files) {
   const stream = !!state.model.streaming_previews;
-  const body = Object.assign({}, s, { stream });
+  // step_previews: omni's extension, a preview after every step (OpenAI's partial_images sends at most 3)
+  const body = Object.assign({}, s, stream ? { stream, step_previews: true } : { stream });
   const init = { method: "POST", signal: state.controller.signal };
   let url = "/v1/images/generations";
   if (files.length) {
@@ -171,12 +172,13 @@ async function runImage(s, files) {
   }
   let ended = false;
   for await (const [name, data] of events(response)) {
-    if (name === "image_generation.partial_image") {
+    // generations stream image_generation.*, edits image_edit.* (OpenAI's names)
+    if (name.endsWith(".partial_image")) {
       $("preview").src = "data:image/png;base64," + data.b64_json;
       $("preview").dataset.step = String(data.step);  // 1-based: the i-th preview comes after step i
       setProgress(data.step, data.num_steps);
       setStatus(`step ${data.step} / ${data.num_steps}`);
-    } else if (name === "image_generation.completed") {
+    } else if (name.endsWith(".completed")) {
       if (data.index === 0) finishImage(data.b64_json, s, data.seed);
       ended = true;
     } else if (name === "error") {

@@ -4,8 +4,10 @@ The last user message is the prompt (a string, or text parts joined by spaces); 
 data URLs) are input images for an edit model. Generation fields (``height``, ``width``, ``num_inference_steps``,
 ``negative_prompt``, ``seed``, the model's own fields...) come at the top level or inside ``extra_body`` (a raw
 HTTP client sends that key as is). The reply is a chat completion whose assistant message carries the images as
-``image_url`` parts, with the worker's peak memory in each part, in ``usage`` and in ``metrics`` (where vLLM-Omni's
-benchmark reads it). Video models answer 400: they are served by ``/v1/videos``.
+``image_url`` parts, with the worker's peak memory in each part, in ``usage``, in ``metrics`` and at the top level
+(where vLLM-Omni's benchmarks, newer and older, read it). A video model answers as vLLM-Omni's older server did:
+``video_url`` parts holding ``data:video/mp4;base64,...`` (its text_to_video curl example and its older benchmark
+use this route); ``/v1/videos`` is the job API.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from omni_core.serve.media import pil_outputs, png_b64
 from omni_core.serve.omni_server import current
 from omni_core.serve.openapi import error_doc, error_docs
 from omni_core.serve.bodies import read_json
-from omni_core.serve.protocol import invalid, parse_chat_request
+from omni_core.serve.protocol import parse_chat_request
 from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_data_url
 
@@ -36,33 +38,56 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
              "application/json": {"schema": {"type": "object", "required": ["messages"]}}}}})
 async def chat_completions(request: Request):
     server = current(request)
-    chat = parse_chat_request(await read_json(request, server), model_fields=server.model_info.sampling_fields)
+    chat = parse_chat_request(await read_json(request, server), model_fields=server.model_info.sampling_fields,
+                              video=server.is_video)
     req = chat.request
     server.check_model(req.model)
-    if server.is_video:
-        raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",
-                      code="unsupported_model")
     check_count(list(chat.image_urls), "messages", server.image_input, server.model_name)
     images = [read_data_url(url, "messages", server.max_image_pixels) for url in chat.image_urls]
     handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
                            images=images)
     server.track(handle.request_id)
-    out = await server.run_to_end(request, handle)
+    out = await server.run_to_end(request, handle, kind="video" if server.is_video else "image")
     if out is None:
         return Response(status_code=499)
-    return JSONResponse(await asyncio.to_thread(chat_payload, out, server.model_name))
+    return JSONResponse(await asyncio.to_thread(chat_payload, out, server.model_name,
+                                                chat.fps if server.is_video else None))
 
 
-def chat_payload(out: Any, model: str) -> dict[str, Any]:
+def chat_payload(out: Any, model: str, fps: int | None = None) -> dict[str, Any]:
+    """The chat completion: image parts, or (``fps`` given: a video model) one MP4 ``video_url`` part per video."""
     peak = out.metrics.get("peak_memory_mb", 0.0)
-    parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64(im)}"},
-              "peak_memory_mb": peak} for im in pil_outputs(out)]
+    if fps is None:
+        parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64(im)}"},
+                  "peak_memory_mb": peak} for im in pil_outputs(out)]
+    else:
+        parts = [{"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{mp4_b64(frames, fps)}"},
+                  "peak_memory_mb": peak} for frames in pil_outputs(out)]
     return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-            "model": model,
+            "model": model, "peak_memory_mb": peak,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": parts}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "peak_memory_mb": peak},
             "metrics": {"peak_memory_mb": peak, "seed": out.metrics.get("seed"),
                         "e2e_latency_s": out.metrics.get("e2e_latency_s")}}
 
 
-__all__ = ["chat_payload", "v1"]
+def mp4_b64(frames: Any, fps: int) -> str:
+    """One video (a list of PIL frames) as a base64 MP4, written by ``omni_core.utils.media.write_video``."""
+    import base64
+    import os
+    import tempfile
+
+    from omni_core.utils.media import write_video
+
+    frames = frames if isinstance(frames, list) else [frames]
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        write_video(frames, path, fps)
+        with open(path, "rb") as f:
+            return base64.b64encode(f.read()).decode("ascii")
+    finally:
+        os.remove(path)
+
+
+__all__ = ["chat_payload", "mp4_b64", "v1"]

@@ -1,5 +1,7 @@
 """``POST /v1/images/generations`` and ``POST /v1/images/edits``: JSON with the images, or (``stream=true``)
-server-sent events with a partial image per denoising step and a completed event per image.
+server-sent events as OpenAI sends them: ``partial_images`` (0 to 3) previews spread over the steps, then a completed
+event per image; named ``image_generation.*`` on generations and ``image_edit.*`` on edits. omni's extension
+``step_previews: true`` streams a partial image after every denoising step instead.
 
 A client that goes away aborts its request: non-streamed, a task watches for ``http.disconnect`` while the
 result is awaited; streamed, the response stops on disconnect. So the engine never keeps work nobody reads.
@@ -20,7 +22,8 @@ from omni_core.serve.errors import generation_failed, internal_error
 from omni_core.serve.media import pil_outputs, png_b64, preview_image, size_of
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs
-from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid, parse_edit_request, parse_image_request)
+from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid,
+                                      parse_edit_request, parse_image_request, partial_image_steps)
 from omni_core.serve.bodies import read_json, read_multipart, read_urlencoded
 from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_image
@@ -42,7 +45,12 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
 async def generate_images(request: Request):
     server = current(request)
     req = parse_image_request(await read_json(request, server), model_fields=server.model_info.sampling_fields)
-    return await answer_images(request, server, req)
+    return await answer_images(request, server, req, GENERATION_EVENTS)
+
+
+#: the event-name prefix of each route's stream, as OpenAI names them
+GENERATION_EVENTS = "image_generation"
+EDIT_EVENTS = "image_edit"
 
 
 @v1.post("/images/edits", responses={
@@ -84,11 +92,12 @@ async def edit_images(request: Request):
                       f"POST /v1/images/generations", "image", code="unsupported_model")
     check_count(parts, "image", server.image_input, server.model_name)
     images = [read_image(data, "image", server.max_image_pixels) for data in parts]
-    return await answer_images(request, server, attrs.evolve(req, images=tuple(images)))
+    return await answer_images(request, server, attrs.evolve(req, images=tuple(images)), EDIT_EVENTS)
 
 
-async def answer_images(request: Request, server: OmniServer, req: ImageRequest):
-    """Run an image request (generation or edit) and answer it: JSON, or events when ``req.stream``."""
+async def answer_images(request: Request, server: OmniServer, req: ImageRequest, events: str = GENERATION_EVENTS):
+    """Run an image request (generation or edit) and answer it: JSON, or events (named ``events``.partial_image,
+    ``events``.completed) when ``req.stream``."""
     server.check_model(req.model)
     req = attrs.evolve(req, params=with_timeout_header(req.params, request.headers))
     if server.is_video:
@@ -98,7 +107,7 @@ async def answer_images(request: Request, server: OmniServer, req: ImageRequest)
         raise invalid("stream=true needs a server that runs its engine with streaming output (omni serve does "
                       "unless started with --no-stream-previews; the pipeline must support step execution)",
                       "stream", code="unsupported_value")
-    handle = server.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.stream,
+    handle = server.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.wants_previews,
                            images=list(req.images))
     rid = handle.request_id
     server.track(rid)
@@ -114,7 +123,7 @@ async def answer_images(request: Request, server: OmniServer, req: ImageRequest)
                     server.metrics.count_disconnect()
                 handle.abort()
 
-        return EventStream(image_events(server, req, handle, state), on_close)
+        return EventStream(image_events(server, req, handle, state, events), on_close)
     out = await server.run_to_end(request, handle)
     if out is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
@@ -126,7 +135,9 @@ def image_payload(out: Any) -> dict[str, Any]:
     return {"created": int(time.time()), "data": [{"b64_json": png_b64(im), "revised_prompt": None}
                                                   for im in images],
             "output_format": "png", "size": size_of(images[0]) if images else None,
-            "seed": out.metrics.get("seed"), "usage": usage(out)}
+            "seed": out.metrics.get("seed"), "usage": usage(out),
+            # where vLLM-Omni's older serving benchmark reads it (its newer one reads usage.peak_memory_mb)
+            "peak_memory_mb": out.metrics.get("peak_memory_mb", 0.0)}
 
 
 def usage(out: Any) -> dict[str, Any]:
@@ -136,13 +147,14 @@ def usage(out: Any) -> dict[str, Any]:
             "peak_memory_mb": out.metrics.get("peak_memory_mb", 0.0)}
 
 
-async def image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict):
-    """Server-sent events: one partial image per intermediate output (the engine yields one after each
-    denoising step), then one completed event per image.
+async def image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict,
+                       events: str = GENERATION_EVENTS):
+    """Server-sent events: the partial images (``req.partial_images`` of the engine's per-step previews, spread
+    over the steps; or, with ``req.step_previews``, every one), then one completed event per image.
 
     A failure while streaming ends the stream with an ``error`` event (what the ``openai`` client raises)."""
     try:
-        async for event in _image_events(server, req, handle, state):
+        async for event in _image_events(server, req, handle, state, events):
             yield event
     except Exception as exc:  # noqa: BLE001 - e.g. an image that cannot be encoded
         logger.exception("streaming request %s failed", handle.request_id)
@@ -150,18 +162,20 @@ async def image_events(server: OmniServer, req: ImageRequest, handle: Any, state
         yield sse("error", internal_error(exc, "streaming failed").body())
 
 
-async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict):
+async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict, events: str):
     index = 0
     common = {"quality": "auto", "background": "opaque", "output_format": "png"}
     size = f"{req.params.width}x{req.params.height}"
+    partial, completed = f"{events}.partial_image", f"{events}.completed"
+    steps = None if req.step_previews else partial_image_steps(req.partial_images, req.params.num_inference_steps or 0)
     while True:
         out = await handle.aget()
         if not out.finished:
-            if out.preview is None:
+            if out.preview is None or (steps is not None and out.step_index not in steps):
                 continue
-            image = preview_image(out.preview, server.preview_max_side)
-            yield sse("image_generation.partial_image", {
-                "type": "image_generation.partial_image", "b64_json": png_b64(image),
+            image = await asyncio.to_thread(lambda: png_b64(preview_image(out.preview, server.preview_max_side)))
+            yield sse(partial, {
+                "type": partial, "b64_json": image,
                 "partial_image_index": index, "step": out.step_index, "num_steps": out.num_steps,
                 "created_at": int(time.time()), "size": size, **common})
             index += 1
@@ -174,8 +188,8 @@ async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, stat
         images = await asyncio.to_thread(pil_outputs, out)
         encoded = await asyncio.to_thread(lambda: [png_b64(im) for im in images])
         for k, b64 in enumerate(encoded):
-            yield sse("image_generation.completed", {
-                "type": "image_generation.completed", "b64_json": b64, "index": k,
+            yield sse(completed, {
+                "type": completed, "b64_json": b64, "index": k,
                 "seed": out.metrics.get("seed"), "created_at": int(time.time()),
                 "size": size_of(images[k]), **common, "usage": usage(out)})
         return
