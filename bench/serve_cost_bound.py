@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 
-def start_server(model: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, *flags: str) -> tuple[subprocess.Popen, str]:
     script = Path(sys.executable).parent / "omni"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "omni_core.cli"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
-    proc = subprocess.Popen([*cmd, "serve", model, "--port", "0", "--log-level", "warning"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*cmd, "serve", model, "--port", "0", "--log-level", "warning", *flags], stdout=subprocess.PIPE,
                             text=True, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

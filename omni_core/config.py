@@ -442,8 +442,9 @@ class OmniDiffusionConfig(_FromKwargs):
     attention_config: AttentionConfig = attrs.field(factory=AttentionConfig, converter=AttentionConfig.coerce)
     cache_backend: str = attrs.field(default="none", validator=_component_name("cache"))
     cache_config: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
-    #: capacity of one wave: how many compatible requests run together
-    max_num_seqs: int = attrs.field(default=1, validator=int_field(min=1, max=1024))
+    #: capacity of one wave: how many compatible requests run together; None (default) batches by default: up to
+    #: 8 requests within a pixel budget (omni_core/sched/capacity.py); 1 turns batching off
+    max_num_seqs: int | None = attrs.field(default=None, validator=int_field(min=1, max=1024, optional=True))
     step_execution: bool = attrs.field(default=False, validator=bool_field)
     streaming_output: bool = attrs.field(default=False, validator=bool_field)
     #: executor name; None picks ``uni`` for one process and ``mp`` for several

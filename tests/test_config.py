@@ -15,7 +15,7 @@ def _fresh_manager(omni_plugin_manager, monkeypatch):
 
 def test_defaults():
     c = OmniDiffusionConfig(model="some/model")
-    assert (c.dtype, c.cache_backend, c.max_num_seqs, c.world_size) == ("auto", "none", 1, 1)
+    assert (c.dtype, c.cache_backend, c.max_num_seqs, c.world_size) == ("auto", "none", None, 1)
     assert (c.executor_name, c.scheduler_name) == ("uni", "request")
     stepped = OmniDiffusionConfig(model="m", streaming_output=True)
     assert stepped.uses_step_execution and stepped.scheduler_name == "step"
@@ -38,7 +38,7 @@ def test_torch_dtype_accepted():
     ({"model": ""}, "model", "OmniDiffusionConfig.model='' is invalid: expected a non-empty string"),
     ({"model": "m", "dtype": "float64"}, "dtype", "unknown value 'float64'; allowed: auto, bfloat16, float16, float32"),
     ({"model": "m", "max_num_seqs": 0}, "max_num_seqs", "OmniDiffusionConfig.max_num_seqs=0 is invalid: must be >= 1"),
-    ({"model": "m", "max_num_seqs": True}, "max_num_seqs", "expected an integer, got bool"),
+    ({"model": "m", "max_num_seqs": True}, "max_num_seqs", "expected an integer or None, got bool"),
     ({"model": "m", "step_execution": "yes"}, "step_execution", "expected True or False, got str"),
     ({"model": "m", "worker_start_timeout": float("nan")}, "worker_start_timeout", "must not be NaN"),
     ({"model": "m", "cache_config": [1]}, "cache_config", "expected a dict, got list"),

@@ -61,7 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         lim.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, metavar="N",
                          help=f"the most {what} one request may ask for")
     eng = add_engine_options(p)
-    eng.add_argument("--max-num-seqs", type=int, default=None, help="requests batched in one wave (default: 1)")
+    eng.add_argument("--max-num-seqs", type=int, default=None,
+                     help="requests batched in one wave (default: batching on, up to 8 within a pixel budget; 1 "
+                          "turns it off; docs/scheduling.md)")
     if "--no-warmup" not in p._option_string_actions:  # the shared engine options may already have it
         eng.add_argument("--no-warmup", action="store_true", help="skip the start-up warmup (a one-step request)")
     eng.add_argument("--oversubscribe", action="store_true",

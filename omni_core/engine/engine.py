@@ -91,7 +91,9 @@ class DiffusionEngine:
         pm.load_component("cache", config.cache_backend).check_config(config.cache_config)
         #: the execution-mode strategy, chosen once (every mode difference lives in it)
         self.mode = mode_for(config, self.pipeline_cls, self.resolved.spec.name)
-        capacity = self.mode.capacity(self.pipeline_cls, config.max_num_seqs)
+        from omni_core.sched.capacity import wave_limits
+
+        capacity = self.mode.capacity(self.pipeline_cls, wave_limits(config)[0])  # unset: batching by default
         self.scheduler = scheduler or pm.load_component("scheduler", config.scheduler_name)(capacity)
         if scheduler is None and hasattr(self.scheduler, "configure"):  # the policy knobs (docs/scheduling.md)
             self.scheduler.configure(config)

@@ -9,6 +9,7 @@ from typing import Collection, Iterable
 from omni_core.errors import ConfigError
 from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest
+from omni_core.sched.capacity import fit_pixels
 from omni_core.sched.cost import StepCostModel, request_tokens
 from omni_core.sched.interface import DiffusionRequestStatus, SchedulerRequestState
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
@@ -48,6 +49,8 @@ class BaseScheduler:
         self.starvation_limit = starvation_limit
         self.max_preemptions = max_preemptions
         self.step_time_budget_s = step_time_budget_s
+        #: pixel-frames one wave may carry (None: no cap; set by ``configure`` when max_num_seqs is unset)
+        self.max_wave_pixels: int | None = None
         #: learned seconds per request-step by shape class
         self.cost = StepCostModel()
         self._key_tokens: dict[tuple, int] = {}
@@ -87,8 +90,11 @@ class BaseScheduler:
     def configure(self, config: object) -> None:
         """Take the policy knobs of an engine config (``max_preemptions``, ``step_time_budget_s``); the engine
         calls this after building the scheduler, so a plugin's constructor needs only the capacity."""
+        from omni_core.sched.capacity import wave_limits
+
         self.max_preemptions = getattr(config, "max_preemptions", self.max_preemptions)
         self.step_time_budget_s = getattr(config, "step_time_budget_s", self.step_time_budget_s)
+        self.max_wave_pixels = wave_limits(config)[1]
 
     def abort_request(self, request_id: str) -> DiffusionRequestStatus | None:
         """Abort: a waiting request ends now; a running one ends at the next wave boundary."""
@@ -208,9 +214,11 @@ class BaseScheduler:
 
     def wave_capacity(self, key: tuple) -> int:
         """How many requests of shape ``key`` one wave may hold: ``max_num_seqs``, or fewer where the learned
-        per-step cost says more would not fit ``step_time_budget_s``."""
-        return self.cost.max_batch(key, self._key_tokens.get(key, 1), self.step_time_budget_s,
-                                   self.max_num_running_reqs)
+        per-step cost says more would not fit ``step_time_budget_s`` or (batching by default) their pixels
+        would exceed the wave's pixel budget (:mod:`omni_core.sched.capacity`)."""
+        tokens = self._key_tokens.get(key, 1)
+        return fit_pixels(self.cost.max_batch(key, tokens, self.step_time_budget_s, self.max_num_running_reqs),
+                          tokens, self.max_wave_pixels)
 
     def _victims(self) -> list[str]:
         """Running requests to preempt so more urgent waiting ones start in this wave: for the first waiting
