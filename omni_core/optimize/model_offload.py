@@ -36,7 +36,9 @@ class OffloadRing:
     def bring_in(self, module: Any) -> None:
         import torch
 
-        with self._lock:
+        # outside inference mode: the runner calls in inference mode, where moving a tensor-subclass weight
+        # (torchao's int8) fails ("Couldn't swap Linear.weight": an inference tensor has no version counter)
+        with self._lock, torch.inference_mode(False):
             if self.current is module:
                 return
             if self.current is not None:

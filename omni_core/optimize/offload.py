@@ -28,10 +28,10 @@ def check_offload(config: Any, platform: Any) -> None:
     if config.offload in (None, "none"):
         return
     if config.world_size > 1 and platform.device_count() < config.world_size:
-        raise ConfigError(f"offload={config.offload!r} with {config.world_size} ranks on {platform.device_count()} "
-                          f"{platform.name} device(s) is refused: ranks sharing a device would each keep a host copy "
-                          f"and swap weights in turn; use one rank per device, or offload=None",
-                          field="offload")
+        raise ConfigError(f"offload={config.offload!r} with parallel_config {config.parallel_config.describe_world()}"
+                          f" on {platform.device_count()} {platform.name} device(s) is refused: ranks sharing a "
+                          f"device would each keep a host copy and swap weights in turn; use one rank per device, "
+                          f"or offload=None", field="offload")
 
 
 def has_streams(device: Any) -> bool:
