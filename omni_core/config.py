@@ -420,6 +420,24 @@ def _path_or_none(value: Any) -> Any:
     return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
+def _tiny_decoder_folder(instance, attribute, value):
+    """``preview_decoder``: None, or a folder whose config.json names ``AutoencoderTiny`` (checked before any
+    model loads)."""
+    if value is None:
+        return
+    str_field()(instance, attribute, value)
+    import json
+
+    path = os.path.join(value, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError) as exc:
+        _fail(instance, attribute, value, f"a folder with a diffusers AutoencoderTiny (config.json; {exc})")
+    if name != "AutoencoderTiny":
+        _fail(instance, attribute, value, f"a folder with a diffusers AutoencoderTiny; its config.json names {name!r}")
+
+
 def _optional_bool(instance, attribute, value):
     if value is not None:
         bool_field(instance, attribute, value)
@@ -500,6 +518,9 @@ class OmniDiffusionConfig(_FromKwargs):
     compile: bool | None = attrs.field(default=None, validator=_optional_bool)
     #: "speed", "memory" or "auto": fill the unset options above from the model size and free memory
     performance_mode: str | None = attrs.field(default=None, validator=choice_field(PERFORMANCE_MODES, optional=True))
+    #: a folder holding a diffusers ``AutoencoderTiny`` (TAESD-style) for the model's latents: streamed previews
+    #: decode through it instead of the latent-to-RGB projection (docs/previews.md)
+    preview_decoder: str | None = attrs.field(default=None, converter=_path_or_none, validator=_tiny_decoder_folder)
 
     def __attrs_post_init__(self) -> None:
         for name in sorted(self.attention_config.backend_names()):

@@ -9,8 +9,9 @@ from omni_core.plugins.hookspecs import hookimpl
 
 @hookimpl
 def omni_register_commands(subparsers):
-    from omni_core.cli import env, lora, plugins
+    from omni_core.cli import env, lora, plugins, preview
 
     plugins.add_parser(subparsers)
     env.add_parser(subparsers)
     lora.add_parser(subparsers)
+    preview.add_parser(subparsers)

@@ -44,6 +44,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                      help="torch.compile the denoiser's repeated blocks (dynamic shapes; compiled in the warm-up)")
     eng.add_argument("--performance-mode", default=None,
                      help="speed, memory or auto: choose the unset options above from model size and free memory")
+    eng.add_argument("--preview-decoder", default=None, metavar="FOLDER",
+                     help="a folder with a diffusers AutoencoderTiny (TAESD-style) for this model's latents: previews "
+                          "decode through it (default: the model's latent-to-RGB projection; docs/previews.md)")
     return eng
 
 
@@ -72,7 +75,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 denoiser_weights=getattr(args, "denoiser_weights", None), offload=getattr(args, "offload", None),
                 vae_tiling=True if tiling == "true" else _json_arg(tiling, "vae-tiling"),
                 vae_slicing=getattr(args, "vae_slicing", None), compile=getattr(args, "compile", None),
-                performance_mode=getattr(args, "performance_mode", None))
+                performance_mode=getattr(args, "performance_mode", None),
+                preview_decoder=getattr(args, "preview_decoder", None))
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.step_execution:
         opts["step_execution"] = True

@@ -124,6 +124,8 @@ def run_plan(steps: list[LoadStep], resolved: Any, config: Any, device: Any, dty
                 pipeline = cls.load(resolved.model_path, load_config, torch.device(step.device), dtype)
             # where cache backends find the folder's shipped cache_defaults.json (pipelines/denoiser.py)
             setattr(pipeline, "omni_model_path", resolved.model_path)
+            # the tiny decoder previews use, if the user named one (pipelines/preview.py)
+            setattr(pipeline, "omni_preview_decoder", getattr(config, "preview_decoder", None))
             if getattr(config, "denoiser_weights", None):
                 applied["denoiser_weights"] = config.denoiser_weights
         elif step.action == "parallel":

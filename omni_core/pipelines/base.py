@@ -272,8 +272,17 @@ class OmniPipeline:
         """``post_decode`` of every state, in order; a pipeline may decode states of one shape together."""
         return [self.post_decode(s) for s in states]
 
+    #: the latent-to-RGB projections this model ships for its previews: a ``"package:file.json"`` resource
+    #: ``{"projections": [{"match": {<VAE config key>: value}, "weight": 3 x C, "bias": 3, "source": ...}]}``;
+    #: a model folder's own ``preview_projection.json`` (``omni preview calibrate --write``) comes first
+    #: (:mod:`omni_core.pipelines.preview`)
+    preview_projections: ClassVar[str | None] = None
+
     def preview(self, state: StepState) -> Any:
-        """A cheap RGB preview ``[3, h, w]`` in [0, 1] of the current latents (no VAE decode), or None."""
+        """A cheap RGB preview ``[3, h, w]`` in [0, 1] of the current step (no VAE decode), or None. A video's
+        preview is still one ``[3, h, w]`` image (a few frames tiled, same aspect ratio). A pipeline that
+        defines ``preview_latents(state)`` gets the projected clean estimate by returning
+        ``omni_core.pipelines.preview.render_preview(self, state)``. Default: none."""
         return None
 
     def forward(self, batch: list[StepState], control: StepControl | None = None) -> list[DiffusionOutput]:

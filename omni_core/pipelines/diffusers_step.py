@@ -37,7 +37,7 @@ from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook
 from omni_core.pipelines.base import OmniPipeline
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
-from omni_core.pipelines.state import StepState
+from omni_core.pipelines.state import StepState, remember_flow_step
 
 
 def latents_to_rgb(lat: torch.Tensor) -> torch.Tensor:
@@ -47,6 +47,13 @@ def latents_to_rgb(lat: torch.Tensor) -> torch.Tensor:
     lo = rgb.amin(dim=(1, 2), keepdim=True)
     hi = rgb.amax(dim=(1, 2), keepdim=True)
     return ((rgb - lo) / (hi - lo).clamp_min(1e-6)).cpu()
+
+
+def _flow_scheduler(scheduler: Any) -> bool:
+    """Whether the model output the scheduler steps with is a flow velocity (``x0 = x - sigma * v``):
+    flow-matching schedulers, and multistep ones configured for ``flow_prediction`` (Wan's UniPC)."""
+    pred = getattr(getattr(scheduler, "config", None), "prediction_type", None)
+    return pred in (None, "flow_prediction") if "FlowMatch" not in type(scheduler).__name__ else True
 
 
 def pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None] | None, rows: list[int]
@@ -411,6 +418,9 @@ class DiffusersStepPipeline(OmniPipeline):
 
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
         t = state.timesteps[state.step_index]
+        sigmas = getattr(state.scheduler, "sigmas", None)
+        if sigmas is not None and _flow_scheduler(state.scheduler):  # a preview's clean estimate (no work here)
+            remember_flow_step(state, state.latents, sigmas[state.step_index], noise_pred)
         with torch.no_grad():
             state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
         state.step_index += 1
@@ -427,11 +437,21 @@ class DiffusersStepPipeline(OmniPipeline):
         return latents / std + mean
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
-        """The ``[C, h, w]`` latent image a preview shows (first request row)."""
+        """The latent image a preview shows (first request row), unpacked to the VAE's grid in the transformer's
+        (normalized) space: ``[C, h, w]``, or ``[C, F, h, w]`` for a video. It reads ``state.latents`` only;
+        the preview passes a state whose latents are the clean estimate."""
         raise NotImplementedError
 
     def preview(self, state: StepState) -> torch.Tensor | None:
-        """Cheap RGB of the current latents (first three latent channels, min-max scaled; no VAE)."""
-        if state.latents is None:
-            return None
-        return latents_to_rgb(self.preview_latents(state).float())
+        """RGB ``[3, h, w]`` in [0, 1] of the step's clean estimate, through the model's latent-to-RGB projection
+        or the user's tiny decoder (a video: four frames tiled 2x2); no VAE decode. See
+        :mod:`omni_core.pipelines.preview`."""
+        from omni_core.pipelines.preview import render_preview
+
+        return render_preview(self, state)
+
+    def preview_vae_config(self) -> dict:
+        """The VAE's config (with ``_class_name``) that shipped preview projections are matched against."""
+        from omni_core.pipelines.preview import vae_config_of
+
+        return vae_config_of(getattr(self.pipe, "vae", None))
