@@ -63,6 +63,8 @@ class FluxPipeline(DiffusersStepPipeline):
     """FLUX.1 text-to-image (diffusers ``FluxPipeline`` semantics, float-exact denoise math)."""
 
     diffusers_class = "FluxPipeline"
+    #: latent-to-RGB preview projections for the released VAE (a folder's preview_projection.json comes first)
+    preview_projections = "omni_model_flux:preview_projections.json"
     size_multiple = 16
     default_height = 1024
     default_width = 1024

@@ -57,6 +57,8 @@ class QwenImagePipeline(DiffusersStepPipeline):
     """Qwen-Image text-to-image (diffusers ``QwenImagePipeline`` semantics, float-exact denoise math)."""
 
     diffusers_class = "QwenImagePipeline"
+    #: latent-to-RGB preview projections for the released VAE (a folder's preview_projection.json comes first)
+    preview_projections = "omni_model_qwen_image:preview_projections.json"
     cfg_normalize = True
     size_multiple = 16
     default_height = 1024

@@ -73,6 +73,8 @@ class ShapesPipeline(OmniPipeline):
     default_width = 32
     default_num_inference_steps = 20
     default_guidance_scale = 3.0
+    #: previews: the clean estimate's pixels mapped from [-1, 1] to [0, 1] (an exact projection, any shapes folder)
+    preview_projections = "omni_model_shapes:preview_projections.json"
     #: trained at 32x32 only, so a larger size shows nothing new; 64x64 (4x the area) keeps the largest request
     #: (64x64, n=4) near 0.3 s per step on 2 CPU cores, where 512x512 took 25 s
     default_limits: ClassVar[dict] = {"max_pixels": 64 * 64, "max_steps": 200, "max_outputs": 4}
@@ -346,9 +348,15 @@ class ShapesPipeline(OmniPipeline):
         return DiffusionOutput(request_id=state.request_id, tensor=images, finished=True,
                                step_index=state.step_index, num_steps=state.num_steps)
 
+    def preview_latents(self, state: StepState) -> torch.Tensor:
+        """The first image's ``[3, H, W]`` pixels in [-1, 1] (the model draws in pixel space)."""
+        return state.latents[0]
+
     def preview(self, state: StepState) -> torch.Tensor | None:
-        """The first image's current clean estimate (exact at the last step; no extra model call)."""
-        x0 = flow_clean_estimate(state)
-        if x0 is None:
+        """The first image's current clean estimate (exact at the last step; no extra model call), through the
+        projection the plugin ships (``preview_projections.json``: ``(x + 1) / 2``, exact)."""
+        if flow_clean_estimate(state) is None:
             return None
-        return ((x0[0] + 1) / 2).clamp(0, 1).cpu()
+        from omni_core.pipelines.preview import render_preview
+
+        return render_preview(self, state)

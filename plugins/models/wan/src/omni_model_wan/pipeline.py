@@ -63,6 +63,8 @@ class WanPipeline(DiffusersStepPipeline):
     """Wan text-to-video (diffusers ``WanPipeline`` semantics, float-exact denoise math)."""
 
     diffusers_class = "WanPipeline"
+    #: latent-to-RGB preview projections for the released VAE (a folder's preview_projection.json comes first)
+    preview_projections = "omni_model_wan:preview_projections.json"
     denoiser_names: ClassVar[tuple[str, ...]] = ("transformer", "transformer_2")
     is_video = True
     size_multiple = 16
@@ -284,8 +286,9 @@ class WanPipeline(DiffusersStepPipeline):
         return pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
-        """The middle latent frame of the first video ``[C, h, w]``."""
-        return state.latents[0, :, state.latents.shape[2] // 2]
+        """Every latent frame of the first video ``[C, F, h, w]`` (the preview shows four of them, tiled)."""
+        return state.latents[0]
+
 
 def _shift_key(model_path: str) -> str | None:
     """The scheduler config's shift setting (``flow_shift``: UniPC; ``shift``: flow-match Euler), or None."""

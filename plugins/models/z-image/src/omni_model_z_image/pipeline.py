@@ -49,6 +49,8 @@ class ZImagePipeline(DiffusersStepPipeline):
     """Z-Image text-to-image (diffusers ``ZImagePipeline`` semantics, float-exact denoise math)."""
 
     diffusers_class = "ZImagePipeline"
+    #: latent-to-RGB preview projections for the released VAE (a folder's preview_projection.json comes first)
+    preview_projections = "omni_model_z_image:preview_projections.json"
     fast_vae_convs = False  # AutoencoderKL: 2-D convolutions already
     size_multiple = 16
     default_height = 1024

@@ -1,0 +1,12 @@
+"""Previews that look like the picture (issue #37): on the tiny random Wan 2.1 model, a projection fitted by
+``omni preview calibrate``'s code beats the old channel preview by 6 dB against the VAE decode of a mid-run
+step's clean estimate, and ``preview()`` uses a folder's ``preview_projection.json`` (a video: four latent
+frames tiled 2x2)."""
+
+from __future__ import annotations
+
+from omni_core.testing.previews import check_preview_projection
+
+
+def test_projection_preview_beats_the_channel_preview(omni_wan21):
+    check_preview_projection(omni_wan21, sampling={"height": 16, "width": 16, "num_frames": 9})
