@@ -34,6 +34,10 @@ class RankActor:
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
                 "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "pid": os.getpid()}
 
+    def getenv(self, names: list[str]) -> dict[str, str | None]:
+        """The values of ``names`` in this actor's environment (what the engine forwarded; tests and debugging)."""
+        return {n: os.environ.get(n) for n in names}
+
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))

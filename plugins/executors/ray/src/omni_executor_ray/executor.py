@@ -49,8 +49,52 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                                "(catches lost nodes faster than Ray's health checks)"),
     "start_timeout": (60.0, "seconds to wait for the cluster to grant the placement group"),
 }
-#: environment variables the actors inherit from the engine's process (actors otherwise get the node's)
-FORWARD_ENV_PREFIXES = ("OMNI_", "HF_", "TRANSFORMERS_", "DIFFUSERS_")
+#: environment variables the actors inherit from the engine's process (actors otherwise get the raylet's, so an
+#: ``NCCL_SOCKET_IFNAME`` set where ``omni serve`` runs would not reach other nodes)
+FORWARD_ENV_PREFIXES = ("OMNI_", "HF_", "TRANSFORMERS_", "DIFFUSERS_", "NCCL_", "TORCH_NCCL_", "CUDA_")
+#: ...except these: Ray sets ``CUDA_VISIBLE_DEVICES`` per actor from the GPUs it grants, and install paths are
+#: the node's own
+NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH"})
+
+
+def forwarded_env(environ: Any = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: this process's) that the actors get (:data:`FORWARD_ENV_PREFIXES`)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(FORWARD_ENV_PREFIXES) and k not in NOT_FORWARDED}
+
+
+def uses_nccl(platform: Any) -> bool:
+    """Whether the ranks talk through NCCL (or RCCL) on this platform: then each needs a whole GPU of its own."""
+    return getattr(platform, "device_type", "cpu") != "cpu" and getattr(platform, "dist_backend", "") == "nccl"
+
+
+def check_gpu_placement(opts: dict, config: Any, platform: Any) -> None:
+    """Under NCCL every rank needs a GPU of its own (NCCL refuses two ranks on one device): refuse a fractional
+    or zero ``ray_gpus_per_rank`` before anything starts, with a ``ConfigError`` naming the field and what is
+    allowed."""
+    gpus = opts.get("gpus_per_rank")
+    if not uses_nccl(platform) or gpus is None:
+        return
+    if gpus < 1 or gpus != int(gpus):
+        raise ConfigError(f"ray_gpus_per_rank={gpus:g} would give a rank {'no' if gpus == 0 else 'a share of a'} GPU "
+                          f"(several ranks on one device, which NCCL refuses) on platform {platform.name!r}; allowed "
+                          f"with its nccl backend: a whole number >= 1 (default 1)", field="ray_gpus_per_rank")
+
+
+def check_cluster_gpus(config: Any, platform: Any, gpus_per_rank: float, cluster_gpus: float) -> None:
+    """Under NCCL, ``oversubscribe=True`` lifts only the engine machine's own device count (a Ray cluster may
+    have more nodes): the cluster must still give every rank whole GPUs, or NCCL would see two ranks on one
+    device. A ConfigError naming ``oversubscribe`` (or ``parallel_config``) and what fits, before any actor."""
+    if not uses_nccl(platform) or not gpus_per_rank:
+        return
+    world = config.parallel_config.world_size
+    if world * gpus_per_rank <= cluster_gpus:
+        return
+    fits = int(cluster_gpus // gpus_per_rank)
+    field = "oversubscribe" if getattr(config, "oversubscribe", False) else "parallel_config"
+    raise ConfigError(f"parallel_config needs {world} rank(s) x {gpus_per_rank:g} GPU but the Ray cluster has "
+                      f"{cluster_gpus:g} GPU(s); under NCCL ranks cannot share a GPU, so oversubscribe=True cannot "
+                      f"apply here: allowed a world size of at most {fits} (or add GPU nodes)", field=field)
 
 _ray_lock = threading.Lock()
 _ray_users = 0  # executors using a Ray connection this module opened
@@ -139,6 +183,9 @@ class RayExecutor(MultiProcExecutor):
 
     def start(self) -> None:
         opts = check_options(dict(getattr(self.config, "executor_options", None) or {}))
+        from omni_core.platforms import platform_for
+
+        check_gpu_placement(opts, self.config, platform_for(self.config))  # before connecting to anything
         self.options_used = opts
         from omni_core.distributed.parallel_state import RankLayout
 
@@ -174,6 +221,7 @@ class RayExecutor(MultiProcExecutor):
         gpus = opts["gpus_per_rank"]
         if gpus is None:
             gpus = 0.0 if platform.name == "cpu" else 1.0
+        check_cluster_gpus(self.config, platform, gpus, ray.cluster_resources().get("GPU", 0.0))
         cpus = opts["cpus_per_rank"]
         t0 = time.monotonic()
         tag = uuid.uuid4().hex[:8]
@@ -188,7 +236,7 @@ class RayExecutor(MultiProcExecutor):
                 f"cluster has {ray.cluster_resources()}. Lower ray_cpus_per_rank / ray_gpus_per_rank or add nodes")
         # set by the actor before the worker starts: a runtime_env would cost a dedicated worker process
         # (6 s per actor measured on 2 cores)
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV_PREFIXES)}
+        env = forwarded_env()
         remote = ray.remote(RankActor)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
