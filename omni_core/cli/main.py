@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -64,7 +65,14 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``omni`` command; returns the exit code (0 ok, 1 error, 2 usage error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    _setup_logging(logging.DEBUG if ("-v" in argv or "--verbose" in argv) else logging.WARNING)
+    verbose = "-v" in argv or "--verbose" in argv
+    _setup_logging(logging.DEBUG if verbose else logging.WARNING)
+    if verbose:
+        os.environ.setdefault("OMNI_LIBRARY_WARNINGS", "1")  # worker processes keep the libraries' warnings too
+    else:
+        from omni_core.utils.quiet import quiet_optional_libraries
+
+        quiet_optional_libraries()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -162,6 +162,9 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
         from omni_core.worker.parent_watch import die_with_parent
 
         die_with_parent(parent_pid)
+    from omni_core.utils.quiet import quiet_optional_libraries
+
+    quiet_optional_libraries()  # before torch/diffusers load (OMNI_LIBRARY_WARNINGS=1 keeps them)
     if not run_worker(rank, world_size, config, resolved, master_port, task_q, result_q, abort_q):
         return
     # Skip the interpreter's teardown: with torch and diffusers loaded it takes seconds per worker (measured
