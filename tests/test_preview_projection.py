@@ -160,3 +160,21 @@ def test_the_preview_command_is_registered():
     parser = build_parser()
     args = parser.parse_args(["preview", "calibrate", "--model", "m", "--kernel", "1", "--write"])
     assert args.kernel == "1" and args.write and callable(args.func)
+
+
+def test_calibrate_command_writes_a_projection_the_folder_then_uses(tmp_path, capsys):
+    from omni_model_shapes.testing import build_random_shapes
+
+    from omni_core.cli.main import main
+
+    folder = build_random_shapes(tmp_path / "shapes")
+    out = tmp_path / "fit.json"
+    assert main(["preview", "calibrate", "--model", str(folder), "--prompts", "2", "--steps", "2", "--kernel", "1",
+                 "--write", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "PSNR" in printed and PROJECTION_FILE in printed
+    report = json.loads(out.read_text())["fit"]
+    assert report["decodes"] == 4 and report["kernel"] == 1
+    assert report["psnr_projection"] > report["psnr_channel_preview"] + 6
+    proj, where = find_projection(type("P", (), {}), str(folder), 3, {})
+    assert where.endswith(PROJECTION_FILE) and proj.source.startswith("fitted by omni preview calibrate")

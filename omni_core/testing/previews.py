@@ -79,4 +79,21 @@ def check_preview_projection(pipeline: Any, *, sampling: dict | None = None, ste
     return numbers
 
 
-__all__ = ["check_preview_projection"]
+def check_shipped_projections(pipeline: Any, *, expect_match: bool = False) -> list:
+    """Every projection the pipeline's class ships parses (``3 x C`` weights, a ``match``), and one matches this
+    pipeline's VAE exactly when ``expect_match`` (tiny random VAEs must match none: published factors are not
+    for them). Returns the parsed projections."""
+    from omni_core.pipelines.preview import LatentProjection, declared_projections, find_projection
+
+    entries = declared_projections(type(pipeline))
+    assert entries, f"{type(pipeline).__name__} ships no preview projections (preview_projections)"
+    parsed = [LatentProjection.from_json(e) for e in entries]
+    assert all("match" in e for e in entries)
+    vae = pipeline.preview_vae_config() if hasattr(pipeline, "preview_vae_config") else {}
+    found = [find_projection(type(pipeline), None, p.channels, vae)[0] is not None for p in parsed]
+    assert any(found) == expect_match, (f"{type(pipeline).__name__}: a shipped projection matches this VAE: "
+                                        f"{found}; expected {'one' if expect_match else 'none'}")
+    return parsed
+
+
+__all__ = ["check_preview_projection", "check_shipped_projections"]

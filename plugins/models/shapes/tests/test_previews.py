@@ -8,6 +8,7 @@ import torch
 from omni_core.config import SamplingParams
 from omni_core.pipelines.state import StepState, flow_clean_estimate
 from omni_core.request import OmniDiffusionRequest
+from omni_core.testing.previews import check_shipped_projections
 
 
 def test_preview_is_the_clean_estimate_in_pixels(shapes_pipeline):
@@ -25,3 +26,8 @@ def test_preview_is_the_clean_estimate_in_pixels(shapes_pipeline):
         shown = p.preview(state)
     want = ((flow_clean_estimate(state)[0] + 1) / 2).clamp(0, 1)
     assert shown.shape == want.shape and torch.allclose(shown, want, atol=1e-6)
+
+
+def test_the_shipped_projection_is_for_every_shapes_folder(shapes_pipeline):
+    (proj,) = check_shipped_projections(shapes_pipeline, expect_match=True)
+    assert proj.weight == ((0.5, 0.0, 0.0), (0.0, 0.5, 0.0), (0.0, 0.0, 0.5)) and proj.bias == (0.5, 0.5, 0.5)

@@ -5,8 +5,12 @@ frames tiled 2x2)."""
 
 from __future__ import annotations
 
-from omni_core.testing.previews import check_preview_projection
+from omni_core.testing.previews import check_preview_projection, check_shipped_projections
 
 
 def test_projection_preview_beats_the_channel_preview(omni_wan21):
     check_preview_projection(omni_wan21, sampling={"height": 16, "width": 16, "num_frames": 9})
+
+
+def test_shipped_projections_parse_and_are_not_for_the_tiny_vae(omni_wan21):
+    check_shipped_projections(omni_wan21)

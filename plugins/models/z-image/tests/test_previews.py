@@ -4,8 +4,12 @@ step's clean estimate, and ``preview()`` uses a folder's ``preview_projection.js
 
 from __future__ import annotations
 
-from omni_core.testing.previews import check_preview_projection
+from omni_core.testing.previews import check_preview_projection, check_shipped_projections
 
 
 def test_projection_preview_beats_the_channel_preview(omni_zimage):
     check_preview_projection(omni_zimage, sampling={"height": 32, "width": 32})
+
+
+def test_shipped_projections_parse_and_are_not_for_the_tiny_vae(omni_zimage):
+    check_shipped_projections(omni_zimage)
