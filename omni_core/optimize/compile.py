@@ -14,6 +14,11 @@ the ``compile`` stage (a cache's block hooks) run eagerly around the compiled re
 
 Compilation happens at the first call -- the start-up warm-up. If a compiled call raises and the same call
 succeeds eagerly, compilation is at fault: every block returns to eager and a warning names the reason.
+
+``OMNI_COMPILE_BACKEND`` (environment, default ``inductor``) picks torch.compile's backend, as torch's own
+debugging guides do with ``backend=``: ``aot_eager`` traces exactly what inductor would get (dynamo's graph
+capture, guards, graph breaks around hooks, AOTAutograd with tensor subclasses) without generating kernels --
+what the combination matrix runs in CI, where a cold inductor build of every graph costs minutes.
 """
 
 from __future__ import annotations
@@ -32,9 +37,12 @@ COMPILE_HOOK = "compile"
 class RegionalCompile:
     """The compiled blocks of one pipeline and the switch back to eager."""
 
-    def __init__(self, blocks: list[Any], *, dynamic: bool = True) -> None:
+    def __init__(self, blocks: list[Any], *, dynamic: bool = True, backend: str | None = None) -> None:
+        import os
+
         self.blocks = blocks
         self.dynamic = dynamic
+        self.backend = backend or os.environ.get("OMNI_COMPILE_BACKEND") or "inductor"
         self.failed: str | None = None
         #: block class -> torch.compile(class.forward), shared by every block of the class
         self._by_class: dict[type, Any] = {}
@@ -49,7 +57,7 @@ class RegionalCompile:
 
         fn = self._by_class.get(cls)
         if fn is None:
-            fn = self._by_class[cls] = torch.compile(cls.forward, dynamic=self.dynamic)
+            fn = self._by_class[cls] = torch.compile(cls.forward, dynamic=self.dynamic, backend=self.backend)
         return fn
 
 
@@ -77,7 +85,7 @@ class CompiledBlock(ModuleHook):
                 and getattr(base, "__func__", None) is type(block).forward):
             fn = functools.partial(self.region.compiled_class_forward(type(block)), block)
         else:  # other hooks (or a foreign forward) below: compile what is there, for this block alone
-            fn = torch.compile(below, dynamic=self.region.dynamic)
+            fn = torch.compile(below, dynamic=self.region.dynamic, backend=self.region.backend)
         self._target = (below, fn)
         return fn
 
@@ -110,4 +118,5 @@ def compile_denoisers(pipeline: Any, *, dynamic: bool = True) -> dict[str, Any]:
     for block in blocks:
         add_hook(block, COMPILE_HOOK, CompiledBlock(region))
     pipeline.omni_compile = region  # tests and stats read region.failed
-    return {"compile": "regional", "blocks": len(blocks), "regions": names, "dynamic": dynamic}
+    return {"compile": "regional", "blocks": len(blocks), "regions": names, "dynamic": dynamic,
+            "backend": region.backend}

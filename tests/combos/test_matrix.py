@@ -96,15 +96,23 @@ def run_matrix(model: str, features: frozenset[str], files: dict[str, str]) -> d
 
 @pytest.fixture(scope="module")
 def matrix_run(qwen4_dir, matrix_files):
+    """Runs by name, each computed once; compile runs with torch.compile's ``M.compile_backend`` (the worker
+    processes inherit the environment)."""
     cache: dict[str, dict] = {}
+    before = os.environ.get("OMNI_COMPILE_BACKEND")
 
     def get(name: str) -> dict:
         if name not in cache:
+            os.environ["OMNI_COMPILE_BACKEND"] = M.compile_backend(M.RUNS[name])
             cache[name] = run_matrix(qwen4_dir, M.RUNS[name], matrix_files)
             check_evidence(name, M.RUNS[name], cache[name])
         return cache[name]
 
-    return get
+    yield get
+    if before is None:
+        os.environ.pop("OMNI_COMPILE_BACKEND", None)
+    else:
+        os.environ["OMNI_COMPILE_BACKEND"] = before
 
 
 def max_diff(a, b) -> float:
@@ -133,6 +141,8 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
         for feature, key in expect.items():
             if feature in features and key not in applied:
                 problems.append(f"{feature}: {key} not applied ({sorted(applied)})")
+        if "compile" in features and applied.get("backend") != M.compile_backend(features):
+            problems.append(f"compile ran with backend {applied.get('backend')!r}, not {M.compile_backend(features)!r}")
         if "compile" in features and result["compile_failed"]:
             problems.append(f"compile fell back to eager: {result['compile_failed']}")
         for mode in ("model", "group"):
@@ -151,9 +161,6 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
 
 #: comparisons that fail today because of a bug (not a refusal): (run, ref) -> the bug; strict, so a fix shows
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("Q+offload_model", "Q"): "int8 + offload='model': every request fails with \"RuntimeError: _apply(): Couldn't "
-                              "swap Linear.weight\" (moving torchao weights inside inference mode: \"Cannot set "
-                              "version_counter for inference tensor\")",
     ("B+cfg", "B"): "cache_dit + cfg_parallel: the engine's first request (alone in its wave, CFG on) differs by "
                     "4.3e-3 from one process while the batch-of-3 wave after it matches to 8e-7",
 }
@@ -161,7 +168,7 @@ KNOWN_BUGS: dict[tuple[str, str], str] = {
 
 def _params():
     for run, ref in M.COMPARISONS:
-        marks = [pytest.mark.slow] if (run, ref) in M.SLOW else []
+        marks = []
         if (run, ref) in KNOWN_BUGS:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[(run, ref)]))
         yield pytest.param(run, ref, marks=marks, id=f"{run}-vs-{ref}")
@@ -200,8 +207,9 @@ def test_refused_pair_before_any_worker(a, b, qwen4_dir, matrix_files, monkeypat
     kind, _ = M.status(a, b)
     if kind == "refused":
         assert FEATURES[a].option in message and FEATURES[b].option in message, message
-    else:  # check_offload: names offload and the world it cannot place
-        assert "offload=" in message and "ranks" in message, message
+    else:  # check_offload: names offload and the parallel strategy it cannot place
+        strategy = {"ulysses": "ulysses 2", "ring": "ring 2", "cfg_parallel": "cfg 2"}[b if b in ("ulysses", "ring", "cfg_parallel") else a]
+        assert "offload=" in message and f"parallel_config {strategy}" in message, message
 
 
 def test_every_pair_is_covered_or_refused():
