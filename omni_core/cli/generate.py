@@ -92,9 +92,27 @@ def open_image(path: str):
         raise ConfigError(f"--image {path!r} is not an image PIL can read ({exc})", field="image") from None
 
 
+#: SamplingParams field -> the option that sets it (errors name what the user typed)
+FLAG_OF_FIELD = {"height": "--height", "width": "--width", "num_frames": "--num-frames",
+                 "num_inference_steps": "--steps", "guidance_scale": "--guidance", "seed": "--seed",
+                 "num_outputs_per_prompt": "--n", "lora_scale": "--lora-scale"}
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    from omni_core.utils import progress as stages
+
+    stages.enable("omni generate")  # start-up progress on stderr, one line per stage
+    try:
+        return _generate(args)
+    finally:
+        stages.disable()
+
+
+def _generate(args: argparse.Namespace) -> int:
     from omni_core.entrypoints.omni import Omni
+    from omni_core.pipelines.shape_check import check_before_loading
     from omni_core.utils.media import VIDEO_SUFFIXES, upscale_for_display, write_video
+    from omni_core.utils.progress import progress
 
     sampling = {"num_inference_steps": args.steps, "seed": args.seed, "guidance_scale": args.guidance,
                 "height": args.height, "width": args.width, "num_frames": args.num_frames,
@@ -105,11 +123,15 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling["lora_scale"] = args.lora_scale
     sampling = {k: v for k, v in sampling.items() if v is not None}
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
+    t0 = time.perf_counter()
+    # what needs no model is refused before it loads (importing torch and loading take seconds)
+    check_before_loading(args.model, sampling, names=FLAG_OF_FIELD)
     if args.image:  # read before the model loads: a bad path fails at once
         prompt["image"] = [open_image(path) for path in args.image]
-    t0 = time.perf_counter()
+    progress(f"loading {args.model} (importing torch, reading the weights) ...")
     with Omni(args.model, warmup=not args.no_warmup, **engine_options(args), **lora_opts) as omni:
         t1 = time.perf_counter()
+        progress(f"ready in {t1 - t0:.1f} s; generating ...")
         (out,) = omni.generate(prompt, **sampling)
         t2 = time.perf_counter()
     is_video = bool(out.images) and isinstance(out.images[0], list)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -130,17 +131,30 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from omni_core.utils import progress as stages
+
+    stages.enable("omni serve")  # start-up progress on stderr, one line per stage
     try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
+        return _serve(args)
+    finally:
+        stages.disable()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from omni_core.utils.progress import elapsed, progress
+
+    try:
+        for library in ("fastapi", "uvicorn"):
+            importlib.import_module(library)
     except ImportError as exc:
         raise ConfigError(f"omni serve needs fastapi and uvicorn ({exc}); install them with "
                           f"pip install 'omni-core[serve]'", field="serve") from None
     _check(args)
     api_key = _api_key(args)
     from omni_core.engine.client import start_engine
+    from omni_core.config import RequestLimits
     from omni_core.entrypoints.common import build_config
-    from omni_core.pipelines.loader import resolve_model
+    from omni_core.pipelines.shape_check import check_before_loading
     from omni_core.serve.app import build_app
     from omni_core.serve.server import run_server
 
@@ -158,10 +172,21 @@ def run_serve(args: argparse.Namespace) -> int:
     opts.update(lora_options(args)[0])
     if args.no_warmup:
         opts["warmup"] = False
+    # what needs no model is refused before it loads: the model name or folder, the limits, the engine options
+    resolved = check_before_loading(args.model)
+    if limits:
+        try:
+            RequestLimits.coerce(limits)
+        except ConfigError as exc:
+            flag = f"--{exc.field.replace('_', '-')}" if exc.field in LIMIT_FLAGS else None
+            if flag is None:
+                raise
+            raise ConfigError(str(exc).replace(f"RequestLimits.{exc.field}=", f"{flag} "), field=exc.field) from None
+    build_config(args.model, opts)  # the engine options, checked before anything loads
+    progress(f"loading {args.model} (importing torch, reading the weights) ...")
     if not args.no_stream_previews:
         # previews need step execution; a pipeline without it is served without them
-        opts["streaming_output"] = bool(resolve_model(args.model).pipeline_cls().supports_step_execution)
-    print(f"omni serve: loading {args.model} ...", file=sys.stderr, flush=True)
+        opts["streaming_output"] = bool(resolved.pipeline_cls().supports_step_execution)
     engine = start_engine(build_config(args.model, opts))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, video_dir=args.video_dir,
                     max_video_jobs=args.max_video_jobs, video_ttl_s=args.video_ttl, retry_after_s=args.retry_after,
@@ -172,6 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
+        progress(f"ready in {elapsed():.1f} s")
         print(f"omni serve: {app.state.omni.model_name} on http://{shown}:{port} "
               f"({engine.stats()['execution_mode']}, previews {'on' if engine.model_info.streaming else 'off'}"
               f"{', API key required' if api_key else ''})", flush=True)

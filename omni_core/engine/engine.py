@@ -30,6 +30,7 @@ from omni_core.pipelines.loader import check_parallel_support, resolve_model
 from omni_core.request import OmniDiffusionRequest, check_prompt
 from omni_core.sched.interface import DiffusionRequestStatus
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.utils.progress import progress
 from omni_core.worker.runner import innermost_frame
 
 logger = logging.getLogger("omni_core.engine")
@@ -173,6 +174,7 @@ class DiffusionEngine:
             shape = (f"height={params.height} width={params.width}"
                      + (f" num_frames={params.num_frames}" if params.num_frames is not None else "")
                      + f" steps={params.num_inference_steps}")
+            progress(f"model loaded; warming up ({shape}) ...")
             req = OmniDiffusionRequest(prompt="warmup", sampling_params=params,
                                        request_id=f"warmup-{secrets.token_hex(4)}")
             if self.pipeline_cls.image_input is not None:  # a model that needs input images warms up with grey ones

@@ -121,6 +121,22 @@ class PipelineSpec(ComponentSpec):
     #: pipeline class's ``sampling_fields``, read here so the core needs no pipeline import to validate them
     sampling_fields: tuple[SamplingField, ...] = attrs.field(default=(), converter=tuple,
                                                              validator=check_declarations)
+    #: the shape rules, read here so the core refuses a bad size before it loads the model (``omni generate``,
+    #: ``omni serve``); the same values as the class's attributes of these names (a class may leave them out and
+    #: then takes the record's). None: not stated here (the class's value holds; nothing is checked early).
+    #: ``is_video``: the pipeline makes videos (an image model refuses ``num_frames`` other than 1)
+    is_video: bool | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(bool)))
+    #: height and width must be multiples of this (the released checkpoints' value)
+    size_multiple: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        [attrs.validators.instance_of(int), attrs.validators.ge(1)]))
+    #: video models: ``num_frames - 1`` must be a multiple of this
+    frame_multiple: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        [attrs.validators.instance_of(int), attrs.validators.ge(1)]))
+    #: when the folder decides the multiples (a VAE's scale factor, a patch size): ``"module:attr"`` of a light
+    #: function (no torch) of the model folder returning ``(height multiple, width multiple, frame multiple)``,
+    #: called before the model loads; the pipeline's ``check_sampling_params`` should use the same function
+    size_rules: str | None = attrs.field(default=None, validator=_check_impl)
 
 
 @attrs.frozen(kw_only=True)
@@ -167,7 +183,8 @@ KINDS: dict[str, KindSpec] = {k.name: k for k in (
              "omni_core.cache.base:CacheBackend", class_fields=("name", "requires"),
              builtins=(("builtin-cache-none", "omni_core.builtin.cache_none"),)),
     KindSpec("pipeline", PipelineSpec, "omni_register_pipelines", "pipeline", "omni_core.pipelines.base:OmniPipeline",
-             class_fields=("requires", "supported_parallel", "sampling_fields")),
+             class_fields=("requires", "supported_parallel", "sampling_fields", "is_video", "size_multiple",
+                           "frame_multiple")),
     KindSpec("scheduler", SchedulerSpec, "omni_register_schedulers", "scheduler",
              "omni_core.sched.base:BaseScheduler", class_fields=(),
              builtins=(("builtin-schedulers", "omni_core.builtin.schedulers"),)),
@@ -200,14 +217,16 @@ def check_against_record(record: ComponentSpec, obj: Any) -> None:
     adopt = issubclass(obj, kind.base())  # anything else is refused by the availability walk's base step
     for field in kind.class_fields:
         want = getattr(record, field)
+        if want is None:  # the record does not state it (a shape rule left to the class): the class's value holds
+            continue
         if not vars(obj).get(field):  # not restated here (or left empty): the record's value holds, on the class too
             if adopt and (want or getattr(obj, field, None)):
                 setattr(obj, field, want)
             continue
         stated = vars(obj)[field]
-        same = stated == want if isinstance(want, str) else set(stated or ()) == set(want)
+        same = set(stated or ()) == set(want) if isinstance(want, (tuple, list)) else stated == want
         if not same:
-            shown = stated if isinstance(stated, str) else tuple(stated)
+            shown = tuple(stated) if isinstance(want, (tuple, list)) else stated
             raise Error(
                 f"{kind.label} {record.name!r} of plugin {record.plugin or '?'!r} ({record.provider or 'unknown'}): "
                 f"its class {record.impl} states {field}={shown!r} but its record says {field}={want!r}; state it "

@@ -146,10 +146,17 @@ _PARAM_OF_FIELD = {"num_outputs_per_prompt": "n", "height": "size", "width": "si
 
 
 def config_error(exc: ConfigError, extra: Mapping[str, str] | None = None) -> APIError:
-    """A validation error of omni's config/pipeline as a 400 naming the request field."""
+    """A validation error of omni's config/pipeline as a 400 naming the request field the client sent, in the
+    message too: a bad ``size`` is reported as ``'size'``, not as ``SamplingParams.height``."""
     field = exc.field
     param = {**_PARAM_OF_FIELD, **(extra or {})}.get(field, field) if field else None
-    return invalid(str(exc), param)
+    message = str(exc)
+    if field:
+        message = message.replace(f"SamplingParams.{field}=", f"{field}=")
+    if param and param != field:
+        hint = " (WIDTHxHEIGHT)" if param == "size" else ""
+        message = f"'{param}'{hint}: {message}"
+    return invalid(message, param)
 
 
 # ------------------------------------------------------------------------------------------ field checks
@@ -274,7 +281,8 @@ def _sampling(fields: dict[str, Any], names: Mapping[str, str], **fixed: Any) ->
     try:
         return SamplingParams.from_kwargs(**kwargs, **fixed)
     except ConfigError as exc:
-        raise config_error(exc, {v: k for k, v in names.items()}) from None
+        sent = {side: side for side in sides}  # vLLM-Omni's separate width and height are named as sent
+        raise config_error(exc, {**{v: k for k, v in names.items()}, **sent}) from None
 
 
 # ------------------------------------------------------------------------------------------ model fields

@@ -15,4 +15,7 @@ def omni_register_pipelines():
         description="FLUX.1 text-to-image (dev: embedded guidance; schnell; true CFG); request batching and "
                     "step-wise",
         sampling_fields=SAMPLING_FIELDS,
+        is_video=False,
+        size_multiple=16,  # the released VAE; a folder's own VAE factor decides (size_rules)
+        size_rules="omni_model_flux.fields:size_rules",
     )]

@@ -19,7 +19,7 @@ from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
-from omni_model_flux.fields import SAMPLING_FIELDS, TRUE_CFG_SCALE
+from omni_model_flux.fields import SAMPLING_FIELDS, TRUE_CFG_SCALE, vae_scale_factor
 
 #: diffusers' ``FluxPipeline`` limit and default; schnell was trained with 256 T5 tokens (BFL's reference code)
 MAX_SEQUENCE_LENGTH = 512
@@ -39,12 +39,6 @@ SP_PLAN = {"shard": {"hidden_states": 1, "img_ids": 0}, "gather": 1, "joint_text
 #: TeaCache polynomial for FluxTransformer2DModel published by TeaCache (TeaCache4FLUX) and ComfyUI-TeaCache
 TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 TEACACHE_DEFAULTS = {"coefficients": TEACACHE_COEFFICIENTS, "rel_l1_thresh": 0.4, "warmup_steps": 1}
-
-
-def vae_scale_factor(model_path: str | None) -> int:
-    """diffusers: ``2 ** (len(vae.block_out_channels) - 1)`` (8 for FLUX.1); 8 when the folder is unknown."""
-    cfg = folder_config(model_path, "vae")
-    return 2 ** (len(cfg["block_out_channels"]) - 1) if cfg and "block_out_channels" in cfg else 8
 
 
 def guidance_distilled(model_path: str | None) -> bool:

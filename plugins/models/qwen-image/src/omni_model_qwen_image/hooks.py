@@ -14,6 +14,9 @@ def omni_register_pipelines():
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Qwen-Image text-to-image (true CFG with norm rescale); request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
+        is_video=False,
+        size_multiple=16,  # the released VAE; a folder's own VAE factor decides (size_rules)
+        size_rules="omni_model_qwen_image.fields:size_rules",
     ), PipelineSpec(
         name="QwenImageEditPipeline",
         impl="omni_model_qwen_image.edit:QwenImageEditPipeline",
@@ -22,6 +25,9 @@ def omni_register_pipelines():
         description="Qwen-Image-Edit: one input image + instruction (VL-encoded with the image, VAE condition "
                     "tokens); request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
+        is_video=False,
+        size_multiple=16,  # the released VAE; a folder's own VAE factor decides (size_rules)
+        size_rules="omni_model_qwen_image.fields:size_rules",
     ), PipelineSpec(
         name="QwenImageEditPlusPipeline",
         impl="omni_model_qwen_image.edit:QwenImageEditPlusPipeline",
@@ -29,4 +35,7 @@ def omni_register_pipelines():
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Qwen-Image-Edit-2509+: 1 to 3 input images + instruction; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
+        is_video=False,
+        size_multiple=16,  # the released VAE; a folder's own VAE factor decides (size_rules)
+        size_rules="omni_model_qwen_image.fields:size_rules",
     )]

@@ -18,7 +18,7 @@ from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
-from omni_model_qwen_image.fields import SAMPLING_FIELDS, TRUE_CFG_SCALE
+from omni_model_qwen_image.fields import SAMPLING_FIELDS, TRUE_CFG_SCALE, vae_scale_factor
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 #: diffusers' ``QwenImagePipeline.default_sample_size`` (latent pixels)
@@ -36,14 +36,6 @@ SP_PLAN = {"shard": {"hidden_states": 1}, "shard_after": {"pos_embed": {0: 0}}, 
 #: TeaCache polynomial published by ComfyUI-TeaCache (and used by vLLM-Omni) for QwenImageTransformer2DModel
 TEACACHE_COEFFICIENTS = (-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02)
 TEACACHE_DEFAULTS = {"coefficients": TEACACHE_COEFFICIENTS, "rel_l1_thresh": 0.2, "warmup_steps": 1}
-
-
-def vae_scale_factor(model_path: str | None) -> int:
-    """diffusers: ``2 ** len(vae.temperal_downsample)`` (8 for Qwen-Image); 8 when the folder is unknown."""
-    cfg = folder_config(model_path, "vae")
-    if cfg and "temperal_downsample" in cfg:
-        return 2 ** len(cfg["temperal_downsample"])
-    return 8
 
 
 def modulated_input(transformer: Any, block: Any, a: dict) -> Any:

@@ -13,5 +13,7 @@ def omni_register_pipelines():
         default_model_path="omni_model_shapes.weights:model_path",
         requires=("torch", "diffusers"),
         supported_parallel=("ulysses", "ring", "cfg"),
+        is_video=False,
+        size_multiple=4,  # the patch size; checked before the model loads
         description="demo text-to-image model: a coloured shape in one of five places, 32x32 RGB, runs on CPU",
     )]

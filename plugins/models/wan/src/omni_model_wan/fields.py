@@ -2,6 +2,7 @@
 Imports nothing heavy."""
 
 from omni_core.config import GUIDANCE_MAX
+from omni_core.pipelines.shape_check import folder_config
 from omni_core.sampling_fields import SamplingField
 
 #: Wan 2.2's second expert (low-noise stage); unset: ``guidance_scale``. One scale per batched call: splits batches
@@ -22,3 +23,20 @@ FLOW_SHIFT = SamplingField(
     help="the scheduler's flow shift (diffusers' shift / flow_shift); default: the folder's scheduler config")
 
 SAMPLING_FIELDS = (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT)
+
+
+def size_rules(model_path: str | None) -> tuple[int, int, int, int]:
+    """(height multiple, width multiple, temporal VAE factor, spatial VAE factor) read from the folder;
+    Wan's (16, 16, 4, 8) when unknown. The first three are the record's ``size_rules`` (checked before the model
+    loads, through :func:`shape_rules`); the pipeline's ``check_sampling_params`` uses the same."""
+    vae = folder_config(model_path, "vae") or {}
+    tr = folder_config(model_path, "transformer") or folder_config(model_path, "transformer_2") or {}
+    spatial = vae.get("scale_factor_spatial") or 8
+    temporal = vae.get("scale_factor_temporal") or 4
+    patch = tr.get("patch_size") or (1, 2, 2)
+    return spatial * patch[1], spatial * patch[2], temporal, spatial
+
+
+def shape_rules(model_path: str | None) -> tuple[int, int, int]:
+    """The record's ``size_rules``: (height multiple, width multiple, frame multiple) of :func:`size_rules`."""
+    return size_rules(model_path)[:3]

@@ -14,6 +14,10 @@ def omni_register_pipelines():
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Wan 2.1 / 2.2 (two experts) text-to-video; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
+        is_video=True,
+        size_multiple=16,  # the released VAE and patch size; a folder's own decide (size_rules)
+        frame_multiple=4,
+        size_rules="omni_model_wan.fields:shape_rules",
     ), PipelineSpec(
         name="WanImageToVideoPipeline",
         impl="omni_model_wan.i2v:WanImageToVideoPipeline",
@@ -22,4 +26,8 @@ def omni_register_pipelines():
         supported_parallel=("ulysses", "ring", "cfg"),
         description="Wan 2.1 / 2.2 (two experts, TI2V) image-to-video; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
+        is_video=True,
+        size_multiple=16,  # the released VAE and patch size; a folder's own decide (size_rules)
+        frame_multiple=4,
+        size_rules="omni_model_wan.fields:shape_rules",
     )]

@@ -18,8 +18,8 @@ from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_model_index
-from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
-from omni_model_wan.fields import SAMPLING_FIELDS
+from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults
+from omni_model_wan.fields import SAMPLING_FIELDS, size_rules
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
@@ -46,17 +46,6 @@ def teacache_defaults(transformer: Any) -> dict:
     if width <= 2048:
         return {"coefficients": TEACACHE_1_3B_COEFFICIENTS, "rel_l1_thresh": 0.08, "warmup_steps": 5}
     return {"coefficients": TEACACHE_14B_COEFFICIENTS, "rel_l1_thresh": 0.2, "warmup_steps": 5}
-
-
-def size_rules(model_path: str | None) -> tuple[int, int, int, int]:
-    """(height multiple, width multiple, temporal VAE factor, spatial VAE factor) read from the folder;
-    Wan's (16, 16, 4, 8) when unknown."""
-    vae = folder_config(model_path, "vae") or {}
-    tr = folder_config(model_path, "transformer") or folder_config(model_path, "transformer_2") or {}
-    spatial = vae.get("scale_factor_spatial") or 8
-    temporal = vae.get("scale_factor_temporal") or 4
-    patch = tr.get("patch_size") or (1, 2, 2)
-    return spatial * patch[1], spatial * patch[2], temporal, spatial
 
 
 class WanPipeline(DiffusersStepPipeline):

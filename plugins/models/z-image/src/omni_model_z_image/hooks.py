@@ -15,4 +15,7 @@ def omni_register_pipelines():
         description="Z-Image / Z-Image-Turbo text-to-image (CFG with truncation and renormalization); request "
                     "batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
+        is_video=False,
+        size_multiple=16,  # the released VAE; a folder's own VAE factor decides (size_rules)
+        size_rules="omni_model_z_image.fields:size_rules",
     )]

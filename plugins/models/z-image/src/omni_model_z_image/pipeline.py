@@ -20,7 +20,7 @@ from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults, folder_config
 from omni_model_z_image.denoiser import ZImageDenoiser, denoiser_spec
-from omni_model_z_image.fields import SAMPLING_FIELDS
+from omni_model_z_image.fields import SAMPLING_FIELDS, vae_scale_factor
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 #: diffusers' ``SEQ_MULTI_OF``: the transformer pads text and image tokens to multiples of it
@@ -30,12 +30,6 @@ DEFAULT_AXES_LENS = (1024, 512, 512)
 #: diffusers' docstring example for Z-Image-Turbo: 8 steps, no CFG (diffusers' own defaults: 50 and 5.0)
 TURBO_STEPS, TURBO_GUIDANCE = 8, 0.0
 _TURBO = re.compile(r"z[-_]?image[-_]?turbo", re.IGNORECASE)
-
-
-def vae_scale_factor(model_path: str | None) -> int:
-    """diffusers: ``2 ** (len(vae.block_out_channels) - 1)`` (8 for Z-Image); 8 when the folder is unknown."""
-    cfg = folder_config(model_path, "vae")
-    return 2 ** (len(cfg["block_out_channels"]) - 1) if cfg and "block_out_channels" in cfg else 8
 
 
 def is_turbo(model_path: str | None) -> bool:
