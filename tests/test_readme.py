@@ -61,3 +61,22 @@ def test_installer_and_test_extra_bring_schemathesis_and_uv():
     for tool in ("schemathesis", "uv"):
         assert f" {tool} " in line, f"scripts/install.sh does not install {tool}"
         assert tool in test_extra, f"omni-core's test extra lacks {tool}"
+
+
+def test_installer_says_what_it_does_and_chromium_can_be_skipped():
+    """scripts/install.sh prints a line per stage, says that it installs Chromium through apt-get, and skips it on
+    --no-browser / OMNI_SKIP_CHROMIUM=1, as the README says; CI installs it (the playground's browser tests)."""
+    import subprocess
+
+    install = (ROOT / "scripts" / "install.sh").read_text()
+    for stage in ("stage torch ", "stage packages ", "stage chromium ", "stage check "):
+        assert stage in install, f"scripts/install.sh announces no {stage.split()[1]!r} stage"
+    assert "apt-get" in install[install.index("stage chromium "):][:200]
+    assert '--no-browser) OMNI_SKIP_CHROMIUM=1' in install and 'if [ "${OMNI_SKIP_CHROMIUM:-0}" = 1 ]' in install
+    readme = (ROOT / "README.md").read_text()
+    assert "Chromium through `apt-get`" in readme and "--no-browser" in readme and "OMNI_SKIP_CHROMIUM=1" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/install.sh ||" in ci and "OMNI_SKIP_CHROMIUM" not in ci  # CI runs the browser tests
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--bogus"], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr  # refused before anything is installed
