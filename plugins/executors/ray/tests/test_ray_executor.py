@@ -113,9 +113,10 @@ def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left
     from omni_core.errors import EngineDeadError
     from omni_core.request import OmniDiffusionRequest
 
-    # request mode here (the first request runs alone), step mode in the lost-node test: an abort lands in both
+    # request mode here (the first request runs alone: max_num_seqs=1, since batching is on by default), step
+    # mode in the lost-node test: an abort lands in both
     omni = Omni("shapes", executor="ray", parallel_config={"ulysses_degree": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 1000})
+                limits={"max_steps": 1000}, max_num_seqs=1)
     try:
         stepped = []
         doomed, *streams = omni.engine.submit(
