@@ -160,10 +160,7 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
 
 
 #: comparisons that fail today because of a bug (not a refusal): (run, ref) -> the bug; strict, so a fix shows
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("B+cfg", "B"): "cache_dit + cfg_parallel: the engine's first request (alone in its wave, CFG on) differs by "
-                    "4.3e-3 from one process while the batch-of-3 wave after it matches to 8e-7",
-}
+KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 
 def _params():

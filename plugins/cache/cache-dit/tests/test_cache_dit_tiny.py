@@ -111,6 +111,36 @@ def test_batches_and_step_waves_decide_per_request(tiny_dit, dit):
     assert backend.split_calls > 0
 
 
+def test_decisions_stay_on_this_rank_when_torch_distributed_has_several(tiny_dit, dit, monkeypatch):
+    """Every context holds whole rows of one (request, branch) on this rank, so its decisions are this rank's
+    alone. cache-dit's cached blocks average the residual diff over the world (``dist.all_reduce``) whenever
+    torch.distributed has several ranks: under cfg parallel (cond on rank 0, uncond on rank 1) each branch then
+    decided on the mean of both (issue #35). Here a world of 2 whose other rank's diff is 0: no collective is
+    issued, and the decisions and output are those without a world."""
+    import torch.distributed as dist
+
+    backend = dit(tiny_dit, **CONFIG)
+    state = states(tiny_dit)[0]
+    (want,) = output_tensors(tiny_dit, [state], backend)
+    want_branches = backend.request_metrics(state)["cache_branches"]
+    assert any(b["cached_steps"] for b in want_branches.values())
+
+    reduced = []
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        reduced.append(op)
+        tensor.mul_(0.5)  # the mean with a rank whose diff is 0
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    state = states(tiny_dit)[0]
+    (got,) = output_tensors(tiny_dit, [state], backend)
+    assert reduced == []
+    assert backend.request_metrics(state)["cache_branches"] == want_branches
+    assert torch.equal(got, want)
+
+
 def test_scm_mask_and_taylorseer_are_sized_per_request(tiny_dit, dit):
     backend = dit(tiny_dit, residual_diff_threshold=0.3, max_warmup_steps=2, scm_steps_mask_policy="fast",
                   scm_steps_policy="static", enable_taylorseer=True, max_continuous_cached_steps=-1)

@@ -15,6 +15,10 @@ a batched call becomes one call per group (cache-dit decides per call, so per-re
 per-request calls); a call of one group pays nothing extra. Because every group runs apart, a spec's
 ``rows_separable`` does not matter here.
 
+A context's rows are all on this rank (CFG parallelism puts whole branches on ranks; sequence parallelism is
+refused), so its decisions use this rank's residuals only: cache-dit's own averaging of the residual diff over
+every rank of ``torch.distributed`` is turned off (:func:`_decide_on_this_rank`).
+
 With ``residual_diff_threshold`` 0 (and no SCM mask) the backend calls the denoiser's original forward, so
 the output is bit-identical to running without a cache.
 """
@@ -151,6 +155,7 @@ class CacheDiTBackend(CacheBackend):
             raise ConfigError("cache_dit: this cache-dit version keeps its contexts differently; per-request "
                               "contexts need cache-dit 1.5 (CachedContextManager._cached_context_manager)",
                               field="cache_backend")
+        _decide_on_this_rank(manager, stack)
         return _Denoiser(spec=spec, options=opts, manager=manager, context_name=context_name,
                          init_kwargs=copy.deepcopy(manager.get_context(context_name)._init_kwargs), stack=stack,
                          stand_ins=build_stand_ins(spec, stack), signature=inspect.signature(spec.module.forward))
@@ -251,6 +256,38 @@ class CacheDiTBackend(CacheBackend):
         den.manager._cached_context_manager[den.context_name] = dit.context
         dit.calls += 1
         return den.cached_forward(below, *args, **kwargs)
+
+
+def _decide_on_this_rank(manager: Any, stack: Any) -> None:
+    """Make cache-dit decide from this rank's rows alone.
+
+    cache-dit's cached blocks call ``manager.similarity(..., parallelized=True)`` whenever ``torch.distributed``
+    is initialized with more than one rank, and then average the residual diff over the default process group
+    (``dist.all_reduce(..., AVG)``): right when the ranks hold shards of one sequence (its context
+    parallelism), wrong in Omni, where every context is one (request, CFG branch, denoiser) and its rows are
+    all on this rank. Under ``cfg_parallel_size`` 2, rank 0 runs the cond branch and rank 1 the uncond one, so
+    each branch decided on the mean of both branches' diffs (a different image from one process), and, as a
+    collective only reached when a context's warmup and cached-step limits allow, it could pair with another
+    rank's CFG all-gather or wait forever. (Omni's sequence parallelism, the only case where ranks share a
+    sequence, is refused in :meth:`CacheDiTBackend.enable`.) The manager is this stack's own, made by
+    ``enable_cache``; an instance attribute shadows the method for it alone."""
+    similarity = manager.similarity
+    try:
+        params = inspect.signature(similarity).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "parallelized" not in params:
+        import cache_dit
+
+        cache_dit.disable_cache(stack)
+        raise ConfigError("cache_dit: this cache-dit version's CachedContextManager.similarity takes no "
+                          "'parallelized' argument, so its skip decisions could not be kept to one rank; "
+                          "per-request contexts need cache-dit 1.5", field="cache_backend")
+
+    def similarity_on_this_rank(t1: Any, t2: Any, *args: Any, parallelized: bool = False, **kwargs: Any) -> Any:
+        return similarity(t1, t2, *args, parallelized=False, **kwargs)
+
+    manager.similarity = similarity_on_this_rank
 
 
 def _batch_of(arguments: dict, den: _Denoiser) -> int:
