@@ -62,7 +62,8 @@ MATRIX: dict[str, MatrixFeature] = {f.name: f for f in (
     MatrixFeature("gguf", {"denoiser_weights": "<gguf>"}, 5e-3, "Q8_0 denoiser weights: quantization error"),
     MatrixFeature("offload_model", {"offload": "model"}, 1e-6, "moves weights, not values: exact"),
     MatrixFeature("offload_group", {"offload": "group"}, 1e-6, "moves weights, not values: exact"),
-    MatrixFeature("compile", {"compile": True}, 1e-4, "compiled vs eager: float rounding (aot_eager in the matrix, inductor in tests/optimize)"),
+    MatrixFeature("compile", {"compile": True}, 5e-4,
+                  "compiled vs eager: float rounding (inductor reorders sums: 1.3e-4 measured with GGUF)"),
     MatrixFeature("vae_tiling", {"vae_tiling": SMALL_TILES}, 0.5,
                   "16 px tiles on a 32 px image: blended seams (random-weight VAE, far from exact)"),
     MatrixFeature("ulysses", {"parallel_config": {"ulysses_degree": 2}}, 1e-4, "equals one process"),
@@ -141,8 +142,9 @@ RUNS: dict[str, frozenset[str]] = {
     # compile: with compile_backend(features) (aot_eager; inductor with GGUF, which aot_eager mistraces)
     "G+offload_model": G | {"offload_model"},
     "A+compile": A | C, "DC": _s("cache_dit") | C, "GC+offload_model": G | C | {"offload_model"},
-    "DC+offload_group": _s("cache_dit", "offload_group") | C, "A+compile+ulysses+ring": A | C | {"ulysses", "ring"},
-    "A+compile+cfg": A | C | {"cfg_parallel"},
+    "DC+offload_group": _s("cache_dit", "offload_group") | C,
+    # the parallel compile runs compile plain blocks only: every rank compiles its own graphs on the 2 CI cores
+    "C": C, "C+ulysses+ring": C | {"ulysses", "ring"}, "C+cfg": C | {"cfg_parallel"},
 }
 
 #: the comparisons: (run, reference run); the removed features are the difference
@@ -154,7 +156,7 @@ COMPARISONS: list[tuple[str, str]] = [
     ("Q+offload_model", "Q"), ("Q+offload_group", "Q"), ("B+streaming", "B"), ("B+step", "B"),
     ("A+ulysses+ring", "A"), ("A+cfg", "A"), ("B+cfg", "B"), ("G+ulysses+cfg", "Gs"), ("G+ring+cfg", "Gs"),
     ("A+compile", "A"), ("DC", "D"), ("GC+offload_model", "G+offload_model"), ("DC+offload_group", "DC"),
-    ("A+compile+ulysses+ring", "A+compile"), ("A+compile+cfg", "A+compile"),
+    ("C+ulysses+ring", "C"), ("C+cfg", "C"),
 ]
 
 #: torch.compile's backend for the compile runs: ``aot_eager`` traces what inductor would get (dynamo's graphs
