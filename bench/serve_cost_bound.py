@@ -68,7 +68,8 @@ def step_times(url: str, body: dict, steps: int = 8) -> tuple[float, list[float]
     import httpx
 
     stamps = [time.perf_counter()]
-    with httpx.stream("POST", f"{url}/v1/images/generations", json={**body, "stream": True}, timeout=600) as s:
+    with httpx.stream("POST", f"{url}/v1/images/generations", json={**body, "stream": True, "step_previews": True},
+                      timeout=600) as s:
         for line in s.iter_lines():
             if line.startswith("event: image_generation.partial_image"):
                 stamps.append(time.perf_counter())

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run_writes_every_section(tmp_path):
-    env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    # a clean shell's environment: not this session's pytest options, OMNI_ switches or test-only PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "OMNI_")) and k != "PYTHONPATH"}
+    env.update(DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

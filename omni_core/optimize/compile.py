@@ -49,7 +49,7 @@ class RegionalCompile:
 
     def fall_back(self, exc: BaseException) -> None:
         """Every block runs eagerly from now on (each hook reads ``failed``)."""
-        self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self.failed = _reason(exc)
         logger.warning("compile=True: the compiled denoiser blocks failed (%s); running them eagerly", self.failed)
 
     def compiled_class_forward(self, cls: type) -> Any:
@@ -59,6 +59,18 @@ class RegionalCompile:
         if fn is None:
             fn = self._by_class[cls] = torch.compile(cls.forward, dynamic=self.dynamic, backend=self.backend)
         return fn
+
+
+def _reason(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` and of what caused it (dynamo wraps the backend's error: "backend='inductor'
+    raised:" says nothing without the inner one)."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        parts.append(f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": "))
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(parts)
 
 
 class CompiledBlock(ModuleHook):
