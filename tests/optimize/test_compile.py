@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from omni_core.config import SamplingParams
@@ -74,15 +73,20 @@ def test_step_waves_do_not_recompile_and_match_eager():
 
 
 def test_a_compile_failure_falls_back_to_eager_with_the_reason(monkeypatch, caplog):
-    import torch._inductor.config as inductor_config
+    from torch._dynamo import register_backend
+
+    @register_backend
+    def omni_test_broken_toolchain(gm, example_inputs):  # what a missing C++ compiler does to inductor
+        raise RuntimeError("the C++ compiler /nonexistent/g++ does not exist")
 
     torch._dynamo.reset()
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))  # a broken C++ toolchain
+    # a failing backend, not a broken inductor config: inductor caches the compiler it found for the process, so a
+    # patched cxx path would break every later compile of the session
+    monkeypatch.setenv("OMNI_COMPILE_BACKEND", "omni_test_broken_toolchain")
     pipe = load("shapes", compile=True)
     with caplog.at_level(logging.WARNING, logger="omni_core.optimize"):
         got, _ = run(pipe, PROMPTS[:1], [7], num_inference_steps=1)
-    assert pipe.omni_compile.failed and "running them eagerly" in caplog.text
+    assert "/nonexistent/g++ does not exist" in pipe.omni_compile.failed and "running them eagerly" in caplog.text
     monkeypatch.undo()
     ref, _ = run(load("shapes"), PROMPTS[:1], [7], num_inference_steps=1)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
