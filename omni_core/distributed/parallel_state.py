@@ -186,6 +186,8 @@ class _State:
     groups: dict[str, GroupCoordinator]
     #: process groups this module created (destroyed by destroy_parallel_state)
     owned: list[Any]
+    #: the backend the groups were created with (None: the world group's)
+    backend: str | None = None
 
 
 _STATE: _State | None = None
@@ -230,7 +232,17 @@ def init_parallel_state(parallel_config: Any = None, rank: int | None = None, wo
                                f"initialised first (torch.distributed.init_process_group)")
     pc.check(world_size)
     layout = RankLayout.from_config(pc)
-    groups: dict[str, GroupCoordinator] = {}
+    pgs, owned = _create_groups(layout, rank, world_size, backend)
+    groups = {name: GroupCoordinator(layout.group_of(name, rank), rank, pg, name=name) for name, pg in pgs.items()}
+    _STATE = _State(pc, layout, rank, groups, owned, backend)
+    return layout
+
+
+def _create_groups(layout: RankLayout, rank: int, world_size: int, backend: str | None) -> tuple[dict, list]:
+    """({group name: this rank's process group (None for a group of one)}, the groups created here)."""
+    import torch.distributed as dist
+
+    pgs: dict[str, Any] = {}
     owned: list[Any] = []
     by_ranks: dict[tuple[int, ...], Any] = {}
     for name in GROUP_NAMES:
@@ -246,9 +258,33 @@ def init_parallel_state(parallel_config: Any = None, rank: int | None = None, wo
                 pg = by_ranks[key] = dist.new_group(ranks, backend=backend)
                 owned.append(pg)
             if rank in ranks:
-                groups[name] = GroupCoordinator(ranks, rank, pg, name=name)
-    _STATE = _State(pc, layout, rank, groups, owned)
-    return layout
+                pgs[name] = pg
+    return pgs, owned
+
+
+def drop_parallel_groups() -> None:
+    """Forget every process group of the parallel state (the coordinators stay, with no group) after they
+    were aborted, so nothing here keeps them alive (``omni_core.distributed.recovery``)."""
+    if _STATE is None:
+        return
+    for g in _STATE.groups.values():
+        g.group = None
+    _STATE.owned = []
+
+
+def rebuild_parallel_state() -> None:
+    """Create the parallel state's process groups again, as :func:`init_parallel_state` did, on the default
+    group now in place (a rebuilt one: ``omni_core.distributed.recovery``), and give them to the same
+    ``GroupCoordinator`` objects, so model code that holds a coordinator goes on with the new groups. Every
+    rank calls it, in the same order as every other collective set-up."""
+    if _STATE is None:
+        return
+    import torch.distributed as dist
+
+    pgs, owned = _create_groups(_STATE.layout, _STATE.rank, dist.get_world_size(), _STATE.backend)
+    for name, pg in pgs.items():
+        _STATE.groups[name].group = pg
+    _STATE.owned = owned
 
 
 def destroy_parallel_state() -> None:

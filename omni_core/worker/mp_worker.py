@@ -195,7 +195,6 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         import datetime
 
-        import torch
         import torch.distributed as dist
 
         from omni_core.platforms import platform_for
@@ -209,17 +208,19 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
         device = platform.get_torch_device(local_rank)
         platform.set_device(device)
         backend = "gloo" if device.type == "cpu" else platform.dist_backend
+        timeout = datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
+                                world_size=world_size, timeout=timeout)
         _init_parallel_state(config, rank, world_size)
         replica, replica_ranks, replica_group = _replica_group(config, rank, world_size)
+        recovery = _group_recovery(replica_ranks, world_size, timeout)
         is_leader = rank == replica_ranks[0]
         progress = (lambda events: result_q.put(("progress", events))) if is_leader else None
         runner = ModelRunner(config, resolved, device=device, dtype=torch_dtype(config, platform), rank=rank,
                              world_size=world_size, on_progress=progress,
                              poll_aborts=(lambda: _drain(abort_q)) if is_leader else None,
                              stop_group=(replica_group, replica_ranks[0], len(replica_ranks)),
-                             progress_interval_s=PROGRESS_INTERVAL_S)
+                             progress_interval_s=PROGRESS_INTERVAL_S, recovery=recovery)
         runner.load_model()
         result_q.put(("ready", rank, runner.model_bytes))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine
@@ -262,11 +263,28 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
         profile.disable()
         profile.dump_stats(f"{os.environ[PROFILE_ENV]}.rank{rank}")
     try:
+        if recovery is not None:
+            recovery.close()
         _destroy_parallel_state()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
     return True
+
+
+#: ``torch.distributed`` timeout of a worker's process groups: how long a collective (or a rebuild's rendezvous)
+#: waits for a peer that never comes
+PROCESS_GROUP_TIMEOUT_S = 120
+
+
+def _group_recovery(replica_ranks: list[int], world_size: int, timeout: Any) -> Any:
+    """A :class:`~omni_core.distributed.recovery.GroupRecovery` where this rank's replica is the whole world
+    of several ranks (the one case a replica can rebuild the default group by itself), else None."""
+    if world_size <= 1 or len(replica_ranks) != world_size:
+        return None
+    from omni_core.distributed.recovery import GroupRecovery
+
+    return GroupRecovery(timeout)
 
 
 def _init_parallel_state(config: Any, rank: int, world_size: int) -> None:

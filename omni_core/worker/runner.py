@@ -7,7 +7,10 @@ one request fails only that request.
 
 Ranks fail together: with several ranks in a replica, every failure is agreed before anyone acts on it, so a
 rank-local exception (an out-of-memory error on one GPU, say) fails the call on every rank and no rank goes on
-with collectives its peers have left (:meth:`ModelRunner.sync_failure`, :class:`PeerFailure`).
+with collectives its peers have left (:meth:`ModelRunner.sync_failure`, :class:`PeerFailure`). Where the runner
+has a :class:`~omni_core.distributed.recovery.GroupRecovery` (a replica that is the whole world), a failing rank
+aborts the process groups first, so peers blocked in a collective it never reached fail at once, and every
+rank rebuilds them before the agreement (:meth:`ModelRunner._recover`).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class ModelRunner:
     def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
                  world_size: int = 1, on_progress: Callable[[list[tuple[str, int, int]]], None] | None = None,
                  poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None,
-                 progress_interval_s: float = 0.0) -> None:
+                 progress_interval_s: float = 0.0, recovery: Any = None) -> None:
         self.config = config
         self.resolved = resolved
         self.device = device
@@ -120,6 +123,9 @@ class ModelRunner:
         self.poll_aborts = poll_aborts
         #: (process group, source rank, size) in which stop decisions are agreed: this data-parallel replica
         self.stop_group = stop_group or (None, 0, world_size)
+        #: aborts and rebuilds the process groups when a rank fails mid-step (``omni_core.distributed.recovery``;
+        #: None: failures are agreed on the groups as they are, which a peer blocked in a collective never joins)
+        self.recovery = recovery
         self.pipeline: Any = None
         self.cache_backend: Any = None
         self.model_bytes: dict[str, int] = {}
@@ -235,15 +241,42 @@ class ModelRunner:
             out = fn(arg)
         except PeerFailure:
             raise  # agreed already, at a sync point inside ``fn``
-        except Exception:
+        except Exception as exc:
             if self.stop_group[2] > 1:
-                logger.error("rank %d failed; its peers fail the call with it", self.rank, exc_info=True)
-                self.sync_failure(True)
+                if self.recovery is not None:
+                    self._recover(exc)  # raises PeerFailure where a peer's failure aborted this rank's collective
+                else:
+                    logger.error("rank %d failed; its peers fail the call with it", self.rank, exc_info=True)
+                    self.sync_failure(True)
             raise
-        peer = self.sync_failure(False)
+        try:
+            peer = self.sync_failure(False)
+        except Exception as exc:
+            if self.recovery is None or self.stop_group[2] <= 1:
+                raise
+            self._recover(exc)  # a peer failed after this rank's last collective and aborted the groups
+            raise
         if peer is not None:
             raise PeerFailure(peer)
         return out
+
+    def _recover(self, exc: Exception) -> None:
+        """After ``exc`` on this rank: abort and rebuild the process groups on every rank of the replica
+        (:class:`~omni_core.distributed.recovery.GroupRecovery`), then agree on the failure over the new groups.
+        ``exc`` is this rank's own failure unless a peer marked one first (then ``exc`` is the collective the
+        peer's abort ended here, and this raises :class:`PeerFailure` naming it); returns when it is this
+        rank's own, for the caller to re-raise."""
+        own = not self.recovery.peer_failed()
+        if own:
+            logger.error("rank %d failed; it aborts the process groups and its peers fail the call with it",
+                         self.rank, exc_info=True)
+        else:
+            logger.warning("rank %d: a peer failed this call and aborted the process groups (here: %s: %s)",
+                           self.rank, type(exc).__name__, exc)
+        self.recovery.recover(exc, own=own)
+        peer = self.sync_failure(own)
+        if not own:
+            raise PeerFailure(peer if peer is not None else -1) from None
 
     def _agree_failures(self, request_ids: list[str], outputs: dict[str, DiffusionOutput]) -> None:
         """Step path: a request that failed on any rank of the replica (in ``outputs`` as an error) fails on all
