@@ -101,11 +101,8 @@ FLAG_OF_FIELD = {"height": "--height", "width": "--width", "num_frames": "--num-
 def run_generate(args: argparse.Namespace) -> int:
     from omni_core.utils import progress as stages
 
-    stages.enable("omni generate")  # start-up progress on stderr, one line per stage
-    try:
+    with stages.shown("omni generate"):  # start-up progress on stderr, one line per stage
         return _generate(args)
-    finally:
-        stages.disable()
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -133,11 +133,8 @@ def _check(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from omni_core.utils import progress as stages
 
-    stages.enable("omni serve")  # start-up progress on stderr, one line per stage
-    try:
+    with stages.shown("omni serve"):  # start-up progress on stderr, one line per stage
         return _serve(args)
-    finally:
-        stages.disable()
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ program that uses ``Omni`` as a library prints nothing it did not ask for.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -20,6 +21,16 @@ def enable(prefix: str) -> None:
 
 def disable() -> None:
     _state["prefix"] = None
+
+
+@contextlib.contextmanager
+def shown(prefix: str):
+    """Start-up progress lines on while a command runs (``omni generate``, ``omni serve``), off after."""
+    enable(prefix)
+    try:
+        yield
+    finally:
+        disable()
 
 
 def elapsed() -> float:
