@@ -2,6 +2,7 @@
 ``omni serve`` processes with no batching flag (the default) and with ``--max-num-seqs`` 1, 4, 8 and 16.
 
     .venv/bin/python bench/serve_batching.py [--model shapes] [--clients 32] [--rounds 3] [--seqs 1 4 8 16]
+                                             [--size 32x32] [--steps 20]
 
 All servers are started first (default options otherwise: step execution off, warm-up on) and measured
 interleaved: each round runs, on every server in turn (the order rotates by round), one client sending
@@ -9,7 +10,8 @@ interleaved: each round runs, on every server in turn (the order rotates by roun
 the median requests/s of each setting and the two ratios the default must hold (issue #37): 32 clients over 1
 client on the default server (>= 2x), and the default over the best explicit setting at 32 clients (>= 0.9x),
 each the median over rounds of the ratio within a round (load drift on a shared machine hits a round alike).
-The load average is printed before and after.
+The load average is printed before and after. The clients run in this process at a lower priority (``nice``)
+than the servers, as clients on other hosts would not take the server's cores.
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ def start(model: str, seqs: int | None):
     return start_server(model, *(() if seqs is None else ("--max-num-seqs", str(seqs))))
 
 
+#: request fields every request of the run carries besides prompt and seed (``--size``, ``--steps``)
+EXTRA: dict = {}
+
+
 def post(url: str, seed: int) -> None:
     import httpx
 
-    body = {"prompt": "a red circle in the top left", "seed": seed, "response_format": "b64_json"}
+    body = {"prompt": "a red circle in the top left", "seed": seed, "response_format": "b64_json", **EXTRA}
     httpx.post(f"{url}/v1/images/generations", json=body, timeout=600).raise_for_status()
 
 
@@ -58,11 +64,18 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--size", default=None, help="WxH of every request (default: the model's)")
+    p.add_argument("--steps", type=int, default=None, help="num_inference_steps of every request (default: the model's)")
     args = p.parse_args()
+    if args.size:
+        EXTRA["size"] = args.size
+    if args.steps:
+        EXTRA["num_inference_steps"] = args.steps
     settings: list[int | None] = [None, *args.seqs]
     name = {s: "default" if s is None else f"--max-num-seqs {s}" for s in settings}
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     servers = {s: start(args.model, s) for s in settings}
+    os.nice(10)  # the servers keep their priority; the clients yield to them
     one: dict = {s: [] for s in settings}
     many: dict = {s: [] for s in settings}
     try:
@@ -83,7 +96,8 @@ def main() -> None:
             proc.terminate()
         for proc, _ in servers.values():
             proc.wait(timeout=60)
-    print(f"\nmodel {args.model}, default request size, requests/s (median of {args.rounds} rounds)")
+    shape = ", ".join(f"{k}={v}" for k, v in EXTRA.items()) or "the model's default request"
+    print(f"\nmodel {args.model}, {shape}, requests/s (median of {args.rounds} rounds)")
     print(f"| setting | 1 client | {args.clients} clients |\n|---|---|---|")
     for s in settings:
         print(f"| {name[s]} | {statistics.median(one[s]):.2f} | {statistics.median(many[s]):.2f} |")
