@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
 from omni_core.config.bounds import (GUIDANCE_MAX, LORA_SCALE_MAX, MAX_FRAMES, MAX_INFERENCE_STEPS,
                                      MAX_OUTPUTS_PER_PROMPT, MAX_SIDE, OUTPUT_TYPES)
-from omni_core.config.validators import (_dict_or_empty, _fail, _FromKwargs, bool_field, choice_field, dict_field,
+from omni_core.config.validators import (_dict_or_empty, _fail, _FromKwargs, choice_field, dict_field,
                                          float_field, int_field, str_field)
 from omni_core.errors import ConfigError
 from omni_core.sampling_fields import SamplingField
@@ -26,22 +26,10 @@ def registered_sampling_fields() -> dict[str, list[tuple[str, SamplingField]]]:
     return out
 
 
-def _field_validator(field: SamplingField) -> Callable:
-    if field.type == "float":
-        return float_field(min=field.min, max=field.max)
-    if field.type == "int":
-        return int_field(min=field.min, max=field.max)
-    if field.type == "bool":
-        return bool_field
-    if field.type == "choice":
-        return choice_field(field.choices)
-    return str_field()
-
-
 def check_sampling_field(instance: Any, field: SamplingField, value: Any) -> None:
-    """Validate ``value`` (not None) against a model's declaration with the core fields' own validators, so the
-    message reads like theirs: ``SamplingParams.shift_scale=nan is invalid: must not be NaN``."""
-    _field_validator(field)(instance, field, value)
+    """Validate ``value`` (not None) against a model's declaration (the option record's own check), so the
+    message reads like the core fields': ``SamplingParams.shift_scale=nan is invalid: must not be NaN``."""
+    field.validate(value, where=f"{type(instance).__name__}.{field.name}")
 
 
 def _check_model_fields(instance: SamplingParams, attribute: attrs.Attribute, values: dict) -> None:

@@ -3,13 +3,13 @@ value and what is allowed; ``from_kwargs`` rejects unknown keys with a "did you 
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Callable, Mapping
 
 import attrs
 
 from omni_core.errors import ConfigError, suggest, unknown_choice_message
+from omni_core.options import number_problem
 
 
 def _where(instance: Any, attribute: attrs.Attribute) -> str:
@@ -21,20 +21,16 @@ def _fail(instance: Any, attribute: attrs.Attribute, value: Any, allowed: str) -
 
 
 def _number_field(kind: type, what: str, min: Any, max: Any, optional: bool, finite: bool = False) -> Callable:
-    """One validator for int and float fields: the type (bool refused), finiteness, then ``[min, max]``."""
+    """One validator for int and float fields: the type (bool refused), finiteness, then ``[min, max]``; the
+    wording is :func:`omni_core.options.number_problem`'s, shared with every declared option."""
+    integer = kind is numbers.Integral
+
     def check(instance, attribute, value):
         if value is None and optional:
             return
-        if isinstance(value, bool) or not isinstance(value, kind):
-            _fail(instance, attribute, value, f"expected {what}{' or None' if optional else ''}, "
-                                              f"got {type(value).__name__}")
-        if finite and not math.isfinite(value):
-            _fail(instance, attribute, value, ("must not be NaN" if value != value else "must be finite") + (
-                f" (allowed: {min} to {max})" if min is not None and max is not None else ""))
-        if min is not None and value < min:
-            _fail(instance, attribute, value, f"must be >= {min}" + (f" and <= {max}" if max is not None else ""))
-        if max is not None and value > max:
-            _fail(instance, attribute, value, f"must be <= {max}" + (f" and >= {min}" if min is not None else ""))
+        reason = number_problem(value, integer=integer, min=min, max=max, optional=optional)
+        if reason is not None:
+            _fail(instance, attribute, value, reason)
     return check
 
 
