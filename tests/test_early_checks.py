@@ -123,7 +123,8 @@ def test_a_record_without_shape_rules_checks_nothing_early():
 
 
 def test_a_bad_size_over_http_is_reported_as_size():
-    from omni_core.serve.protocol import APIError, config_error, parse_image_request
+    from omni_core.serve.errors import APIError, config_error
+    from omni_core.serve.protocol import parse_image_request
 
     with pytest.raises(APIError) as info:
         parse_image_request({"prompt": "x", "size": "100000x100000"})

@@ -12,7 +12,7 @@ _LAZY = {
     "OmniServer": "omni_core.serve.omni_server:OmniServer",
     "run_server": "omni_core.serve.server:run_server",
     "ServerThread": "omni_core.serve.server:ServerThread",
-    "APIError": "omni_core.serve.protocol:APIError",
+    "APIError": "omni_core.serve.errors:APIError",
 }
 
 __all__ = list(_LAZY)

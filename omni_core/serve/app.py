@@ -25,7 +25,7 @@ from omni_core.serve.errors import install_error_handlers
 from omni_core.serve.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from omni_core.serve.omni_server import MAX_BODY_BYTES, MAX_UPLOAD_BYTES, PREVIEW_MAX_SIDE, SHUTDOWN_GRACE_S, OmniServer
 from omni_core.serve.openapi import install_openapi
-from omni_core.serve.protocol import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS
+from omni_core.serve.bodies import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS
 from omni_core.serve.routes import chat, images, system, videos
 from omni_core.serve.routes import playground
 

@@ -1,16 +1,60 @@
-"""Every error the server answers, mapped in one place: engine refusals and failed outputs become
-:class:`~omni_core.serve.protocol.APIError` (OpenAI's error shape), and the app's exception handlers
-render those, FastAPI's validation and routing errors, and anything unexpected the same way."""
+"""Every error the server answers, mapped in one place: :class:`APIError` (OpenAI's error shape
+``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the offending request field), what engine
+refusals and failed outputs become, and the app's exception handlers that render those, FastAPI's validation and
+routing errors, and anything unexpected the same way."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from omni_core.errors import ConfigError, EngineDeadError, OmniError, QueueFullError
-from omni_core.serve.protocol import APIError, config_error, invalid
 
 logger = logging.getLogger("omni_core.serve")
+
+
+class APIError(Exception):
+    """An HTTP error answered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def too_large(limit: int, upload: bool = False) -> APIError:
+    name = "max_upload_bytes" if upload else "max_body_bytes"
+    return APIError(413, f"the request body is larger than {name}={limit} bytes; send a smaller body, or "
+                         f"raise the limit with omni serve --{name.replace('_', '-')}", code="request_too_large")
+
+
+
+#: SamplingParams / pipeline field -> the request field a client sends
+_PARAM_OF_FIELD = {"num_outputs_per_prompt": "n", "height": "size", "width": "size", "extra_args": "extra_args",
+                   "multi_modal_data.image": "image"}
+
+
+def config_error(exc: ConfigError, extra: Mapping[str, str] | None = None) -> APIError:
+    """A validation error of omni's config/pipeline as a 400 naming the request field the client sent, in the
+    message too: a bad ``size`` is reported as ``'size'``, not as ``SamplingParams.height``."""
+    field = exc.field
+    param = {**_PARAM_OF_FIELD, **(extra or {})}.get(field, field) if field else None
+    message = str(exc)
+    if field:
+        message = message.replace(f"SamplingParams.{field}=", f"{field}=")
+    if param and param != field:
+        hint = " (WIDTHxHEIGHT)" if param == "size" else ""
+        message = f"'{param}'{hint}: {message}"
+    return invalid(message, param)
+
 
 _DEAD_PREFIX = "the engine is dead: "
 #: the status a request is counted with when its client left before it was answered (nginx's convention)

@@ -13,7 +13,7 @@ import os
 from typing import Any, Iterable, Mapping
 
 from omni_core.errors import ConfigError
-from omni_core.serve.protocol import APIError
+from omni_core.serve.errors import APIError
 
 #: the one answer to every adapter the server does not allow (never the path, never whether it exists)
 LORA_REFUSED = ("'lora' must be the name of an adapter this server preloaded (omni serve --lora NAME=PATH) or a "

@@ -10,7 +10,7 @@ from starlette.datastructures import Headers
 
 from omni_core.serve.errors import send_error
 from omni_core.serve.openapi import OPEN_PATHS
-from omni_core.serve.protocol import APIError, too_large
+from omni_core.serve.errors import APIError, too_large
 from omni_core.serve.routes.playground import PAGE_PATHS
 
 

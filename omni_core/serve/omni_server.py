@@ -16,10 +16,10 @@ from typing import Any, Callable
 from omni_core.engine.client import EngineClient, ProgressFn
 from omni_core.errors import ConfigError, OmniError, QueueFullError
 from omni_core.request import OmniDiffusionRequest
-from omni_core.serve.errors import admission_error, dead_message, generation_failed
+from omni_core.serve.bodies import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS
+from omni_core.serve.errors import APIError, admission_error, dead_message, generation_failed
 from omni_core.serve.metrics import ServerMetrics
 from omni_core.serve.lora_access import allowed_lora, check_lora_dirs
-from omni_core.serve.protocol import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS, APIError
 from omni_core.serve.videos import VideoJobs
 
 logger = logging.getLogger("omni_core.serve")

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Mapping, Sequence
+
+from omni_core.serve.protocol import (IMAGE_ACCEPTED_DEFAULTS, IMAGE_FIELDS, VIDEO_ACCEPTED_DEFAULTS, VIDEO_FIELDS,
+                                      with_model_fields)
 
 #: routes that need no API key (probes and scrapers)
 OPEN_PATHS = ("/health", "/metrics")
@@ -18,6 +21,40 @@ STATUS_DOC = {400: "invalid request: `param` names the field", 401: "missing or 
               413: "the request body is larger than --max-body-bytes (--max-upload-bytes where images are sent)",
               429: "the queue (or the video table) is full; see Retry-After",
               500: "the generation failed", 503: "the engine is dead, closed, or the server is shutting down"}
+
+
+# ------------------------------------------------------------------------------------------ request bodies
+_SCHEMA_OF_KIND = {"str": {"type": "string"}, "int": {"type": "integer"}, "number": {"type": "number"},
+                   "bool": {"type": "boolean"}, "object": {"type": "object"},
+                   "str|number": {"type": ["string", "number"]}}
+
+
+def body_schema(fields: Mapping[str, str], *, accepted_defaults: Mapping[str, tuple] = (),
+                ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON schema of a request body read by :func:`~omni_core.serve.fields.read_fields` (for
+    ``/openapi.json``): the same fields, kinds and accepted values, ``prompt`` required, nothing else allowed.
+    ``null`` means "the default"."""
+    props: dict[str, Any] = {}
+    for name, kind in fields.items():
+        schema = dict(_SCHEMA_OF_KIND[kind])
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        schema["type"] = types + ["null"] if name != "prompt" else types[0]
+        props[name] = schema
+    for name, values in dict(accepted_defaults).items():
+        props[name] = {"enum": [*values, None]}
+    for name in ignored:
+        props[name] = {"type": ["string", "null"]}
+    return {"type": "object", "properties": props, "required": ["prompt"], "additionalProperties": False}
+
+
+def image_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
+    return body_schema(with_model_fields(IMAGE_FIELDS, {}, model_fields)[0],
+                       accepted_defaults=IMAGE_ACCEPTED_DEFAULTS, ignored=("user", "safety_identifier"))
+
+
+def video_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
+    return body_schema(with_model_fields(VIDEO_FIELDS, {}, model_fields)[0],
+                       accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, ignored=("user",))
 
 
 def error_doc(description: str) -> dict[str, Any]:
@@ -36,8 +73,6 @@ def form_schema(json_schema: dict[str, Any]) -> dict[str, Any]:
 
 def edit_form_schema(model_fields: tuple | None = None) -> dict[str, Any]:
     """The multipart form of ``POST /v1/images/edits``: the generation fields as text, the image file(s), a mask."""
-    from omni_core.serve.protocol import image_body_schema
-
     schema = form_schema(image_body_schema(model_fields))
     binary = {"type": "string", "format": "binary"}
     schema["properties"].update({"image": binary, "image[]": {"type": "array", "items": binary}, "mask": binary})
@@ -47,8 +82,6 @@ def edit_form_schema(model_fields: tuple | None = None) -> dict[str, Any]:
 def model_request_bodies(model_fields: tuple) -> dict[str, dict[str, Any]]:
     """``{path: {content type: schema}}`` of the POST bodies, with the served model's declared sampling fields
     (the routes state the core's fields only, at import, before any model is known)."""
-    from omni_core.serve.protocol import image_body_schema, video_body_schema
-
     video = video_body_schema(model_fields)
     form = form_schema(video)
     form["properties"]["input_reference"] = {"type": "string", "format": "binary"}

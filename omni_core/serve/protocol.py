@@ -1,288 +1,22 @@
-"""Request bodies of the OpenAI-compatible endpoints: parsing, validation, errors (no web framework here).
+"""The request models of the OpenAI-compatible endpoints: which fields each route takes (the core's, and the
+served model's declared sampling fields), and how a checked body becomes a request (no web framework here).
 
-Every refusal is an :class:`APIError` that renders as OpenAI's error object
-``{"error": {"message", "type", "param", "code"}}``; ``param`` names the offending request field.
-Range checks reuse :class:`~omni_core.config.SamplingParams` and the pipeline's ``check_sampling_params``:
-their :class:`~omni_core.errors.ConfigError` ``field`` is mapped back to the request field the client sent.
+Field checks live in :mod:`omni_core.serve.fields`, errors in :mod:`omni_core.serve.errors`, body parsing in
+:mod:`omni_core.serve.bodies`, body schemas in :mod:`omni_core.serve.openapi`. Range checks reuse
+:class:`~omni_core.config.SamplingParams` and the pipeline's ``check_sampling_params``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import numbers
-import re
 from typing import Any, Mapping, Sequence
 
 import attrs
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError
-
-
-class APIError(Exception):
-    """An HTTP error answered in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def too_large(limit: int, upload: bool = False) -> APIError:
-    name = "max_upload_bytes" if upload else "max_body_bytes"
-    return APIError(413, f"the request body is larger than {name}={limit} bytes; send a smaller body, or "
-                         f"raise the limit with omni serve --{name.replace('_', '-')}", code="request_too_large")
-
-
-# ------------------------------------------------------------------------------------------ JSON bodies
-#: deepest nesting accepted inside a field (``extra_args``); deeper objects are refused, naming the field
-MAX_NESTING = 32
-#: defaults of ``omni serve --max-json-depth`` / ``--max-json-elements`` (a request is a few dozen fields; a chat
-#: message a few parts): they bound what ``json.loads`` -- C code holding the GIL, so the event loop -- may be fed
-MAX_JSON_DEPTH = 64
-MAX_JSON_ELEMENTS = 10_000
-_WS = re.compile(r"[ \t\n\r]*")
-
-
-def json_too_large(limit: int) -> APIError:
-    return APIError(413, f"the JSON body has more than max_json_elements={limit} arrays, objects and elements "
-                         f"(counted as '[', '{{' and ','); send a smaller body, or raise the limit with omni serve "
-                         f"--max-json-elements", code="json_too_large")
-
-
-def json_too_deep(limit: int, field: str | None) -> APIError:
-    where = f"'{field}'" if field else "the request body"
-    return APIError(400, f"{where} is nested deeper than max_json_depth={limit} levels of arrays and objects; "
-                         f"raise the limit with omni serve --max-json-depth", param=field, code="json_too_deep")
-
-
-def parse_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_elements: int = MAX_JSON_ELEMENTS) -> Any:
-    """The body as JSON, or a 400. A value the parser cannot take (an integer of thousands of digits,
-    nesting deeper than ``max_depth``) is reported with the top-level field that holds it.
-
-    ``max_elements`` is checked first with ``bytes.count`` (C speed; brackets and commas inside strings count too,
-    which only over-counts): a body of millions of empty arrays is a 413 before ``json.loads`` spends seconds and
-    hundreds of MiB on it."""
-    if not raw:
-        raise invalid("the request body is empty; send a JSON object", None, code="invalid_body")
-    if raw.count(b"[") + raw.count(b"{") + raw.count(b",") > max_elements:
-        raise json_too_large(max_elements)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise invalid(f"the request body is not valid UTF-8: {exc}", None, code="invalid_json") from None
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError, as is the int digit limit
-        field = _failing_field(text)
-        if isinstance(exc, RecursionError):
-            raise json_too_deep(max_depth, field) from None
-        elif isinstance(exc, json.JSONDecodeError):
-            reason = f"is not valid JSON: {exc}"
-        else:
-            reason = f"cannot be read: {exc}"
-        where = f"'{field}'" if field else "the request body"
-        raise invalid(f"{where} {reason}", field, code="invalid_json") from None
-    if _depth(value, max_depth) > max_depth:
-        deep = [k for k, v in value.items() if _depth(v, max_depth - 1) >= max_depth] if isinstance(value, dict) else []
-        raise json_too_deep(max_depth, deep[0] if deep else None)
-    return value
-
-
-def _failing_field(text: str) -> str | None:
-    """The key of the top-level object whose value fails to decode (None when it is not such a failure)."""
-    decoder = json.JSONDecoder()
-    i = _WS.match(text, 0).end()
-    if text[i:i + 1] != "{":
-        return None
-    i += 1
-    try:
-        while True:
-            i = _WS.match(text, i).end()
-            if text[i:i + 1] != '"':
-                return None
-            key, i = json.decoder.scanstring(text, i + 1)
-            i = _WS.match(text, i).end()
-            if text[i:i + 1] != ":":
-                return None
-            i = _WS.match(text, i + 1).end()
-            try:
-                _, i = decoder.raw_decode(text, i)
-            except (ValueError, RecursionError):
-                return key
-            i = _WS.match(text, i).end()
-            if text[i:i + 1] != ",":
-                return None
-            i += 1
-    except ValueError:  # a malformed key
-        return None
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of a JSON value, counted up to ``limit + 1`` (iterative: no recursion to exhaust)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth > limit:
-                return depth
-            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
-#: SamplingParams / pipeline field -> the request field a client sends
-_PARAM_OF_FIELD = {"num_outputs_per_prompt": "n", "height": "size", "width": "size", "extra_args": "extra_args",
-                   "multi_modal_data.image": "image"}
-
-
-def config_error(exc: ConfigError, extra: Mapping[str, str] | None = None) -> APIError:
-    """A validation error of omni's config/pipeline as a 400 naming the request field the client sent, in the
-    message too: a bad ``size`` is reported as ``'size'``, not as ``SamplingParams.height``."""
-    field = exc.field
-    param = {**_PARAM_OF_FIELD, **(extra or {})}.get(field, field) if field else None
-    message = str(exc)
-    if field:
-        message = message.replace(f"SamplingParams.{field}=", f"{field}=")
-    if param and param != field:
-        hint = " (WIDTHxHEIGHT)" if param == "size" else ""
-        message = f"'{param}'{hint}: {message}"
-    return invalid(message, param)
-
-
-# ------------------------------------------------------------------------------------------ field checks
-_KINDS = {"str": "a string", "int": "an integer", "number": "a number", "bool": "a boolean", "object": "a JSON object",
-          "str|number": "a string or a number"}
-
-
-def _coerce_form(value: Any, kind: str) -> Any:
-    """multipart/form-data sends every field as text: read it as the kind the field needs."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        if kind == "int":
-            return int(text)
-        if kind in ("number", "str|number"):
-            return value if kind == "str|number" else float(text)
-        if kind == "bool":
-            if text.lower() in ("true", "1"):
-                return True
-            if text.lower() in ("false", "0"):
-                return False
-        if kind == "object":
-            return json.loads(text)
-    except (ValueError, RecursionError):  # not the kind (or unreadable): the field check refuses it by name
-        pass
-    return value
-
-
-def _check(name: str, value: Any, kind: str) -> Any:
-    ok = {
-        "str": isinstance(value, str),
-        "int": isinstance(value, numbers.Integral) and not isinstance(value, bool),
-        "number": isinstance(value, numbers.Real) and not isinstance(value, bool),
-        "bool": isinstance(value, bool),
-        "object": isinstance(value, dict),
-        "str|number": isinstance(value, (str, numbers.Real)) and not isinstance(value, bool),
-    }[kind]
-    if not ok:
-        shown = repr(value)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise invalid(f"'{name}' must be {_KINDS[kind]}, got {type(value).__name__} {shown}", name,
-                      code="invalid_type")
-    if kind == "number" and not math.isfinite(value):
-        raise invalid(f"'{name}' must be a finite number, got {value!r}", name)
-    if kind == "object" and _depth(value, MAX_NESTING) > MAX_NESTING:
-        raise invalid(f"'{name}' is nested too deeply: at most {MAX_NESTING} levels of objects and arrays", name)
-    return value
-
-
-def _read_fields(body: Any, fields: Mapping[str, str], *, accepted_defaults: Mapping[str, tuple] = (),
-                 ignored: tuple[str, ...] = (), unsupported: Mapping[str, str] | None = None,
-                 from_form: bool = False) -> dict[str, Any]:
-    """Type-check ``body`` against ``fields`` (name -> kind); unknown fields are refused, naming them."""
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}", None,
-                      code="invalid_body")
-    out: dict[str, Any] = {}
-    accepted_defaults = dict(accepted_defaults)
-    for name, value in body.items():
-        if name in ignored:
-            continue
-        if unsupported and name in unsupported:
-            raise invalid(f"'{name}' is not supported by this server: {unsupported[name]}", name,
-                          code="unsupported_parameter")
-        if name in accepted_defaults:
-            if value is not None and value not in accepted_defaults[name]:
-                allowed = ", ".join(repr(v) for v in accepted_defaults[name])
-                raise invalid(f"'{name}'={value!r} is not supported by this server; allowed: {allowed}", name,
-                              code="unsupported_value")
-            continue
-        if name not in fields:
-            raise invalid(f"unrecognized request argument '{name}'{_declared_elsewhere(name)}; supported: "
-                          f"{', '.join(sorted(fields))}", name, code="unknown_parameter")
-        if value is None:
-            continue  # null means "the default", as in OpenAI's API
-        if from_form:
-            value = _coerce_form(value, fields[name])
-        out[name] = _check(name, value, fields[name])
-    return out
-
-
-_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
-
-
-def parse_size(value: str | None, param: str = "size") -> tuple[int, int] | None:
-    """``"WIDTHxHEIGHT"`` -> ``(width, height)``; ``None`` or ``"auto"`` -> None (the model's default)."""
-    if value is None or value.strip().lower() == "auto":
-        return None
-    m = _SIZE.match(value)
-    if not m:
-        raise invalid(f"'{param}'={value!r} is invalid: expected 'WIDTHxHEIGHT' (e.g. '512x512') or 'auto'", param)
-    width, height = int(m.group(1)), int(m.group(2))
-    if width < 1 or height < 1:
-        raise invalid(f"'{param}'={value!r} is invalid: width and height must be positive", param)
-    return width, height
-
-
-def _prompt(fields: dict[str, Any]) -> str:
-    prompt = fields.get("prompt")
-    if prompt is None:
-        raise invalid("'prompt' is required", "prompt", code="missing_required_parameter")
-    return prompt  # empty or too long: the engine refuses it (same words as the Python API)
-
-
-def _sampling(fields: dict[str, Any], names: Mapping[str, str], **fixed: Any) -> SamplingParams:
-    kwargs = {target: fields[name] for name, target in names.items() if name in fields}
-    size = parse_size(fields.get("size"))
-    sides = [name for name in ("width", "height") if name in fields]
-    if sides:  # vLLM-Omni's clients send separate width and height
-        if size is not None:
-            raise invalid("give either 'size' or 'width' and 'height', not both", "size")
-        if len(sides) == 1:
-            missing = ({"width", "height"} - set(sides)).pop()
-            raise invalid(f"'{sides[0]}' needs '{missing}' as well (or give 'size': 'WIDTHxHEIGHT')", missing,
-                          code="missing_required_parameter")
-        size = (fields["width"], fields["height"])
-        if min(size) < 1:
-            raise invalid(f"width={size[0]} and height={size[1]} must be positive", "width")
-    if size is not None:
-        kwargs["width"], kwargs["height"] = size
-    try:
-        return SamplingParams.from_kwargs(**kwargs, **fixed)
-    except ConfigError as exc:
-        sent = {side: side for side in sides}  # vLLM-Omni's separate width and height are named as sent
-        raise config_error(exc, {**{v: k for k, v in names.items()}, **sent}) from None
+from omni_core.serve.errors import invalid
+from omni_core.serve.fields import check_kind, read_fields, required_prompt, sampling_params
 
 
 # ------------------------------------------------------------------------------------------ model fields
@@ -301,16 +35,8 @@ def model_field_kinds(model_fields: Sequence[Any] | None) -> dict[str, str]:
     return {f.name: _KIND_OF_TYPE[f.type] for f in model_fields}
 
 
-def _declared_elsewhere(name: str) -> str:
-    """`` (a sampling field of X, Y)`` when other installed pipelines declare ``name``, else ``""``."""
-    from omni_core.config import registered_sampling_fields
-
-    owners = [pipeline for pipeline, _ in registered_sampling_fields().get(name, [])]
-    return f" (it is a sampling field of {', '.join(owners)}, not of the served model)" if owners else ""
-
-
-def _with_model_fields(fields: Mapping[str, str], sampling: Mapping[str, str], model_fields: Sequence[Any] | None
-                       ) -> tuple[dict[str, str], dict[str, str]]:
+def with_model_fields(fields: Mapping[str, str], sampling: Mapping[str, str], model_fields: Sequence[Any] | None
+                      ) -> tuple[dict[str, str], dict[str, str]]:
     kinds = {k: v for k, v in model_field_kinds(model_fields).items() if k not in fields}
     return {**fields, **kinds}, {**sampling, **{name: name for name in kinds}}
 
@@ -385,15 +111,15 @@ def partial_image_steps(partial_images: int, num_steps: int) -> frozenset[int]:
 def parse_image_request(body: Any, *, model_fields: Sequence[Any] | None = None) -> ImageRequest:
     """``POST /v1/images/generations`` body -> validated :class:`ImageRequest` (or a 400 naming the field).
     ``model_fields``: the served model's declared sampling fields (None: any registered pipeline's)."""
-    kinds, sampling = _with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)
-    fields = _read_fields(body, kinds, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
-                          ignored=("user", "safety_identifier"), unsupported=IMAGE_UNSUPPORTED)
-    prompt = _prompt(fields)
+    kinds, sampling = with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)
+    fields = read_fields(body, kinds, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
+                         ignored=("user", "safety_identifier"), unsupported=IMAGE_UNSUPPORTED)
+    prompt = required_prompt(fields)
     fmt = fields.get("response_format", "b64_json")
     if fmt != "b64_json":
         raise invalid(f"'response_format'={fmt!r} is not supported: this server returns images inline, use "
                       f"'b64_json'", "response_format", code="unsupported_value")
-    params = _sampling(fields, sampling)
+    params = sampling_params(fields, sampling)
     return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
                         model=fields.get("model"), stream=fields.get("stream", False), **_stream_fields(fields))
 
@@ -410,16 +136,17 @@ EDIT_IGNORED = ("user", "safety_identifier", "bot_task")
 def parse_edit_request(form: Any, *, model_fields: Sequence[Any] | None = None) -> ImageRequest:
     """The text fields of a ``POST /v1/images/edits`` form -> :class:`ImageRequest` (images added by the route).
     The same fields as generations, read from form text."""
-    kinds, sampling = _with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)
-    fields = _read_fields(form, kinds, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
-                          ignored=EDIT_IGNORED, unsupported=IMAGE_UNSUPPORTED, from_form=True)
-    prompt = _prompt(fields)
+    kinds, sampling = with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)
+    fields = read_fields(form, kinds, accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
+                         ignored=EDIT_IGNORED, unsupported=IMAGE_UNSUPPORTED, from_form=True)
+    prompt = required_prompt(fields)
     fmt = fields.get("response_format", "b64_json")
     if fmt != "b64_json":
         raise invalid(f"'response_format'={fmt!r} is not supported: this server returns images inline, use "
                       f"'b64_json'", "response_format", code="unsupported_value")
-    return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=_sampling(fields, sampling),
-                        model=fields.get("model"), stream=fields.get("stream", False), **_stream_fields(fields))
+    return ImageRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"),
+                        params=sampling_params(fields, sampling), model=fields.get("model"),
+                        stream=fields.get("stream", False), **_stream_fields(fields))
 
 
 # ------------------------------------------------------------------------------------------ chat completions
@@ -485,8 +212,8 @@ def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, 
                       "POST /v1/images/generations with stream=true for per-step previews", "stream",
                       code="unsupported_value")
     text, urls = _last_user_message(messages)
-    kinds, sampling = _with_model_fields({"model": "str", **CHAT_GENERATION_FIELDS}, _CHAT_SAMPLING, model_fields)
-    fields = _aliases(_read_fields(body, kinds, ignored=CHAT_IGNORED), VLLM_OMNI_ALIASES)
+    kinds, sampling = with_model_fields({"model": "str", **CHAT_GENERATION_FIELDS}, _CHAT_SAMPLING, model_fields)
+    fields = _aliases(read_fields(body, kinds, ignored=CHAT_IGNORED), VLLM_OMNI_ALIASES)
     fps = fields.pop("fps", DEFAULT_FPS)  # vLLM-Omni's client sends its --fps with image requests too
     if video:
         if not 1 <= fps <= MAX_FPS:
@@ -494,7 +221,7 @@ def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, 
     elif fields.get("num_frames") == 1:
         fields.pop("num_frames")
     request = ImageRequest(prompt=text, negative_prompt=fields.get("negative_prompt"),
-                           params=_sampling(fields, sampling), model=fields.get("model"), stream=False)
+                           params=sampling_params(fields, sampling), model=fields.get("model"), stream=False)
     return ChatImageRequest(request=request, image_urls=tuple(urls), fps=fps)
 
 
@@ -571,9 +298,9 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
                         model_fields: Sequence[Any] | None = None) -> VideoRequest:
     """``POST /v1/videos`` body (JSON or form fields) -> validated :class:`VideoRequest`; ``model_fields`` as in
     :func:`parse_image_request`."""
-    kinds, sampling = _with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)
-    fields = _read_fields(body, kinds, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
-                          accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, from_form=from_form)
+    kinds, sampling = with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)
+    fields = read_fields(body, kinds, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
+                         accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, from_form=from_form)
     fields = _aliases(fields, {"extra_params": "extra_args"})
     block = fields.pop("video_params", None)
     if block is not None:
@@ -583,8 +310,8 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
                           "video_params", code="unknown_parameter")
         for name in _VIDEO_PARAMS_BLOCK:
             if block.get(name) is not None and name not in fields:
-                fields[name] = _check(f"video_params.{name}", block[name], "int")
-    prompt = _prompt(fields)
+                fields[name] = check_kind(f"video_params.{name}", block[name], "int")
+    prompt = required_prompt(fields)
     fps = fields.get("fps", DEFAULT_FPS)
     if not 1 <= fps <= MAX_FPS:
         raise invalid(f"'fps'={fps} is invalid: must be between 1 and {MAX_FPS}", "fps")
@@ -602,180 +329,9 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
                           "seconds")
         fixed["num_frames"] = frames_for_seconds(value, fps, frame_multiple)
         seconds = str(seconds)
-    params = _sampling(fields, sampling, **fixed)
+    params = sampling_params(fields, sampling, **fixed)
     return VideoRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
                         model=fields.get("model"), fps=fps, seconds=seconds)
-
-
-#: default of ``omni serve --max-form-parts``: an edit is a few images and about twenty fields
-MAX_FORM_PARTS = 64
-
-
-def too_many_parts(limit: int) -> APIError:
-    return APIError(413, f"the form has more than max_form_parts={limit} parts (fields and files); send fewer, or "
-                         f"raise the limit with omni serve --max-form-parts", code="too_many_form_parts")
-
-
-def parse_form(body: bytes, content_type: str) -> dict[str, Any]:
-    """Fields of a ``multipart/form-data`` body, a file part as ``bytes`` (refused by the field checks where a
-    route expects text); the last part of a repeated name wins. See :func:`parse_multipart` for files."""
-    fields, files = parse_multipart(body, content_type)
-    return {**fields, **{name: parts[-1] for name, parts in files.items()}}
-
-
-def parse_urlencoded(body: bytes, max_fields: int = MAX_FORM_PARTS) -> dict[str, str]:
-    """Fields of an ``application/x-www-form-urlencoded`` body (what aiohttp and vLLM-Omni's benchmark send for a
-    form without files); a repeated name is refused, naming it; more than ``max_fields`` fields is a 413."""
-    from urllib.parse import parse_qsl
-
-    if body.count(b"&") + body.count(b";") >= max_fields:
-        raise too_many_parts(max_fields)
-    try:
-        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(body.strip()))
-    except UnicodeDecodeError as exc:
-        raise invalid(f"the form body is not valid UTF-8: {exc}", None, code="invalid_body") from None
-    except ValueError as exc:
-        raise invalid(f"malformed application/x-www-form-urlencoded body: {exc}", None, code="invalid_body") from None
-    fields: dict[str, str] = {}
-    for name, value in pairs:
-        if name in fields:
-            raise invalid(f"form field '{name}' is given more than once", name, code="invalid_body")
-        fields[name] = value
-    return fields
-
-
-#: bytes searched per C call while splitting a form: one ``find`` over 32 MiB holds the GIL (so the event loop) for
-#: up to 80 ms; between windows the parsing thread lets the loop run
-_WINDOW = 1 << 20
-
-
-def _find(body: bytes, sub: bytes, start: int, end: int | None = None) -> int:
-    """``body.find(sub, start, end)``, one window at a time."""
-    end = len(body) if end is None else end
-    while start < end:
-        stop = min(start + _WINDOW, end)
-        i = body.find(sub, start, min(stop + len(sub) - 1, end))
-        if i >= 0:
-            return i
-        start = stop
-    return -1
-
-
-def _count(body: bytes, sub: bytes) -> int:
-    """``body.count(sub)``, one window at a time (each occurrence counted in the window it starts in)."""
-    return sum(body.count(sub, start, start + _WINDOW + len(sub) - 1) for start in range(0, len(body), _WINDOW))
-
-
-def _malformed(why: str) -> APIError:
-    return invalid(f"malformed multipart/form-data body: {why}", None, code="invalid_body")
-
-
-def parse_multipart(body: bytes, content_type: str, max_parts: int = MAX_FORM_PARTS
-                    ) -> tuple[dict[str, str], dict[str, list[bytes]]]:
-    """``(text fields, file parts by name)`` of a ``multipart/form-data`` body (what the ``openai`` client sends to
-    ``/v1/videos`` and ``/v1/images/edits``); a name may carry several files (``image[]``).
-
-    The body is split at its boundary with ``bytes`` methods (C speed, no line-by-line pass over a file's bytes,
-    which made the standard library's MIME parser take seconds and hundreds of MiB on a body of short lines);
-    only each part's few header lines go through ``email``'s header parser. The boundaries are counted first, so
-    a body of more than ``max_parts`` parts is a 413 before any part is parsed.
-    """
-    from email.message import Message
-
-    header = Message()
-    header["content-type"] = content_type
-    boundary = header.get_param("boundary")
-    if not isinstance(boundary, str) or not boundary:
-        raise _malformed("the Content-Type has no boundary")
-    delimiter = b"\r\n--" + boundary.encode("latin-1")
-    first = delimiter[2:]
-    if _count(body, delimiter) + body.startswith(first) - 1 > max_parts:
-        raise too_many_parts(max_parts)
-    pos = 0 if body.startswith(first) else _find(body, delimiter, 0)  # after a preamble, if any
-    if pos < 0:
-        raise _malformed(f"no boundary '--{boundary}'")
-    pos += len(first) if pos == 0 else len(delimiter)
-    fields: dict[str, Any] = {}
-    files: dict[str, list[bytes]] = {}
-    while not body.startswith(b"--", pos):  # "--boundary--" closes the body
-        end = _find(body, delimiter, pos)
-        if end < 0:
-            raise _malformed(f"no closing boundary '--{boundary}--'")
-        line_end = body.find(b"\r\n", pos, end + 2)
-        if line_end < 0 or body[pos:line_end].strip(b" \t"):
-            raise _malformed("a boundary line is followed by text")
-        blank = body.find(b"\r\n\r\n", line_end, end + 2)
-        if blank < 0:
-            raise _malformed("a part has no blank line after its headers")
-        _add_part(body[line_end + 2:blank + 2], body[blank + 4:end], fields, files)  # one copy of the payload
-        pos = end + len(delimiter)
-    return fields, files
-
-
-def _add_part(head: bytes, payload: bytes, fields: dict[str, Any], files: dict[str, list[bytes]]) -> None:
-    """One part (its header block, its bytes) into ``fields`` or ``files``."""
-    from email.parser import BytesHeaderParser
-    from email.policy import HTTP
-    from email.utils import collapse_rfc2231_value
-
-    part = BytesHeaderParser(policy=HTTP).parsebytes(head + b"\r\n")
-    name = part.get_param("name", header="content-disposition")
-    if not name:
-        return
-    name = collapse_rfc2231_value(name)
-    encoding = str(part.get("content-transfer-encoding", "")).strip().lower()
-    if encoding in ("base64", "quoted-printable"):  # deprecated in forms (RFC 7578) but legal
-        import binascii
-        import quopri
-
-        try:
-            payload = binascii.a2b_base64(payload) if encoding == "base64" else quopri.decodestring(payload)
-        except ValueError:
-            raise invalid(f"form part '{name}' is not valid {encoding}", name, code="invalid_body") from None
-    if part.get_filename() is not None:
-        files.setdefault(name, []).append(payload)
-        return
-    charset = part.get_content_charset() or "utf-8"
-    try:
-        fields[name] = payload.decode(charset)
-    except LookupError:
-        raise invalid(f"form field '{name}' has an unknown charset {charset!r}; send UTF-8", name,
-                      code="invalid_body") from None
-    except UnicodeDecodeError as exc:
-        raise invalid(f"form field '{name}' is not valid {charset}: {exc}", name, code="invalid_body") from None
-
-
-# ------------------------------------------------------------------------------------------ OpenAPI
-_SCHEMA_OF_KIND = {"str": {"type": "string"}, "int": {"type": "integer"}, "number": {"type": "number"},
-                   "bool": {"type": "boolean"}, "object": {"type": "object"},
-                   "str|number": {"type": ["string", "number"]}}
-
-
-def body_schema(fields: Mapping[str, str], *, accepted_defaults: Mapping[str, tuple] = (),
-                ignored: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The JSON schema of a request body read by :func:`_read_fields` (for ``/openapi.json``): the same
-    fields, kinds and accepted values, ``prompt`` required, nothing else allowed. ``null`` means "the default"."""
-    props: dict[str, Any] = {}
-    for name, kind in fields.items():
-        schema = dict(_SCHEMA_OF_KIND[kind])
-        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        schema["type"] = types + ["null"] if name != "prompt" else types[0]
-        props[name] = schema
-    for name, values in dict(accepted_defaults).items():
-        props[name] = {"enum": [*values, None]}
-    for name in ignored:
-        props[name] = {"type": ["string", "null"]}
-    return {"type": "object", "properties": props, "required": ["prompt"], "additionalProperties": False}
-
-
-def image_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
-    return body_schema(_with_model_fields(IMAGE_FIELDS, _IMAGE_SAMPLING, model_fields)[0],
-                       accepted_defaults=IMAGE_ACCEPTED_DEFAULTS, ignored=("user", "safety_identifier"))
-
-
-def video_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
-    return body_schema(_with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)[0],
-                       accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, ignored=("user",))
 
 
 # ------------------------------------------------------------------------------------------ scheduling

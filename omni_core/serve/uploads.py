@@ -14,7 +14,7 @@ import io
 import re
 from typing import Any
 
-from omni_core.serve.protocol import APIError, invalid
+from omni_core.serve.errors import APIError, invalid
 
 #: formats accepted for input images (what PIL reads safely and clients send)
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")

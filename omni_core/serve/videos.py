@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from omni_core.serve.protocol import APIError
+from omni_core.serve.errors import APIError
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 STATUSES = (QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from omni_core.serve.metrics import Histogram, ServerMetrics
-from omni_core.serve.protocol import (APIError, frames_for_seconds, parse_form, parse_image_request, parse_size,
-                                      parse_video_request)
+from omni_core.serve.bodies import parse_form
+from omni_core.serve.errors import APIError
+from omni_core.serve.fields import parse_size
+from omni_core.serve.protocol import frames_for_seconds, parse_image_request, parse_video_request
 
 
 def test_image_request_maps_openai_and_omni_fields():

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from omni_core.errors import ConfigError
-from omni_core.serve.protocol import APIError
+from omni_core.serve.errors import APIError
 
 API_KEY = "test-key"
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from omni_core.serve.protocol import APIError
+from omni_core.serve.errors import APIError
 from omni_core.testing import sse_events, wait_for
 
 API_KEY = "test-key"

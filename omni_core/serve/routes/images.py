@@ -21,9 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from omni_core.serve.errors import generation_failed, internal_error
 from omni_core.serve.media import pil_outputs, png_b64, preview_image, size_of
 from omni_core.serve.omni_server import OmniServer, current
-from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs
-from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, image_body_schema, invalid,
-                                      parse_edit_request, parse_image_request, partial_image_steps)
+from omni_core.serve.errors import invalid
+from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs, image_body_schema
+from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, parse_edit_request,
+                                      parse_image_request, partial_image_steps)
 from omni_core.serve.bodies import read_json, read_multipart, read_urlencoded
 from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.uploads import check_count, read_image

@@ -19,10 +19,11 @@ from fastapi.responses import FileResponse
 
 from omni_core.serve.media import pil_outputs
 from omni_core.serve.omni_server import OmniServer, current
-from omni_core.serve.openapi import error_doc, error_docs, form_schema
+from omni_core.serve.errors import APIError, invalid
+from omni_core.serve.openapi import error_doc, error_docs, form_schema, video_body_schema
 from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.bodies import read_json, read_multipart, read_urlencoded
-from omni_core.serve.protocol import INPUT_REFERENCE, APIError, invalid, parse_video_request, video_body_schema
+from omni_core.serve.protocol import INPUT_REFERENCE, parse_video_request
 from omni_core.serve.uploads import check_count, read_data_url, read_image
 from omni_core.serve.videos import CANCELLED, COMPLETED, FAILED, VideoJob
 
