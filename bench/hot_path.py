@@ -87,16 +87,16 @@ def measure(model: str, params, depths: list[int], totals: dict[int, int], round
 def _profile_busy_loop(engine):
     """Start a cProfile inside the engine's busy-loop thread (from its next wave on)."""
     prof = cProfile.Profile()
-    original = engine._count_wave
+    original = engine.scheduler.observe_wave
     state = {"on": False}
 
-    def count_and_profile(wall_s, metrics):  # runs on the busy-loop thread after every wave
-        original(wall_s, metrics)
+    def observe_and_profile(sched, seconds):  # runs on the busy-loop thread after every step wave
+        original(sched, seconds)
         if not state["on"]:
             prof.enable()
             state["on"] = True
 
-    engine._count_wave = count_and_profile
+    engine.scheduler.observe_wave = observe_and_profile
     return prof
 
 

@@ -22,6 +22,7 @@ from omni_core.engine.model_info import ModelInfo, ProgressFn
 if TYPE_CHECKING:
     from omni_core.config import OmniDiffusionConfig, RequestLimits
     from omni_core.engine.handle import RequestHandle
+    from omni_core.engine.plan import EnginePlan
     from omni_core.request import OmniDiffusionRequest
 
 
@@ -69,8 +70,9 @@ class EngineClient(Protocol):
         ...
 
 
-def start_engine(config: OmniDiffusionConfig, **kwargs: Any) -> EngineClient:
-    """Build the in-process engine for ``config`` and run its start-up warm-up (``config.warmup``)."""
+def start_engine(config: OmniDiffusionConfig | EnginePlan, **kwargs: Any) -> EngineClient:
+    """Build the in-process engine for ``config`` (or a plan made of it, ``plan_engine``) and run its start-up
+    warm-up (``config.warmup``)."""
     from omni_core.engine.engine import DiffusionEngine
 
     return DiffusionEngine.make_engine(config, **kwargs)

@@ -97,7 +97,7 @@ class StepBatchMode(ExecutionStrategy):
 
     def pipeline_depth(self, executor: Any) -> int:
         """Step waves are small and many: an executor that queues them (``step_pipeline_depth``, ``mp``) gets the
-        next one before the current one's result, hiding the round trip (``DiffusionEngine._pipelined_loop``)."""
+        next one before the current one's result, hiding the round trip (``omni_core.engine.steps.PipelinedSteps``)."""
         return max(1, int(getattr(executor, "step_pipeline_depth", 1)))
 
 

@@ -146,11 +146,10 @@ class OmniPipeline:
     @classmethod
     def check_images(cls, request: OmniDiffusionRequest, limits: RequestLimits) -> OmniDiffusionRequest:
         """Check the request's input images against ``image_input`` and the limits (engine process, before any
-        work), then give the request their transport form (``uint8`` tensors) and their batch-key part."""
+        work), then give the request their transport form (``uint8`` tensors) and their batch-key part. Runs once
+        per request: the engine does not check a prepared request again."""
         from omni_core import images as im
 
-        if request.images and all(hasattr(image, "dtype") for image in request.images):
-            return request  # already checked and converted (a request prepared before it is submitted)
         im.check_images(request.images, cls.image_input, model=cls.__name__, max_image_pixels=limits.max_image_pixels)
         if request.images:
             request.batch_extra = cls.image_input.batch_key(request.images)

@@ -4,8 +4,8 @@ The waves they produce and consume (``DiffusionSchedulerOutput``, ``RunnerOutput
 """
 
 from omni_core.sched.base import BaseScheduler
-from omni_core.sched.interface import DiffusionRequestStatus, SchedulerRequestState
+from omni_core.sched.interface import DiffusionRequestStatus, SchedulerInterface, SchedulerRequestState
 from omni_core.sched.request_scheduler import RequestScheduler
 from omni_core.sched.step_scheduler import StepScheduler
 
-__all__ = ["BaseScheduler", "DiffusionRequestStatus", "RequestScheduler", "SchedulerRequestState", "StepScheduler"]
+__all__ = ["BaseScheduler", "DiffusionRequestStatus", "RequestScheduler", "SchedulerInterface", "SchedulerRequestState", "StepScheduler"]

@@ -11,13 +11,13 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest
 from omni_core.sched.capacity import fit_pixels
 from omni_core.sched.cost import StepCostModel, request_tokens
-from omni_core.sched.interface import DiffusionRequestStatus, SchedulerRequestState
+from omni_core.sched.interface import DiffusionRequestStatus, SchedulerInterface, SchedulerRequestState
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 S = DiffusionRequestStatus
 
 
-class BaseScheduler:
+class BaseScheduler(SchedulerInterface):
     """Request lifecycle; subclasses decide admission (``_admit``) and what a batch key contains.
 
     Admission avoids head-of-line blocking: an idle scheduler takes the compatibility group of the
@@ -319,7 +319,7 @@ class BaseScheduler:
                 continue
             if not out.finished:
                 continue
-            status = {"completed": S.FINISHED_COMPLETED, "aborted": S.FINISHED_ABORTED}.get(out.status, S.FINISHED_ERROR)
+            status = S.of_output(out.status)
             out.metrics["preemptions"] = st.preemptions
             self._finish(rid, status, out.error)
             ended[rid] = status
