@@ -139,3 +139,31 @@ def test_layer_reads_the_config_being_loaded(levels):
     assert Attention(2, 8).backend_name == "TORCH_SDPA"  # outside: the platform default
     cross.set_backend("BY_ENV")
     assert cross.backend_name == "BY_ENV" and cross.selection.source == "attention_config.default"
+
+
+def test_platform_default_comes_from_the_records():
+    """No name in the core: the highest default_priority that passes the walk, else the portable record."""
+    from omni_core.platforms.cpu import CpuPlatform
+    from omni_core.testing.kernel_stand_ins import FAST, PORTABLE, stand_in_kernels
+
+    cpu = CpuPlatform()
+    with stand_in_kernels(fast_devices=("cpu",)):
+        assert cpu.default_attention_backend(64, "bfloat16") == FAST  # runs here, ranks higher
+        assert cpu.default_attention_backend(64, None) == PORTABLE  # float32 (the CPU's dtype): not fast's
+        assert select(AttentionConfig(), dtype="bfloat16") == (FAST, "platform default (cpu)")
+    with stand_in_kernels(fast_ok=False, fast_devices=("cpu",)):
+        assert cpu.default_attention_backend(64, "bfloat16") == PORTABLE
+    with stand_in_kernels(fast_devices=("cpu",)):
+        cpu.fast_attention_allowed = lambda: (False, None)  # a platform that allows no fast kernel here
+        assert cpu.default_attention_backend(64, "bfloat16") == PORTABLE
+
+
+def test_no_attention_plugin_is_an_error_naming_the_kind():
+    from omni_core.attention.selector import default_backend
+    from omni_core.plugins.manager import OmniPluginManager
+
+    pm = OmniPluginManager(strict=True)
+    pm.load_builtins()
+    with pytest.raises(ComponentUnavailableError, match="no attention backend plugin is installed.*plugin kind "
+                                                        "'attention'"):
+        default_backend(device_type="cpu", dtype="float32", head_size=64, pm=pm)

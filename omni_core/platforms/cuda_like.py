@@ -1,9 +1,10 @@
 """The base of platforms that run through torch's ``torch.cuda`` API (NVIDIA CUDA, AMD ROCm/HIP).
 
 Both answer to ``torch.cuda`` with torch device type ``"cuda"`` and torch's ``nccl`` backend (RCCL on ROCm), so
-the device methods and the choice of the default attention kernel live here once; a plugin declares only what
-differs (its name, its detection, the compute capabilities on which FLASH_ATTN is the default). torch is
-imported inside methods only, so importing a platform plugin stays cheap and creates no device context.
+the device methods and the rule for the default attention kernel live here once; a plugin declares only what
+differs (its name, its detection, the compute capabilities on which a fast kernel may be the default; which
+kernel that is, the installed backends' records say). torch is imported inside methods only, so importing a
+platform plugin stays cheap and creates no device context.
 """
 
 from __future__ import annotations
@@ -12,37 +13,17 @@ from typing import Any
 
 from omni_core.platforms.interface import Platform
 
-FLASH_ATTN = "FLASH_ATTN"
-FALLBACK_ATTENTION = "TORCH_SDPA"
-
-
-def flash_attention_usable(head_size: int, dtype: Any, capability: tuple[int, int] | None = None, *,
-                           device_type: str = "cuda", pm: Any = None) -> tuple[bool, str]:
-    """Whether the FLASH_ATTN plugin is installed and, by its own rules (the availability walk), runs here for
-    this head size and dtype and (given the GPU's ``capability``) has a kernel built for that architecture."""
-    from omni_core.plugins.availability import Context, check_record
-
-    if pm is None:
-        from omni_core.plugins.manager import get_plugin_manager
-
-        pm = get_plugin_manager()
-    spec = pm.components("attention").get(FLASH_ATTN)
-    if spec is None:
-        return False, "the FLASH_ATTN plugin (omni-attention-flash) is not installed"
-    av = check_record(spec, Context(device_type=device_type, dtype=dtype, head_size=head_size, capability=capability))
-    return av.ok, av.reason
-
 
 class CudaLikePlatform(Platform):
     """A platform driven through ``torch.cuda``; subclasses set ``name`` and implement ``is_available`` and
-    ``device_count`` (detection differs), and may bound where FLASH_ATTN is the default."""
+    ``device_count`` (detection differs), and may bound where a fast attention kernel is the default."""
 
     device_type = "cuda"
     dist_backend = "nccl"
     default_dtype = "bfloat16"
-    #: inclusive range of compute capabilities on which FLASH_ATTN may be the default (None: no bound, and the
-    #: capability is not asked)
-    flash_capabilities: tuple[tuple[int, int], tuple[int, int]] | None = None
+    #: inclusive range of compute capabilities on which a fast (non-portable) attention kernel may be the default
+    #: (None: no bound, and the capability is not asked); outside it the portable one is
+    fast_attention_capabilities: tuple[tuple[int, int], tuple[int, int]] | None = None
 
     def set_device(self, device: Any) -> None:
         import torch
@@ -86,19 +67,11 @@ class CudaLikePlatform(Platform):
 
         return tuple(torch.cuda.get_device_capability(device))
 
-    def flash_attention_usable(self, head_size: int, dtype: Any, capability: tuple[int, int] | None = None
-                               ) -> tuple[bool, str]:
-        """:func:`flash_attention_usable` on this platform's device type."""
-        return flash_attention_usable(head_size, dtype, capability, device_type=self.device_type)
-
-    def default_attention_backend(self, head_size: int, dtype: Any) -> str:
-        """FLASH_ATTN where it is installed, takes ``head_size``/``dtype`` (None: the platform's default dtype) and,
-        if ``flash_capabilities`` bounds it, this GPU is in range and has a kernel built for it; else TORCH_SDPA."""
-        cap = None
-        if self.flash_capabilities is not None:
-            low, high = self.flash_capabilities
-            cap = self.capability()
-            if not low <= cap <= high:
-                return FALLBACK_ATTENTION
-        ok, _ = self.flash_attention_usable(head_size, dtype if dtype is not None else self.default_dtype, cap)
-        return FLASH_ATTN if ok else FALLBACK_ATTENTION
+    def fast_attention_allowed(self) -> tuple[bool, tuple[int, int] | None]:
+        """A fast kernel only on a GPU inside ``fast_attention_capabilities`` (asked only when it bounds), and
+        that kernel must have been built for this GPU's capability (its record's walk checks it)."""
+        if self.fast_attention_capabilities is None:
+            return True, None
+        low, high = self.fast_attention_capabilities
+        cap = self.capability()
+        return low <= cap <= high, cap

@@ -61,9 +61,20 @@ class Platform:
     def reset_peak_memory(self, device: Any = None) -> None:
         """Start a new peak for :meth:`peak_memory_bytes` at what ``device`` holds now (no-op where unknown)."""
 
+    def fast_attention_allowed(self) -> tuple[bool, tuple[int, int] | None]:
+        """Whether a fast (non-portable) attention kernel may be the default here, and the compute capability it
+        must serve (None: not asked). The platform states this preference; the kernels' records decide the rest."""
+        return True, None
+
     def default_attention_backend(self, head_size: int, dtype: Any) -> str:
-        """The attention backend this platform prefers for a head size and dtype."""
-        return "TORCH_SDPA"
+        """The attention backend to use here for a head size and dtype (None: the platform's default dtype) when
+        nothing names one: the installed backends' records decide
+        (:func:`~omni_core.attention.selector.default_backend`), within :meth:`fast_attention_allowed`."""
+        from omni_core.attention.selector import default_backend
+
+        fast, capability = self.fast_attention_allowed()
+        return default_backend(device_type=self.device_type, dtype=dtype if dtype is not None else self.default_dtype,
+                               head_size=head_size, capability=capability, portable_only=not fast)
 
     def describe(self) -> dict[str, Any]:
         ok, reason = self.is_available()

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from omni_core.options import Option, option_tuple
 from omni_core.sampling_fields import SamplingField, check_declarations
 
 _IMPL_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -99,12 +100,28 @@ class PlatformSpec(ComponentSpec):
 
 @attrs.frozen(kw_only=True)
 class AttentionBackendSpec(ComponentSpec):
-    """An attention kernel (``impl``: an ``AttentionBackend`` subclass)."""
+    """An attention kernel (``impl``: an ``AttentionBackend`` subclass).
+
+    Where no configuration names a backend, the platform's default is chosen from these records (the core names
+    no kernel): the installed backend of highest ``default_priority`` that passes the availability walk for the
+    layer's device type, dtype and head size; a ``portable`` one when none does."""
+
+    #: rank among the installed backends when nothing names one (higher wins); None: chosen only by name (e.g.
+    #: a quantized kernel whose numbers differ from the reference's)
+    default_priority: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(int)))
+    #: a portable reference implementation (every device the platform runs, every float dtype and head size):
+    #: the default where a platform allows no fast kernel, and the last resort when no backend passes the walk
+    portable: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)
 class CacheBackendSpec(ComponentSpec):
     """A step cache (``impl``: a ``CacheBackend`` subclass)."""
+
+    #: the keys its ``cache_config`` takes (:class:`~omni_core.options.Option` records): checked by the core when
+    #: the config is built, listed by ``omni env`` and ``--help``; a backend with none checks its own
+    options: tuple[Option, ...] = attrs.field(default=(), converter=tuple, validator=option_tuple())
 
 
 @attrs.frozen(kw_only=True)
@@ -147,6 +164,10 @@ class SchedulerSpec(ComponentSpec):
 @attrs.frozen(kw_only=True)
 class ExecutorSpec(ComponentSpec):
     """An executor (``impl``: a ``DiffusionExecutor`` subclass)."""
+
+    #: its options (:class:`~omni_core.options.Option` records), given as ``<name>_<option>=`` to ``Omni(...)``
+    #: and ``--<name>-<option>`` to the CLI; checked by the core, listed by ``omni env`` and ``--help``
+    options: tuple[Option, ...] = attrs.field(default=(), converter=tuple, validator=option_tuple())
 
 
 @attrs.frozen

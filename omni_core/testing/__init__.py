@@ -203,7 +203,7 @@ def tiny_dit_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     importlib.invalidate_caches()
     reset_plugin_manager()
     try:
-        # built once registered: where no attention plugin is installed, the entry point provides TORCH_SDPA
+        # built once registered: where no attention plugin is installed, the entry point provides a portable kernel
         build_tiny_dit(path)
         yield path
     finally:

@@ -1,4 +1,4 @@
-"""Attention backend contract tests: a backend must match ``TORCH_SDPA``'s math within a tolerance.
+"""Attention backend contract tests: a backend must match torch SDPA's math within a tolerance.
 
 A plugin's test module subclasses :class:`AttentionBackendContract` and sets ``backend_name``::
 
@@ -207,7 +207,7 @@ class AttentionBackendContract:
         ref = reference_attention(query, key, value, attn_mask, causal=causal, scale=scale)
         atol, rtol = self.tolerance(dtype)
         torch.testing.assert_close(out.detach().to("cpu", torch.float64), ref, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{self.backend_name} vs TORCH_SDPA reference ({what}, {dtype}): {m}")
+                                   msg=lambda m: f"{self.backend_name} vs torch SDPA reference ({what}, {dtype}): {m}")
 
     def run_layer(self, layer: Any, q: Any, k: Any, v: Any, attn_mask: Any = None) -> Any:
         import torch
@@ -347,7 +347,7 @@ class AttentionBackendContract:
         self.require(backend, dtype, device)
         shape = self.fit_head_size(backend, SHAPES["cross"])
         self.require_head_size(backend, shape[-1])
-        cfg = AttentionConfig(default="TORCH_SDPA", per_role={"cross": self.backend_name})
+        cfg = AttentionConfig(per_role={"cross": self.backend_name})  # other roles: the platform's default
         by_role = self.layer(shape, role="cross", attention_config=cfg)
         by_category = self.layer(shape, role="wan.attn2", role_category="cross", attention_config=cfg)
         with use_config(OmniDiffusionConfig(model="contract-test", attention_config=cfg, dtype=dtype)):

@@ -321,17 +321,17 @@ class PipelineContract:
                 assert not type(processor).__module__.startswith("diffusers."), \
                     f"{spec.name}.{name} still runs diffusers' {type(processor).__name__}, not an Omni processor"
         # per_role by role, then by role category: the selection names where it came from
-        role = layers[0].role
-        by_role = load_model(contract_model_path, attention_config={"per_role": {role: "TORCH_SDPA"}})
+        role, backend = layers[0].role, layers[0].backend_name  # the platform's default here, named explicitly
+        by_role = load_model(contract_model_path, attention_config={"per_role": {role: backend}})
         for layer in omni_layers(by_role):
             if layer.role == role:
-                assert (layer.backend_name, layer.selection.source) == ("TORCH_SDPA", f"per_role[{role!r}]")
+                assert (layer.backend_name, layer.selection.source) == (backend, f"per_role[{role!r}]")
             else:
                 assert layer.selection.source != f"per_role[{role!r}]"
         categorised = next((layer for layer in layers if layer.role_category not in (None, layer.role)), None)
         if categorised is not None:  # a model role (e.g. "joint") is chosen by its category too
             category = categorised.role_category
-            by_category = load_model(contract_model_path, attention_config={"per_role": {category: "TORCH_SDPA"}})
+            by_category = load_model(contract_model_path, attention_config={"per_role": {category: backend}})
             assert {layer.selection.source for layer in omni_layers(by_category) if layer.role_category == category
                     } == {f"per_role[{category!r}] (role category)"}
         # a batch of requests (one with a negative prompt) is one call per layer and step

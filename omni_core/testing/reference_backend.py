@@ -1,5 +1,6 @@
-"""A minimal ``torch.nn.functional.scaled_dot_product_attention`` backend for tests run without the
-``omni-attention-sdpa`` plugin (registered by :mod:`omni_core.testing.tiny_dit_plugin` only then)."""
+"""``TESTING_REFERENCE``: a minimal ``torch.nn.functional.scaled_dot_product_attention`` kernel for tests run
+without an attention plugin (registered by :mod:`omni_core.testing.tiny_dit_plugin` only where
+``omni-attention-sdpa`` is not installed; its record is portable, so the platform's default picks it there)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from omni_core.attention.backend import ALL_FLOAT_DTYPES, AttentionBackend, Atte
 from omni_core.attention.tensors import dense_mask, expand_kv_heads
 
 
-class ReferenceSDPAImpl(AttentionImpl):
+class ReferenceImpl(AttentionImpl):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -21,8 +22,8 @@ class ReferenceSDPAImpl(AttentionImpl):
         return out.transpose(1, 2)
 
 
-class ReferenceSDPABackend(AttentionBackend):
-    name = "TORCH_SDPA"
+class ReferenceBackend(AttentionBackend):
+    name = "TESTING_REFERENCE"
     supported_dtypes = ALL_FLOAT_DTYPES
     supported_devices = ("cpu", "cuda")
     supports_mask = True
@@ -30,4 +31,4 @@ class ReferenceSDPABackend(AttentionBackend):
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
-        return ReferenceSDPAImpl
+        return ReferenceImpl

@@ -4,9 +4,9 @@ The ``tiny_dit_model`` fixture installs it for the test session as a real entry 
 on ``sys.path`` and ``PYTHONPATH``), so every plugin manager -- including fresh ones that fixtures create, and
 those of spawned workers and ``omni`` subprocesses -- finds it like any installed plugin.
 
-Where the ``omni-attention-sdpa`` plugin is not installed (a cache plugin tested alone), it also registers
-``TORCH_SDPA`` (the CPU platform's default) from :mod:`omni_core.testing.reference_backend`, so the model's
-attention runs with only the core installed. Imports nothing heavy.
+Where the ``omni-attention-sdpa`` plugin is not installed (a cache plugin tested alone), it also registers the
+portable ``TESTING_REFERENCE`` kernel from :mod:`omni_core.testing.reference_backend`, which the platform's default
+then picks from its record, so the model's attention runs with only the core installed. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ SAMPLING_FIELDS = (CONTEXT_SCALE,)
 
 #: the distribution name of the session-installed entry point
 DIST_NAME = "omni-testing-tiny-dit"
+#: the stand-in attention kernel's name (registered only where omni-attention-sdpa is not installed)
+REFERENCE_BACKEND = "TESTING_REFERENCE"
 ENTRY_POINT = "testing-tiny-dit"
 
 
@@ -49,8 +51,8 @@ def _sdpa_plugin_installed() -> bool:
 def omni_register_attention_backends():
     if _sdpa_plugin_installed():
         return []
-    return [AttentionBackendSpec(name="TORCH_SDPA", impl="omni_core.testing.reference_backend:ReferenceSDPABackend",
-                                 requires=("torch",),
+    return [AttentionBackendSpec(name=REFERENCE_BACKEND, impl="omni_core.testing.reference_backend:ReferenceBackend",
+                                 requires=("torch",), portable=True, default_priority=-1,
                                  description="test-only stand-in for omni-attention-sdpa (torch SDPA, masks)")]
 
 

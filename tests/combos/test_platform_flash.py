@@ -26,26 +26,50 @@ def fresh_pm(*plugins: tuple[object, str, str]) -> OmniPluginManager:
     return pm
 
 
-def test_flash_usability_asks_the_flash_plugin(monkeypatch):
-    """The platform defers to FLASH_ATTN's own rules: installed and importable, head size, dtype."""
-    fb = pytest.importorskip("omni_attention_flash.backend")
-    import omni_attention_flash.hooks as flash_hooks
+def flash_usable(head_size, dtype, capability=None):
+    """FLASH_ATTN's own verdict, by the availability walk the platform's default choice runs."""
+    from omni_core.plugins.availability import Context, check_component
 
-    previous = set_plugin_manager(fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash")))
+    av = check_component("attention", "FLASH_ATTN", Context(device_type="cuda", dtype=dtype, head_size=head_size,
+                                                             capability=capability))
+    return av.ok, av.reason
+
+
+def flash_and_sdpa():
+    import omni_attention_flash.hooks as flash_hooks
+    import omni_attention_sdpa.hooks as sdpa_hooks
+
+    return fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash"),
+                    (sdpa_hooks, "attention-sdpa", "omni-attention-sdpa"))
+
+
+def test_flash_usability_asks_the_flash_plugin(monkeypatch):
+    """The platform's default defers to FLASH_ATTN's own rules: installed and importable, head size, dtype."""
+    from omni_core.errors import ComponentUnavailableError
+
+    fb = pytest.importorskip("omni_attention_flash.backend")
+    pytest.importorskip("omni_attention_sdpa")
+    monkeypatch.setattr(cp.CudaPlatform, "fast_attention_capabilities", None)  # the arch rules: tests below
+    previous = set_plugin_manager(flash_and_sdpa())
     try:
         if not fb.FlashAttentionBackend.is_available()[0]:
-            ok, why = cp.CudaPlatform().flash_attention_usable(64, "bfloat16")
+            ok, why = flash_usable(64, "bfloat16")
             assert not ok and "no flash attention library" in why
+            assert cp.CudaPlatform().default_attention_backend(64, "bfloat16") == "TORCH_SDPA"
         monkeypatch.setattr(fb.FlashAttentionBackend, "is_available", classmethod(lambda cls: (True, "")))
-        assert cp.CudaPlatform().flash_attention_usable(64, "bfloat16") == (True, "")
-        assert cp.CudaPlatform().flash_attention_usable(128, "float16") == (True, "")
-        ok, why = cp.CudaPlatform().flash_attention_usable(100, "bfloat16")
+        assert flash_usable(64, "bfloat16") == (True, "")
+        assert flash_usable(128, "float16") == (True, "")
+        assert cp.CudaPlatform().default_attention_backend(64, "bfloat16") == "FLASH_ATTN"
+        ok, why = flash_usable(100, "bfloat16")
         assert not ok and "head size 100" in why
-        ok, why = cp.CudaPlatform().flash_attention_usable(64, "float32")
+        assert cp.CudaPlatform().default_attention_backend(100, "bfloat16") == "TORCH_SDPA"
+        ok, why = flash_usable(64, "float32")
         assert not ok and "float32" in why
-        set_plugin_manager(fresh_pm())  # no flash plugin installed
-        ok, why = cp.CudaPlatform().flash_attention_usable(64, "bfloat16")
-        assert not ok and "omni-attention-flash" in why
+        assert cp.CudaPlatform().default_attention_backend(64, "float32") == "TORCH_SDPA"
+        set_plugin_manager(fresh_pm())  # no attention plugin installed: the error names the missing kind
+        with pytest.raises(ComponentUnavailableError, match="no attention backend plugin is installed.*"
+                                                            "plugin kind 'attention'"):
+            cp.CudaPlatform().default_attention_backend(64, "bfloat16")
     finally:
         set_plugin_manager(previous)
 
@@ -73,8 +97,7 @@ def test_flash_usability_here():
 
     if FlashAttentionBackend.is_available()[0]:
         pytest.skip("a flash attention library is usable here")
-    ok, why = pytest.importorskip('omni_platform_rocm.platform').RocmPlatform().flash_attention_usable(
-        64, "bfloat16")
+    ok, why = flash_usable(64, "bfloat16")
     assert not ok and why
 
 
@@ -106,7 +129,7 @@ def test_only_fa3_installed_is_the_default_on_ampere_and_newer(monkeypatch, cap,
     import torch
 
     fb = pytest.importorskip("omni_attention_flash.backend")
-    import omni_attention_flash.hooks as flash_hooks
+    pytest.importorskip("omni_attention_sdpa")
 
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.version, "hip", None)
@@ -114,11 +137,11 @@ def test_only_fa3_installed_is_the_default_on_ampere_and_newer(monkeypatch, cap,
     monkeypatch.setattr(fb, "_imported", {"flash_attn_interface": _fa3_module()})
     monkeypatch.setattr(fb, "initialised_capability", lambda: None)
     monkeypatch.setattr(cp.CudaPlatform, "capability", lambda self, device=None: cap)
-    previous = set_plugin_manager(fresh_pm((flash_hooks, "attention-flash", "omni-attention-flash")))
+    previous = set_plugin_manager(flash_and_sdpa())
     try:
         assert fb.FlashAttentionBackend.is_available() == (True, "")  # installed and importable
         assert cp.CudaPlatform().default_attention_backend(128, torch.bfloat16) == expected
-        ok, why = cp.CudaPlatform().flash_attention_usable(128, "bfloat16", cap)
+        ok, why = flash_usable(128, "bfloat16", cap)
         assert ok is (expected == "FLASH_ATTN") and reason in why
         if reason:
             assert "flash_attn is not installed" in why  # and which library would serve this GPU
@@ -129,27 +152,31 @@ def test_only_fa3_installed_is_the_default_on_ampere_and_newer(monkeypatch, cap,
 # ---------------------------------------------------------------- one CUDA-like base
 def test_cuda_and_rocm_are_thin_subclasses_of_the_core_base():
     """The torch.cuda methods and the default-kernel choice live once, in the core; each plugin declares what
-    differs (name, detection, where FLASH_ATTN may be the default)."""
+    differs (name, detection, where a fast kernel may be the default)."""
     from omni_core.platforms.cuda_like import CudaLikePlatform
 
     rp = pytest.importorskip("omni_platform_rocm.platform")
-    shared = ("set_device", "synchronize", "empty_cache", "memory_stats", "capability", "flash_attention_usable",
+    shared = ("set_device", "synchronize", "empty_cache", "memory_stats", "capability", "fast_attention_allowed",
               "default_attention_backend", "device_type", "dist_backend", "default_dtype")
     for cls in (cp.CudaPlatform, rp.RocmPlatform):
         assert issubclass(cls, CudaLikePlatform)
         assert not set(shared) & set(vars(cls)), cls
         assert set(vars(cls)) - {"__module__", "__doc__", "__qualname__"} <= {
-            "name", "flash_capabilities", "is_available", "device_count", "__firstlineno__", "__static_attributes__"}
-    assert cp.CudaPlatform.flash_capabilities == ((8, 0), (9, 0)) and rp.RocmPlatform.flash_capabilities is None
+            "name", "fast_attention_capabilities", "is_available", "device_count", "__firstlineno__", "__static_attributes__"}
+    assert cp.CudaPlatform.fast_attention_capabilities == ((8, 0), (9, 0))
+    assert rp.RocmPlatform.fast_attention_capabilities is None
 
 
 def test_rocm_asks_no_capability(monkeypatch):
-    """ROCm does not bound FLASH_ATTN by compute capability, so it never initialises the device to ask."""
+    """ROCm does not bound fast kernels by compute capability, so it never initialises the device to ask."""
     rp = pytest.importorskip("omni_platform_rocm.platform")
 
     def boom(self, device=None):
         raise AssertionError("capability asked")
 
     monkeypatch.setattr(rp.RocmPlatform, "capability", boom)
-    monkeypatch.setattr(rp.RocmPlatform, "flash_attention_usable", lambda self, h, d, cap=None: (cap is None, ""))
-    assert rp.RocmPlatform().default_attention_backend(64, None) == "FLASH_ATTN"
+    from omni_core.testing.kernel_stand_ins import FAST, stand_in_kernels
+
+    with stand_in_kernels() as asked:
+        assert rp.RocmPlatform().default_attention_backend(64, None) == FAST
+    assert asked == [(64, "bfloat16", None)]

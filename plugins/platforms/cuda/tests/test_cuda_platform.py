@@ -57,12 +57,14 @@ assert not torch.cuda.is_initialized(), "detection initialised CUDA"
     ((9, 0), False, "TORCH_SDPA"),
 ])
 def test_default_attention_by_capability(monkeypatch, cap, flash_ok, expected):
-    asked = []
+    """The platform bounds where a fast kernel may be the default; the kernels' records pick it (stand-ins here:
+    FLASH_ATTN's place is taken by a fast stand-in, TORCH_SDPA's by a portable one)."""
+    from omni_core.testing.kernel_stand_ins import FAST, PORTABLE, stand_in_kernels
+
     monkeypatch.setattr(cp.CudaPlatform, "capability", lambda self, device=None: cap)
-    monkeypatch.setattr(cp.CudaPlatform, "flash_attention_usable",
-                        lambda self, head_size, dtype, capability: asked.append((head_size, dtype, capability))
-                        or (flash_ok, ""))
-    assert cp.CudaPlatform().default_attention_backend(128, None) == expected
+    with stand_in_kernels(fast_ok=flash_ok) as asked:
+        chosen = cp.CudaPlatform().default_attention_backend(128, None)
+    assert chosen == {"FLASH_ATTN": FAST, "TORCH_SDPA": PORTABLE}[expected]
     assert asked in ([], [(128, "bfloat16", cap)])  # dtype None means the platform's default dtype
 
 

@@ -37,12 +37,13 @@ assert not torch.cuda.is_initialized(), "detection initialised the device runtim
 
 @pytest.mark.parametrize(("flash_ok", "expected"), [(True, "FLASH_ATTN"), (False, "TORCH_SDPA")])
 def test_default_attention(monkeypatch, flash_ok, expected):
-    asked = []
-    monkeypatch.setattr(rp.RocmPlatform, "flash_attention_usable",
-                        lambda self, head_size, dtype, capability=None: asked.append((head_size, dtype))
-                        or (flash_ok, ""))
-    assert rp.RocmPlatform().default_attention_backend(64, "float16") == expected
-    assert asked == [(64, "float16")]
+    """Any GPU: the fast kernel where its record's checks pass, else the portable one (stand-ins for both)."""
+    from omni_core.testing.kernel_stand_ins import FAST, PORTABLE, stand_in_kernels
+
+    with stand_in_kernels(fast_ok=flash_ok) as asked:
+        chosen = rp.RocmPlatform().default_attention_backend(64, "float16")
+    assert chosen == {"FLASH_ATTN": FAST, "TORCH_SDPA": PORTABLE}[expected]
+    assert asked == ([(64, "float16", None)] if flash_ok else [])  # no capability asked on ROCm
 
 
 def test_platform_facts():

@@ -12,6 +12,8 @@ def omni_register_attention_backends():
         name="FLASH_ATTN",
         impl="omni_attention_flash.backend:FlashAttentionBackend",
         requires=("torch",),
+        # preferred over the portable kernel wherever it runs (its own checks: library, dtype, head size, arch)
+        default_priority=10,
         description="FlashAttention 2/3 on CUDA (aiter or flash-attn on ROCm); fp16/bf16, head sizes 8..256 "
                     "(multiples of 8), key-padding masks via varlen",
     )]

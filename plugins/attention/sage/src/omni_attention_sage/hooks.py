@@ -7,7 +7,8 @@ from omni_core.plugins.types import AttentionBackendSpec
 @hookimpl
 def omni_register_attention_backends():
     # `requires` names only torch: SageAttentionBackend.is_available() gives the better reason for sageattention
-    # (missing, or PyPI's 1.x where 2.x is needed, or failing to import).
+    # (missing, or PyPI's 1.x where 2.x is needed, or failing to import). No default_priority: its quantized
+    # numbers differ from the reference's, so it runs only where a configuration names it.
     return [AttentionBackendSpec(
         name="SAGE_ATTN",
         impl="omni_attention_sage.backend:SageAttentionBackend",

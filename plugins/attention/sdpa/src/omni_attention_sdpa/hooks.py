@@ -10,5 +10,8 @@ def omni_register_attention_backends():
         name="TORCH_SDPA",
         impl="omni_attention_sdpa.backend:TorchSDPABackend",
         requires=("torch",),
+        # the portable kernel: the default wherever no faster backend passes its checks (CPU, NPU, float32)
+        default_priority=0,
+        portable=True,
         description="torch scaled_dot_product_attention; any device, head size and float dtype; masks",
     )]

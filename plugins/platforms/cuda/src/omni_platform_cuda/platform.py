@@ -15,8 +15,9 @@ from typing import NamedTuple
 from omni_core.platforms.cuda_like import CudaLikePlatform
 
 NAME = "cuda"
-#: compute capabilities on which FLASH_ATTN is the default (Ampere .. Hopper)
-FLASH_DEFAULT_CAPABILITIES = ((8, 0), (9, 0))
+#: compute capabilities on which a fast attention kernel (FLASH_ATTN, where installed) may be the default:
+#: Ampere .. Hopper, the range validated; elsewhere the portable kernel is
+FAST_ATTENTION_CAPABILITIES = ((8, 0), (9, 0))
 
 
 class CudaProbe(NamedTuple):
@@ -55,11 +56,11 @@ def detect() -> tuple[bool, str]:
 
 
 class CudaPlatform(CudaLikePlatform):
-    """FLASH_ATTN by default on sm80..sm90 where an installed kernel is built for the GPU (current FA3 and
-    flash-attn 2 both run on sm80+; FA3 is preferred on sm90), else TORCH_SDPA."""
+    """A fast attention kernel by default on sm80..sm90 where an installed one is built for the GPU (FLASH_ATTN:
+    current FA3 and flash-attn 2 both run on sm80+; FA3 is preferred on sm90), else the portable one."""
 
     name = NAME
-    flash_capabilities = FLASH_DEFAULT_CAPABILITIES
+    fast_attention_capabilities = FAST_ATTENTION_CAPABILITIES
 
     def is_available(self) -> tuple[bool, str]:
         return detect()

@@ -79,7 +79,3 @@ class NpuPlatform(Platform):
         free, total = npu.mem_get_info(device)
         return {"allocated": npu.memory_allocated(device), "reserved": npu.memory_reserved(device),
                 "total": total, "free": free}
-
-    def default_attention_backend(self, head_size: int, dtype: Any) -> str:
-        """TORCH_SDPA, which torch_npu implements for the npu device (no NPU kernel plugin exists yet)."""
-        return "TORCH_SDPA"

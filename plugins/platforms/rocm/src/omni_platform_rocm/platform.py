@@ -49,8 +49,8 @@ def detect() -> tuple[bool, str]:
 
 
 class RocmPlatform(CudaLikePlatform):
-    """FLASH_ATTN by default when it is installed (flash-attn for ROCm or aiter) and takes the head size and
-    dtype, on any GPU; else TORCH_SDPA."""
+    """A fast attention kernel by default on any GPU where one is installed and takes the head size and dtype
+    (FLASH_ATTN: flash-attn for ROCm or aiter), else the portable one; the kernels' records decide."""
 
     name = NAME
 
