@@ -70,6 +70,17 @@ class Attention(nn.Module):
             **self.selection.spec.options)
         self._checked: set[tuple] = set()
 
+    def split_heads(self, parts: int) -> None:
+        """Hold ``1/parts`` of the heads (tensor parallelism split the projections feeding this layer)."""
+        if self.num_heads % parts or self.num_kv_heads % parts:
+            raise ValueError(f"attention layer {self.prefix or self.role!r}: {parts} ranks cannot split "
+                             f"{self.num_heads} heads / {self.num_kv_heads} key-value heads")
+        self.num_heads //= parts
+        self.num_kv_heads //= parts
+        self.impl = self.selection.backend_cls.get_impl_cls()(
+            self.num_heads, self.head_size, self.softmax_scale, self.causal, self.num_kv_heads,
+            **self.selection.spec.options)
+
     def set_backend(self, backend: str | AttentionSpec | dict) -> None:
         """Switch this layer to another backend (an explicit choice: errors if it cannot run here)."""
         self._select(AttentionConfig(default=AttentionSpec.coerce(backend)))

@@ -24,7 +24,7 @@ class ParallelConfig(_FromKwargs):
     ring_degree: int = attrs.field(default=1, validator=int_field(min=1))
     cfg_parallel_size: int = attrs.field(default=1, validator=int_field(min=1, max=2))
     data_parallel_size: int = attrs.field(default=1, validator=int_field(min=1))
-    tensor_parallel_size: int = attrs.field(default=1, validator=int_field(min=1, max=1))
+    tensor_parallel_size: int = attrs.field(default=1, validator=int_field(min=1))
     pipeline_parallel_size: int = attrs.field(default=1, validator=int_field(min=1, max=1))
 
     @classmethod
@@ -62,15 +62,25 @@ class ParallelConfig(_FromKwargs):
                 f"parallel_config needs {self.describe_world()} but the world size is {world_size}; make the "
                 f"product of ulysses_degree, ring_degree, cfg_parallel_size, data_parallel_size (x tp x pp) "
                 f"equal the number of worker processes", field="parallel_config")
+        tp = self.tensor_parallel_size
         for heads, what in ((num_heads, "attention heads"), (num_kv_heads, "key/value heads")):
+            if heads is not None and tp > 1 and heads % tp:
+                ok = [d for d in range(1, heads + 1) if heads % d == 0]
+                raise ConfigError(
+                    f"ParallelConfig.tensor_parallel_size={tp} is invalid: tensor parallelism splits the {heads} "
+                    f"{what} of {model} across ranks, so the size must divide {heads} (allowed: "
+                    f"{', '.join(map(str, ok))})", field="tensor_parallel_size")
+            heads = heads // tp if heads is not None and tp > 1 else heads  # Ulysses splits each rank's heads
             if heads is not None and self.ulysses_degree > 1 and heads % self.ulysses_degree:
                 ok = [d for d in range(1, heads + 1) if heads % d == 0]
                 raise ConfigError(
                     f"ParallelConfig.ulysses_degree={self.ulysses_degree} is invalid: Ulysses splits the "
                     f"{heads} {what} of {model} across ranks, so the degree must divide {heads} "
-                    f"(allowed: {', '.join(map(str, ok))}); use ring_degree for the rest", field="ulysses_degree")
+                    f"(allowed: {', '.join(map(str, ok))}); use ring_degree for the rest"
+                    + (f" (with tensor_parallel_size={tp}, each rank holds {heads} of them)" if tp > 1 else ""),
+                    field="ulysses_degree")
         if supported is not None:
-            fields = {"ulysses": "ulysses_degree", "ring": "ring_degree", "cfg": "cfg_parallel_size",
+            fields = {"tensor": "tensor_parallel_size", "ulysses": "ulysses_degree", "ring": "ring_degree", "cfg": "cfg_parallel_size",
                       "data": "data_parallel_size"}
             for strategy in self.requested_strategies():
                 if strategy not in supported:
@@ -83,6 +93,8 @@ class ParallelConfig(_FromKwargs):
     def requested_strategies(self) -> list[str]:
         """Strategy names (as pipelines declare them) that this config turns on."""
         out = []
+        if self.tensor_parallel_size > 1:
+            out.append("tensor")
         if self.ulysses_degree > 1:
             out.append("ulysses")
         if self.ring_degree > 1:

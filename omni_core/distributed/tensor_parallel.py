@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_core.attention.layer import Attention as OmniAttention
 from omni_core.errors import ConfigError, suggest
 from omni_core.hooks import FunctionHook, STAGES, add_hook
 
@@ -288,6 +289,39 @@ def _divide_heads(module: nn.Module, layers: Mapping[str, LayerStyle], tp: int) 
             value = getattr(attn, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(attn, attr, value // tp)
+        for child in attn.children():  # the Omni attention layers a model installed on it see local heads
+            if isinstance(child, OmniAttention):
+                child.split_heads(tp)
+
+
+# -- plan fragments for diffusers' shared layers (a model's plan is usually a few of these)
+
+def attention_layers(path: str, *, joint: bool = False, output: bool = True,
+                     norms_across_heads: tuple[str, ...] = (), added_kv: bool = False) -> dict[str, str]:
+    """The split of a diffusers attention module at ``path``: query/key/value by output (heads), the output
+    projection by input. ``joint``: the text stream's ``add_{q,k,v}_proj`` and ``to_add_out`` too (FLUX double
+    blocks, Qwen-Image, SD3); ``output=False``: no ``to_out`` (FLUX single blocks, whose ``proj_out`` mixes
+    attention and MLP outputs); ``norms_across_heads``: the RMSNorms over all heads (Wan's ``norm_q``/``norm_k``);
+    ``added_kv``: image key/value projections (Wan I2V's ``add_k_proj``/``add_v_proj`` and ``norm_added_k``)."""
+    out = {f"{path}.{p}": "colwise" for p in ("to_q", "to_k", "to_v")}
+    if output:
+        out[f"{path}.to_out.0"] = "rowwise"
+    if joint:
+        out.update({f"{path}.{p}": "colwise" for p in ("add_q_proj", "add_k_proj", "add_v_proj")})
+        out[f"{path}.to_add_out"] = "rowwise"
+    if added_kv:
+        out.update({f"{path}.add_k_proj": "colwise", f"{path}.add_v_proj": "colwise"})
+        if norms_across_heads:
+            out[f"{path}.norm_added_k"] = "norm_across_heads"
+    out.update({f"{path}.{n}": "norm_across_heads" for n in norms_across_heads})
+    return out
+
+
+def feed_forward_layers(path: str, first: tuple[str, ...] = ("net.0.proj",), last: str = "net.2") -> dict[str, str]:
+    """The split of an MLP at ``path``: its input projections by output (hidden units), the last by input.
+    Defaults fit diffusers' ``FeedForward``; a SwiGLU ``w2(silu(w1 x) * w3 x)`` is ``first=("w1", "w3"),
+    last="w2"``."""
+    return {**{f"{path}.{p}": "colwise" for p in first}, f"{path}.{last}": "rowwise"}
 
 
 # -- reading only this rank's shard ------------------------------------------------------------------------------
@@ -363,10 +397,75 @@ def build_on_meta(model_cls: Any, folder: str, dtype: Any = None) -> nn.Module:
     return module.eval()
 
 
+def read_later(model_path: str, names: Any, model_kwargs: Mapping[str, Any] | None = None) -> list[str]:
+    """The denoiser components a pipeline's ``load`` should leave unread because tensor parallelism will read
+    only this rank's shard of them (:func:`apply_tensor_parallel_to_pipeline`): every named component the
+    folder has, when this process's ``tp`` group has several ranks and the caller did not pass it itself."""
+    from omni_core.distributed.parallel_state import get_tp_group
+
+    if get_tp_group().world_size == 1:
+        return []
+    return [n for n in names if os.path.isfile(os.path.join(model_path, n, "config.json"))
+            and n not in (model_kwargs or {})]
+
+
+def meta_component(model_path: str, name: str, dtype: Any = None) -> nn.Module:
+    """Component ``name`` of a diffusers folder built from its config with its parameters on ``meta``
+    (the class from ``model_index.json``), for :func:`read_shards` to fill."""
+    import importlib
+
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        library, class_name = json.load(f)[name]
+    model_cls = getattr(importlib.import_module(library), class_name)
+    return build_on_meta(model_cls, os.path.join(model_path, name), dtype)
+
+
+def apply_tensor_parallel_to_pipeline(pipeline: Any, config: Any = None, device: Any = "cpu", dtype: Any = None,
+                                      observe: Callable[[str, tuple[int, ...]], None] | None = None) -> dict:
+    """Split every declared denoiser over this process's ``tp`` group (the load plan's ``parallel`` step, after
+    ``init_parallel_state`` and the pipeline's ``load``): a denoiser the load left on ``meta``
+    (:func:`read_later`) reads its shard from ``<model folder>/<denoiser name>``; one already read is sliced.
+    Returns ``{denoiser: {"tp_size", "parameter_bytes" (this rank's), "largest_read": [name, elements] (None: it
+    was sliced after a full read)}}``; ``{}`` without tensor parallelism."""
+    from omni_core.distributed.parallel_state import get_tp_group
+    from omni_core.pipelines.denoiser import denoisers_of
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return {}
+    out = {}
+    for spec in denoisers_of(pipeline):
+        module = spec.module
+        if spec.tp_plan is None:
+            raise ConfigError(f"{type(pipeline).__name__}'s denoiser {spec.name!r} declares no tp_plan, so "
+                              f"tensor_parallel_size={group.world_size} cannot split it; allowed: 1",
+                              field="parallel_config.tensor_parallel_size")
+        shards = apply_tensor_parallel(module, spec.tp_plan, group)
+        largest: list = [None, 0]
+
+        def seen(name: str, shape: tuple[int, ...]) -> None:
+            numel = int(torch.Size(shape).numel())
+            if numel > largest[1]:
+                largest[:] = [name, numel]
+            if observe is not None:
+                observe(name, shape)
+
+        read = any(p.device.type == "meta" for p in module.parameters())
+        if read:
+            folder = os.path.join(getattr(pipeline, "omni_model_path", None) or "", spec.name)
+            read_shards(module, folder, shards, group.rank_in_group, group.world_size, dtype=dtype,
+                        device=device, observe=seen)
+        out[spec.name] = {"tp_size": group.world_size, "parameter_bytes": parameter_bytes(module),
+                          "largest_read": largest if read else None}
+    return out
+
+
 def parameter_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s parameters and buffers as this rank holds them."""
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 __all__ = ["HOOK", "LayerStyle", "ParamShard", "STYLES", "TensorParallelPlan", "apply_tensor_parallel",
-           "build_on_meta", "param_shards", "parameter_bytes", "read_shards"]
+           "attention_layers", "feed_forward_layers",
+           "apply_tensor_parallel_to_pipeline", "build_on_meta", "meta_component", "param_shards", "parameter_bytes",
+           "read_later", "read_shards"]

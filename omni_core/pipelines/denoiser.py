@@ -36,6 +36,14 @@ def _coerce_plan(value: Any) -> Any:
     return SequenceParallelPlan.coerce(value)
 
 
+def _coerce_tp_plan(value: Any) -> Any:
+    if value is None:
+        return None
+    from omni_core.distributed.tensor_parallel import TensorParallelPlan  # imports torch: only when a plan is given
+
+    return TensorParallelPlan.coerce(value)
+
+
 @attrs.frozen(kw_only=True)
 class DenoiserSpec:
     """One denoiser module as accelerators see it. Field by field:
@@ -63,6 +71,9 @@ class DenoiserSpec:
     * ``num_heads`` / ``num_kv_heads`` -- attention heads (Ulysses splits them; checked before workers start).
     * ``sp_plan`` -- where tokens are sharded and gathered for sequence parallelism (a
       :class:`~omni_core.attention.parallel.plan.SequenceParallelPlan` or its dict form); None: no SP.
+    * ``tp_plan`` -- which layers tensor parallelism splits, by module path below ``module`` (``*`` matches a
+      block index) -> ``"colwise"`` / ``"rowwise"`` / ``"colwise_gather"`` / ``"norm_across_heads"`` (a
+      :class:`~omni_core.distributed.tensor_parallel.TensorParallelPlan` or its dict form); None: no TP.
     * ``cache_defaults`` -- per cache backend (by component name) the defaults this model ships, e.g.
       ``{"tea_cache": {"coefficients": (...), "rel_l1_thresh": 0.2, "warmup_steps": 1}}``; a user's
       ``cache_config`` overrides them key by key.
@@ -82,6 +93,7 @@ class DenoiserSpec:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     sp_plan: Any = attrs.field(default=None, converter=_coerce_plan)
+    tp_plan: Any = attrs.field(default=None, converter=_coerce_tp_plan)
     cache_defaults: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:

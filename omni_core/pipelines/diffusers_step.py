@@ -205,11 +205,16 @@ class DiffusersStepPipeline(OmniPipeline):
         check_model_index(model_path, cls.diffusers_class)
         dtype = dtype or torch.float32
         kwargs = dict(getattr(config, "model_kwargs", None) or {})
+        from omni_core.distributed.tensor_parallel import read_later, meta_component
+
+        later = read_later(model_path, cls.denoiser_names, kwargs)  # tensor parallel: shards read by the plan
         pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(
-            model_path, **dtype_kwarg(dtype), use_safetensors=True, **kwargs)
+            model_path, **dtype_kwarg(dtype), use_safetensors=True, **{n: None for n in later}, **kwargs)
         pipe.set_progress_bar_config(disable=True)
         device = torch.device(device)
         pipe.to(device)
+        for name in later:
+            setattr(pipe, name, meta_component(model_path, name, dtype))
         layers: list = []
         with use_config(config) if config is not None else contextlib.nullcontext():
             for name in cls.denoiser_names:

@@ -11,7 +11,7 @@ def omni_register_pipelines():
         name="FluxPipeline",
         impl="omni_model_flux.pipeline:FluxPipeline",
         requires=("torch", "diffusers", "transformers"),
-        supported_parallel=("ulysses", "ring", "cfg"),
+        supported_parallel=("tensor", "ulysses", "ring", "cfg"),
         description="FLUX.1 text-to-image (dev: embedded guidance; schnell; true CFG); request batching and "
                     "step-wise",
         sampling_fields=SAMPLING_FIELDS,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from omni_core.config import SamplingParams
+from omni_core.distributed.tensor_parallel import attention_layers, feed_forward_layers
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
@@ -34,6 +35,18 @@ DEV_STEPS, SCHNELL_STEPS = 28, 4
 #: before anything runs, so ``pos_embed(cat(txt_ids, img_ids))`` builds the rotary table of exactly this rank's
 #: ``[text; image shard]`` sequence; the text stream stays whole on every rank in front of the image tokens of
 #: each joint attention (double- and single-stream blocks alike); the output ``[B, S, C']`` is gathered on dim 1.
+#: tensor parallelism: double-stream blocks as Qwen-Image's (joint attention, two MLPs, two modulations);
+#: single-stream blocks split attention heads and MLP units, and their ``proj_out`` by input over the concatenation
+#: [attention output | MLP output], each part split on its own
+TP_PLAN = {**attention_layers("transformer_blocks.*.attn", joint=True),
+           **feed_forward_layers("transformer_blocks.*.ff"), **feed_forward_layers("transformer_blocks.*.ff_context"),
+           "transformer_blocks.*.norm1.linear": "colwise_gather",
+           "transformer_blocks.*.norm1_context.linear": "colwise_gather",
+           **attention_layers("single_transformer_blocks.*.attn", output=False),
+           "single_transformer_blocks.*.proj_mlp": "colwise",
+           "single_transformer_blocks.*.proj_out": {"style": "rowwise",
+                                                    "segments": ["attn.inner_dim", "proj_mlp.out_features"]},
+           "single_transformer_blocks.*.norm.linear": "colwise_gather"}
 SP_PLAN = {"shard": {"hidden_states": 1, "img_ids": 0}, "gather": 1, "joint_text": "encoder_hidden_states"}
 
 #: TeaCache polynomial for FluxTransformer2DModel published by TeaCache (TeaCache4FLUX) and ComfyUI-TeaCache
@@ -121,7 +134,7 @@ class FluxPipeline(DiffusersStepPipeline):
             batch_args=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
             modulated_input=modulated_input,
             num_heads=t.config.num_attention_heads,
-            sp_plan=SP_PLAN,
+            sp_plan=SP_PLAN, tp_plan=TP_PLAN,
             cache_defaults={"tea_cache": TEACACHE_DEFAULTS})]
 
     # -- step-wise protocol

@@ -33,7 +33,8 @@ def clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
 
 
-def tiny_flux_components(guidance_embeds: bool = True, num_layers: int = 1, num_single_layers: int = 1) -> dict:
+def tiny_flux_components(guidance_embeds: bool = True, num_layers: int = 1, num_single_layers: int = 1,
+                         num_heads: int = 2) -> dict:
     """diffusers' test components (2 heads of 16, joint/pooled dim 32, one block of each kind, a 1-channel
     VAE with one level: VAE factor 1, so a 16x16 image is 8x8 packed tokens). The plain random init needs no
     sharpening: the pooled CLIP vector modulates every block, so another prompt moves an 8x8 image by ~3
@@ -45,7 +46,7 @@ def tiny_flux_components(guidance_embeds: bool = True, num_layers: int = 1, num_
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=4, num_layers=num_layers, num_single_layers=num_single_layers,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        attention_head_dim=16, num_attention_heads=num_heads, joint_attention_dim=32, pooled_projection_dim=32,
         axes_dims_rope=[4, 4, 8], guidance_embeds=guidance_embeds)
     clip_tok = clip_tokenizer()
     torch.manual_seed(0)
@@ -67,11 +68,12 @@ def tiny_flux_components(guidance_embeds: bool = True, num_layers: int = 1, num_
 
 
 def build_tiny_flux(path: str | os.PathLike, guidance_embeds: bool = True, num_layers: int = 1,
-                    num_single_layers: int = 1) -> str:
-    """Save a tiny random FLUX.1 pipeline (safetensors) into ``path``; returns the folder."""
+                    num_single_layers: int = 1, num_heads: int = 2) -> str:
+    """Save a tiny random FLUX.1 pipeline (safetensors) into ``path``; returns the folder (``num_heads`` 4: room for
+    tensor x Ulysses parallelism)."""
     from diffusers import FluxPipeline
 
     path = os.fspath(path)
-    FluxPipeline(**tiny_flux_components(guidance_embeds, num_layers, num_single_layers)).save_pretrained(
+    FluxPipeline(**tiny_flux_components(guidance_embeds, num_layers, num_single_layers, num_heads)).save_pretrained(
         path, safe_serialization=True)
     return path

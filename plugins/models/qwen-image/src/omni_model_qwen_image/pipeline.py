@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from omni_core.config import SamplingParams
+from omni_core.distributed.tensor_parallel import attention_layers, feed_forward_layers
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
@@ -30,6 +31,11 @@ MAX_SEQUENCE_LENGTH_LIMIT = 1024
 #: rotary table (``pos_embed`` returns ``(image [S, D/2], text)``) is sharded the same way; the text stream
 #: stays whole on every rank and joins each joint attention in front of the image tokens; the output
 #: ``[B, S, C']`` is gathered on dim 1.
+#: tensor parallelism: the joint attention by heads, both streams' MLPs by hidden units, both modulations'
+#: weights split with their (small) outputs gathered
+TP_PLAN = {**attention_layers("transformer_blocks.*.attn", joint=True),
+           **feed_forward_layers("transformer_blocks.*.img_mlp"), **feed_forward_layers("transformer_blocks.*.txt_mlp"),
+           "transformer_blocks.*.img_mod.1": "colwise_gather", "transformer_blocks.*.txt_mod.1": "colwise_gather"}
 SP_PLAN = {"shard": {"hidden_states": 1}, "shard_after": {"pos_embed": {0: 0}}, "gather": 1,
            "joint_text": "encoder_hidden_states"}
 
@@ -138,7 +144,7 @@ class QwenImagePipeline(DiffusersStepPipeline):
             # zero_cond_t doubles temb's batch ([cond rows; zero-t rows]): rows cannot be computed apart
             rows_separable=not zero_cond_t,
             num_heads=t.config.num_attention_heads,
-            sp_plan=None if zero_cond_t else SP_PLAN,
+            sp_plan=None if zero_cond_t else SP_PLAN, tp_plan=TP_PLAN,
             cache_defaults={"tea_cache": TEACACHE_DEFAULTS})]
 
     # -- step-wise protocol

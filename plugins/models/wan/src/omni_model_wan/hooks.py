@@ -11,7 +11,7 @@ def omni_register_pipelines():
         name="WanPipeline",
         impl="omni_model_wan.pipeline:WanPipeline",
         requires=("torch", "diffusers", "transformers"),
-        supported_parallel=("ulysses", "ring", "cfg"),
+        supported_parallel=("tensor", "ulysses", "ring", "cfg"),
         description="Wan 2.1 / 2.2 (two experts) text-to-video; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
         is_video=True,
@@ -23,7 +23,7 @@ def omni_register_pipelines():
         impl="omni_model_wan.i2v:WanImageToVideoPipeline",
         # ftfy: diffusers' image-to-video prompt cleaning calls it unconditionally
         requires=("torch", "diffusers", "transformers", "ftfy"),
-        supported_parallel=("ulysses", "ring", "cfg"),
+        supported_parallel=("tensor", "ulysses", "ring", "cfg"),
         description="Wan 2.1 / 2.2 (two experts, TI2V) image-to-video; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
         is_video=True,

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from omni_core.config import SamplingParams
+from omni_core.distributed.tensor_parallel import attention_layers, feed_forward_layers
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
@@ -33,6 +34,15 @@ SP_PLAN = {"shard_before": {"blocks.0": {"hidden_states": 1}}, "shard_after": {"
 #: Wan 2.2 TI2V (``expand_timesteps``) passes one timestep per token (``timestep [B, S]``): shard it too, so
 #: the per-token modulation matches the sharded tokens
 SP_PLAN_EXPANDED = {**SP_PLAN, "shard": {"timestep": 1}}
+
+
+def tp_plan(model: Any) -> dict:
+    """Tensor parallelism: self- and cross-attention by heads (their RMSNorms span all heads: split with an
+    all-reduced mean of squares), the FFN by hidden units, I2V's image key/value projections when present."""
+    i2v = getattr(model.blocks[0].attn2, "add_k_proj", None) is not None
+    return {**attention_layers("blocks.*.attn1", norms_across_heads=("norm_q", "norm_k")),
+            **attention_layers("blocks.*.attn2", norms_across_heads=("norm_q", "norm_k"), added_kv=i2v),
+            **feed_forward_layers("blocks.*.ffn")}
 
 #: TeaCache4Wan2.1 "ret_steps" polynomials (input: the timestep projection ``e0``), by model width
 TEACACHE_1_3B_COEFFICIENTS = (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02)
@@ -132,7 +142,7 @@ class WanPipeline(DiffusersStepPipeline):
             # TeaCache4Wan2.1 compares the timestep projection e0 (what every block's ``temb`` is)
             modulated_input=lambda module, block, a: a["temb"],
             num_heads=model.config.num_attention_heads,
-            sp_plan=SP_PLAN_EXPANDED if self.expand_timesteps else SP_PLAN,
+            sp_plan=SP_PLAN_EXPANDED if self.expand_timesteps else SP_PLAN, tp_plan=tp_plan(model),
             cache_defaults={"tea_cache": teacache_defaults(model)}) for name, model in self.experts.items()]
 
     # -- step-wise protocol

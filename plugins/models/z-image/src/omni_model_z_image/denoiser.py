@@ -57,6 +57,21 @@ class ZImageDenoiser(torch.nn.Module):
         return (torch.stack(out),)
 
 
+def tp_plan(transformer: Any) -> dict:
+    """Tensor parallelism over the main layers and both refiners: attention by heads, the SwiGLU MLP by hidden
+    units, the adaLN modulations (where a block has one) split with their outputs gathered."""
+    from omni_core.distributed.tensor_parallel import attention_layers, feed_forward_layers
+
+    plan: dict = {}
+    for stack in ("layers", "noise_refiner", "context_refiner"):
+        path = f"transformer.{stack}.*"
+        plan.update(attention_layers(f"{path}.attention"))
+        plan.update(feed_forward_layers(f"{path}.feed_forward", first=("w1", "w3"), last="w2"))
+        if getattr(getattr(transformer, stack)[0], "modulation", False):
+            plan[f"{path}.adaLN_modulation.0"] = "colwise_gather"
+    return plan
+
+
 def denoiser_spec(module: ZImageDenoiser) -> DenoiserSpec:
     """The spec of ``module`` (a :class:`ZImageDenoiser`): the main ``layers`` (the refiners run inside the
     forward before block 0), ``x`` carried, the mask, rotary table and timestep embedding per row."""
@@ -70,7 +85,7 @@ def denoiser_spec(module: ZImageDenoiser) -> DenoiserSpec:
         batch_args=("hidden_states", "timestep", "cap_feats"),
         modulated_input=modulated_input,
         num_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads,
-        sp_plan=sp_plan(len(t.layers), final),
+        sp_plan=sp_plan(len(t.layers), final), tp_plan=tp_plan(t),
         # no TeaCache coefficients are published for Z-Image: tea_cache uses the raw relative change unless
         # cache_config gives some (or `omni cache calibrate --write` ships them in the folder)
         cache_defaults={})

@@ -11,7 +11,7 @@ def omni_register_pipelines():
         name="ZImagePipeline",
         impl="omni_model_z_image.pipeline:ZImagePipeline",
         requires=("torch", "diffusers", "transformers"),
-        supported_parallel=("ulysses", "ring", "cfg"),
+        supported_parallel=("tensor", "ulysses", "ring", "cfg"),
         description="Z-Image / Z-Image-Turbo text-to-image (CFG with truncation and renormalization); request "
                     "batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
