@@ -123,15 +123,19 @@ class Option:
             reason = self.check(value)
         return reason
 
-    def validate(self, value: Any, *, where: str, field: str | None = None) -> Any:
+    def validate(self, value: Any, *, where: str, field: str | None = None, explain: bool = False) -> Any:
         """``value`` (not None) as the component gets it (``floats`` as a tuple of floats, ``float`` as float),
         or a :class:`ConfigError` on ``field`` (default: the option's name) reading ``{where}={value!r} is invalid:
-        {why}`` (a choice: ``{where}: unknown value ...; allowed: ...``)."""
+        {why}`` (a choice: ``{where}: unknown value ...; allowed: ...``); ``explain`` adds what is allowed and the
+        help (a plugin's option, whose meaning the user may not have at hand)."""
         reason = self.problem(value)
         if reason is not None:
             text = f"{where}: {reason}" if self.type == "choice" else f"{where}={value!r} is invalid: {reason}"
-            raise ConfigError(text + (f" (allowed: {self.allowed})" if self.allowed else ""),
-                              field=field or self.name)
+            if self.allowed:
+                text += f" (allowed: {self.allowed})"
+            elif explain and self.type != "choice":
+                text += f"; allowed: {self.kind_text()}" + (f" ({self.help})" if self.help else "")
+            raise ConfigError(text, field=field or self.name)
         if self.type == "floats":
             return tuple(float(v) for v in value)
         return float(value) if self.type == "float" else value
@@ -226,7 +230,8 @@ def validate_options(values: Mapping[str, Any] | None, options: Sequence[Option]
                               + (f" (did you mean {shown + hint!r}?)" if hint else "")
                               + f"; allowed: {allowed}", field=field or f"{prefix}{key}")
     return {o.name: o.default if values.get(o.name) is None
-            else o.validate(values[o.name], where=f"{prefix}{o.name}", field=f"{prefix}{o.name}") for o in options}
+            else o.validate(values[o.name], where=f"{prefix}{o.name}", field=f"{prefix}{o.name}", explain=True)
+            for o in options}
 
 
 def options_help(options: Sequence[Option], *, prefix: str = "") -> list[str]:

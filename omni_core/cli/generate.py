@@ -45,9 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate, model_fields=add_model_field_options(model))
 
 
-_ARG_TYPES = {"float": float, "int": int, "str": str}
-
-
 def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, str]]:
     """One option per sampling field the registered pipelines declare (``shift_scale`` ->
     ``--shift-scale``), read from their records. Returns ``[(field name, argparse dest)]``."""
@@ -62,12 +59,7 @@ def add_model_field_options(group: argparse._ArgumentGroup) -> list[tuple[str, s
         helps = {f.help for _, f in decls}
         if len(helps) > 1:  # declared by several models in their own words
             field = attrs.evolve(field, help=f"a sampling field of several models: {' / '.join(sorted(h for h in helps if h))}")
-        if field.type == "bool":
-            extra: dict = {"action": argparse.BooleanOptionalAction}
-        elif field.type == "choice":
-            extra = {"choices": field.choices}
-        else:
-            extra = {"type": _ARG_TYPES[field.type], "metavar": field.type.upper()}
+        extra = field.cli_kwargs()
         dest = f"model_field_{name}"
         try:
             group.add_argument(field.flag, dest=dest, default=None, help=f"{field.help} ({owners}{default})".lstrip(),

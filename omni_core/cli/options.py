@@ -14,7 +14,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     eng = parser.add_argument_group("engine options")
     eng.add_argument("--attention-backend", default=None, help="default attention backend (e.g. TORCH_SDPA)")
     eng.add_argument("--cache-backend", default=None, help="cache backend (e.g. cache_dit, tea_cache; default none)")
-    eng.add_argument("--cache-config", default=None, help="JSON object of cache backend options")
+    eng.add_argument("--cache-config", default=None, help=_cache_config_help().replace("%", "%%"))
     eng.add_argument("--cpu-threads", type=int, default=None,
                      help="torch threads per model process (default: usable CPU cores / model processes)")
     eng.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
@@ -83,14 +83,25 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def _add_executor_option_flags(eng: argparse._ArgumentGroup) -> None:
-    """``--<executor>-<option>`` for every option a registered executor declares (``DiffusionExecutor.options``)."""
-    from omni_core.config import executor_option_names
+def _cache_config_help() -> str:
+    """``--cache-config``'s help: every installed cache backend's keys, from their records (``omni env`` has more)."""
+    from omni_core.config import declared_options
 
-    for executor, options in executor_option_names().items():
-        for name, help_text in options.items():
-            eng.add_argument(f"--{executor}-{name}".replace("_", "-"), dest=f"executor_option:{executor}_{name}",
-                             default=None, help=f"(executor {executor}) {help_text}".replace("%", "%%"))
+    per = [f"{backend}: " + ", ".join(f"{o.name} ({o.kind_text()})" for o in options)
+           for backend, options in declared_options("cache").items()]
+    return "JSON object of cache backend options" + (f" ({'; '.join(per)}; `omni env` describes them)" if per else "")
+
+
+def _add_executor_option_flags(eng: argparse._ArgumentGroup) -> None:
+    """``--<executor>-<option>`` for every option a registered executor declares (``ExecutorSpec.options``), typed
+    by the option record."""
+    from omni_core.config import declared_options
+
+    for executor, options in declared_options("executor").items():
+        for option in options:
+            eng.add_argument(f"--{executor}-{option.name}".replace("_", "-"), dest=f"executor_option:{executor}_"
+                             f"{option.name}", default=None, **option.cli_kwargs(),
+                             help=f"(executor {executor}) {option.describe()}".replace("%", "%%"))
 
 
 def _executor_option_values(args: argparse.Namespace) -> dict[str, Any]:

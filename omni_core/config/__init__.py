@@ -9,7 +9,7 @@ from omni_core.config.attention import AttentionConfig, AttentionSpec
 from omni_core.config.bounds import (DTYPES, GUIDANCE_MAX, LORA_SCALE_MAX, MAX_FRAMES, MAX_INFERENCE_STEPS,
                                      MAX_OUTPUTS_PER_PROMPT, MAX_SIDE, OUTPUT_TYPES)
 from omni_core.config.engine import OFFLOAD_MODES, PERFORMANCE_MODES, QUANTIZATION_METHODS, OmniDiffusionConfig
-from omni_core.config.executor_options import executor_option_names
+from omni_core.config.plugin_options import declared_options, executor_option_names
 from omni_core.config.limits import LIMIT_FIELDS, RequestLimits
 from omni_core.config.parallel import PARALLEL_STRATEGIES, ParallelConfig
 from omni_core.config.sampling import SamplingParams, check_sampling_field, registered_sampling_fields
@@ -23,5 +23,5 @@ __all__ = [
     "MAX_OUTPUTS_PER_PROMPT", "MAX_SIDE", "OFFLOAD_MODES", "OUTPUT_TYPES", "PARALLEL_STRATEGIES", "PERFORMANCE_MODES",
     "QUANTIZATION_METHODS", "AttentionConfig", "AttentionSpec", "ConfigError", "OmniDiffusionConfig", "ParallelConfig",
     "RequestLimits", "SamplingParams", "bool_field", "check_sampling_field", "choice_field", "coerce_record",
-    "dict_field", "executor_option_names", "float_field", "int_field", "registered_sampling_fields", "str_field",
+    "declared_options", "dict_field", "executor_option_names", "float_field", "int_field", "registered_sampling_fields", "str_field",
 ]

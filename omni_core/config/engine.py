@@ -9,9 +9,10 @@ import attrs
 
 from omni_core.config.attention import AttentionConfig
 from omni_core.config.bounds import _DTYPE_ALIASES, DTYPES
-from omni_core.config.executor_options import _check_executor_options, _collect_executor_options
 from omni_core.config.limits import RequestLimits
 from omni_core.config.parallel import ParallelConfig
+from omni_core.config.plugin_options import (_check_cache_options, _check_executor_options,
+                                             _collect_executor_options)
 from omni_core.config.validators import (_dict_or_empty, _fail, _FromKwargs, _where, bool_field, choice_field,
                                          dict_field, float_field, int_field, str_field)
 from omni_core.errors import ConfigError
@@ -178,6 +179,8 @@ class OmniDiffusionConfig(_FromKwargs):
             _check_registered("attention", name, "OmniDiffusionConfig.attention_config", "attention_config")
         if self.executor_options:
             _check_executor_options(self.executor_name, self.executor_options)
+        if self.cache_config:
+            _check_cache_options(self.cache_backend, self.cache_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:

@@ -1,26 +1,28 @@
-"""Options of the selected executor: ``<executor>_<name>=`` keywords collected and checked against what the
-executor declares."""
+"""Options plugins declare for the engine's config (:class:`~omni_core.options.Option` records on their registration
+records, read without importing the plugin): an executor's ``<executor>_<name>=`` keywords, collected into
+``executor_options``, and a cache backend's ``cache_config`` keys. Both are checked when the config is built, by
+:func:`~omni_core.options.validate_options`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from omni_core.errors import ConfigError
+from omni_core.options import Option, validate_options
+
+
+def declared_options(kind: str) -> dict[str, tuple[Option, ...]]:
+    """``{component: options}`` of every registered ``kind`` component (``"executor"``, ``"cache"``) that declares
+    options, from the records (nothing is imported)."""
+    from omni_core.plugins.manager import get_plugin_manager
+
+    return {name: tuple(spec.options) for name, spec in sorted(get_plugin_manager().components(kind).items())
+            if getattr(spec, "options", ())}
 
 
 def executor_option_names() -> dict[str, dict[str, str]]:
-    """``{executor: {option: help}}`` of every registered executor that declares options (imports their classes,
-    which must stay light: an executor imports its heavy libraries in ``start``)."""
-    from omni_core.plugins.manager import get_plugin_manager
-
-    pm = get_plugin_manager()
-    out = {}
-    for name in sorted(pm.components("executor")):
-        try:
-            options = getattr(pm.load_component("executor", name), "options", None) or {}
-        except Exception:  # noqa: BLE001 - an unusable executor has no options to offer
-            continue
-        if options:
-            out[name] = dict(options)
-    return out
+    """``{executor: {option: help}}`` of every registered executor that declares options."""
+    return {name: {o.name: o.help for o in options} for name, options in declared_options("executor").items()}
 
 
 def _collect_executor_options(kwargs: dict, fields: list[str]) -> None:
@@ -43,17 +45,21 @@ def _collect_executor_options(kwargs: dict, fields: list[str]) -> None:
         kwargs["executor_options"] = collected
 
 
-def _check_executor_options(executor: str, options: dict) -> None:
-    """Every key of ``executor_options`` must be an option the executor declares."""
+def _record(kind: str, name: str) -> Any:
     from omni_core.plugins.manager import get_plugin_manager
 
-    cls = get_plugin_manager().load_component("executor", executor)
-    declared = getattr(cls, "options", None) or {}
-    for key in options:
-        if key not in declared:
-            allowed = ", ".join(f"{executor}_{n}" for n in declared) or "none"
-            raise ConfigError(f"executor {executor!r} has no option {key!r}; its options: {allowed}",
-                              field="executor_options")
-    check = getattr(cls, "check_options", None)  # the executor's own checks of the values
-    if check is not None:
-        check(dict(options))
+    return get_plugin_manager().get_component(kind, name)
+
+
+def _check_executor_options(executor: str, options: dict) -> None:
+    """Every key of ``executor_options`` must be an option the executor declares, with a valid value."""
+    validate_options(options, _record("executor", executor).options, prefix=f"{executor}_",
+                     owner=f"an option of executor {executor!r}", field="executor_options")
+
+
+def _check_cache_options(backend: str, config: dict) -> None:
+    """``cache_config`` against the keys the cache backend declares (a backend that declares none checks its own
+    in ``check_config``)."""
+    options = getattr(_record("cache", backend), "options", ())
+    if options:
+        validate_options(config, options, prefix="cache_config.", owner=f"a {backend} option")

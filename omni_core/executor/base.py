@@ -18,10 +18,9 @@ class DiffusionExecutor:
     request at its next step boundary.
     """
 
-    #: the executor's own options, name -> one-line help: given as ``<executor>_<name>=`` to ``Omni(...)`` and
-    #: ``--<executor>-<name>`` to the CLI, they reach the executor as ``config.executor_options[name]``
-    #: (so the core names no executor's options; e.g. ``ray_address``)
-    options: dict[str, str] = {}
+    # the executor's own options are declared on its record (``ExecutorSpec.options``, Option records): given as
+    # ``<executor>_<name>=`` to ``Omni(...)`` and ``--<executor>-<name>`` to the CLI, they reach the executor as
+    # ``config.executor_options[name]`` (so the core names no executor's options; e.g. ``ray_address``)
 
     def __init__(self, config: Any, resolved: ResolvedModel, on_progress: ProgressFn | None = None) -> None:
         self.config = config

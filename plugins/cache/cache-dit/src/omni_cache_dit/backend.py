@@ -41,7 +41,7 @@ from omni_core.pipelines.denoiser import denoisers_of, model_folder_of
 
 from omni_cache_dit.blocks import (build_stack, build_stand_ins, forward_pattern, install_stand_ins, remove_stand_ins,
                                    stand_ins_active)
-from omni_cache_dit.config import CacheDiTConfig
+from omni_cache_dit.config import CacheDiTConfig, cache_dit_config
 
 logger = logging.getLogger("omni_cache_dit")
 
@@ -88,7 +88,7 @@ class CacheDiTBackend(CacheBackend):
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
-        self.options = CacheDiTConfig.from_dict(config)
+        self.options = cache_dit_config(config)
         self.denoisers: dict[str, _Denoiser] = {}
         self._fallback: dict[tuple, DiTState] = {}
         #: denoiser calls split into one call per row group
@@ -98,7 +98,7 @@ class CacheDiTBackend(CacheBackend):
     def check_config(cls, config: dict[str, Any]) -> None:
         """Every key and value of ``cache_config`` (in the engine's process, before workers start); whether
         Fn/Bn fit the model's block count is checked in :meth:`enable`, where the model is loaded."""
-        CacheDiTConfig.from_dict(config)
+        cache_dit_config(config)
 
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:
@@ -128,7 +128,7 @@ class CacheDiTBackend(CacheBackend):
         from cache_dit import BlockAdapter, DBCacheConfig, TaylorSeerCalibratorConfig
 
         spec.check_block_signature("cache_dit")
-        opts = CacheDiTConfig.from_dict({**defaults, **self.config})
+        opts = cache_dit_config({**defaults, **self.config})
         n_blocks = len(spec.blocks)
         if opts.Fn_compute_blocks >= n_blocks or opts.Fn_compute_blocks + opts.Bn_compute_blocks > n_blocks:
             raise ConfigError(f"cache_config.Fn_compute_blocks={opts.Fn_compute_blocks} and Bn_compute_blocks="

@@ -1,4 +1,6 @@
-"""``cache_config`` of ``cache_dit``: checked when the backend is built, with errors naming the field.
+"""``cache_config`` of ``cache_dit``: its keys are :class:`~omni_core.options.Option` records (:data:`OPTIONS`, on the
+backend's registration record), so the core checks them when the engine's config is built, ``omni env`` and
+``--help`` list them, and the errors name the field.
 
 Names follow cache-dit's ``DBCacheConfig`` (and vLLM-Omni's for TaylorSeer/SCM); defaults are vLLM-Omni's
 (F1B0, 4 warmup steps, threshold 0.24, at most 3 cached steps in a row).
@@ -6,94 +8,59 @@ Names follow cache-dit's ``DBCacheConfig`` (and vLLM-Omni's for TaylorSeer/SCM);
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 
-from omni_core.errors import ConfigError, suggest
+from omni_core.options import Option, validate_options
 
 SCM_POLICIES = ("slow", "medium", "fast", "ultra")
 
-#: key -> (default, what it takes)
-KEYS: dict[str, tuple[Any, str]] = {
-    "Fn_compute_blocks": (1, "integer >= 1: first blocks always computed (their residual decides); fewer than the "
-                             "model's blocks"),
-    "Bn_compute_blocks": (0, "integer >= 0: last blocks always computed"),
-    "residual_diff_threshold": (0.24, "number >= 0: reuse while the Fn residual's relative change stays below it; "
-                                      "0 = always compute"),
-    "max_warmup_steps": (4, "integer >= 0: the first steps always compute"),
-    "warmup_interval": (1, "integer >= 1: compute every this many steps during warmup"),
-    "max_cached_steps": (-1, "integer >= -1: most cached steps per request (-1 = no limit)"),
-    "max_continuous_cached_steps": (3, "integer >= -1: most cached steps in a row (-1 = no limit)"),
-    "enable_taylorseer": (False, "true/false: TaylorSeer extrapolation of the cached residual"),
-    "taylorseer_order": (1, "integer >= 1: TaylorSeer order"),
-    "scm_steps_mask_policy": (None, f"null or one of {', '.join(SCM_POLICIES)}: a steps computation mask (SCM) "
-                                    f"of cache-dit, sized to each request's steps"),
-    "scm_steps_policy": ("dynamic", "dynamic or static: in SCM cache steps, still check the threshold (dynamic) "
-                                    "or always reuse (static)"),
-}
+#: the keys of ``cache_config`` with their defaults (the one place they are stated)
+OPTIONS = (
+    Option(name="Fn_compute_blocks", type="int", min=1, default=1,
+           help="first blocks always computed (their residual decides); fewer than the model's blocks"),
+    Option(name="Bn_compute_blocks", type="int", min=0, default=0, help="last blocks always computed"),
+    Option(name="residual_diff_threshold", type="float", min=0, default=0.24,
+           help="reuse while the Fn residual's relative change stays below it; 0 = always compute"),
+    Option(name="max_warmup_steps", type="int", min=0, default=4, help="the first steps always compute"),
+    Option(name="warmup_interval", type="int", min=1, default=1, help="compute every this many steps during warmup"),
+    Option(name="max_cached_steps", type="int", min=-1, default=-1,
+           help="most cached steps per request (-1 = no limit)"),
+    Option(name="max_continuous_cached_steps", type="int", min=-1, default=3,
+           help="most cached steps in a row (-1 = no limit)"),
+    Option(name="enable_taylorseer", type="bool", default=False,
+           help="TaylorSeer extrapolation of the cached residual"),
+    Option(name="taylorseer_order", type="int", min=1, default=1, help="TaylorSeer order"),
+    Option(name="scm_steps_mask_policy", type="choice", choices=SCM_POLICIES,
+           help="a steps computation mask (SCM) of cache-dit, sized to each request's steps (default: none)"),
+    Option(name="scm_steps_policy", type="choice", choices=("dynamic", "static"), default="dynamic",
+           help="in SCM cache steps, still check the threshold (dynamic) or always reuse (static)"),
+)
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class CacheDiTConfig:
-    Fn_compute_blocks: int = 1
-    Bn_compute_blocks: int = 0
-    residual_diff_threshold: float = 0.24
-    max_warmup_steps: int = 4
-    warmup_interval: int = 1
-    max_cached_steps: int = -1
-    max_continuous_cached_steps: int = 3
-    enable_taylorseer: bool = False
-    taylorseer_order: int = 1
-    scm_steps_mask_policy: str | None = None
-    scm_steps_policy: str = "dynamic"
+    """The settings cache-dit runs with, every one filled (from :data:`OPTIONS`' defaults where unset)."""
+
+    Fn_compute_blocks: int
+    Bn_compute_blocks: int
+    residual_diff_threshold: float
+    max_warmup_steps: int
+    warmup_interval: int
+    max_cached_steps: int
+    max_continuous_cached_steps: int
+    enable_taylorseer: bool
+    taylorseer_order: int
+    scm_steps_mask_policy: str | None
+    scm_steps_policy: str
 
     @property
     def never_reuses(self) -> bool:
         """Threshold 0 without an SCM mask: cache-dit would compute every step."""
         return self.residual_diff_threshold <= 0 and self.scm_steps_mask_policy is None
 
-    @classmethod
-    def from_dict(cls, config: dict[str, Any] | None) -> CacheDiTConfig:
-        config = dict(config or {})
-        unknown = sorted(set(config) - set(KEYS))
-        if unknown:
-            key = unknown[0]
-            hint = suggest(key, KEYS)
-            raise ConfigError(f"cache_config key {key!r} is not a cache_dit option"
-                              + (f" (did you mean {hint!r}?)" if hint else "")
-                              + "; allowed keys: " + "; ".join(f"{k} ({v[1]})" for k, v in KEYS.items()),
-                              field=f"cache_config.{key}")
-        out: dict[str, Any] = {}
-        for key, value in config.items():
-            if value is None and key != "scm_steps_mask_policy":
-                continue
-            out[key] = _check(key, value)
-        return cls(**out)
 
-
-def _check(key: str, value: Any) -> Any:
-    what = KEYS[key][1]
-    bad = ConfigError(f"cache_config.{key}={value!r} is not allowed: {what}", field=f"cache_config.{key}")
-    if key == "residual_diff_threshold":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise bad
-        return float(value)
-    if key == "enable_taylorseer":
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if key == "scm_steps_mask_policy":
-        if value is not None and value not in SCM_POLICIES:
-            raise bad
-        return value
-    if key == "scm_steps_policy":
-        if value not in ("dynamic", "static"):
-            raise bad
-        return value
-    minimum = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "max_warmup_steps": 0, "warmup_interval": 1,
-               "max_cached_steps": -1, "max_continuous_cached_steps": -1, "taylorseer_order": 1}[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise bad
-    return value
+def cache_dit_config(config: dict[str, Any] | None) -> CacheDiTConfig:
+    """``config`` checked against :data:`OPTIONS` (a ``ConfigError`` naming ``cache_config.<key>``), defaults filled."""
+    return CacheDiTConfig(**validate_options(config, OPTIONS, prefix="cache_config.", owner="a cache_dit option"))

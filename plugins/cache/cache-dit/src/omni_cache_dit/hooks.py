@@ -3,6 +3,8 @@
 from omni_core import hookimpl
 from omni_core.plugins.types import CacheBackendSpec
 
+from omni_cache_dit.config import OPTIONS
+
 
 @hookimpl
 def omni_register_cache_backends():
@@ -12,4 +14,5 @@ def omni_register_cache_backends():
         requires=("cache_dit",),
         description="cache-dit DBCache (Fn/Bn compute blocks, residual threshold, warmup, TaylorSeer, SCM); "
                     "a cache context per request, CFG branch and expert",
+        options=OPTIONS,
     )]

@@ -35,7 +35,7 @@ from omni_core.errors import ConfigError
 from omni_core.hooks import FunctionHook, add_hook, remove_hook
 from omni_core.pipelines.denoiser import DenoiserSpec, denoisers_of, model_folder_of
 
-from omni_cache_teacache.config import GENERIC_DEFAULTS, TeaCacheConfig
+from omni_cache_teacache.config import GENERIC_DEFAULTS, TeaCacheConfig, tea_cache_config
 
 logger = logging.getLogger("omni_cache_teacache")
 
@@ -121,7 +121,7 @@ def resolve_options(spec: DenoiserSpec, user: TeaCacheConfig, model_path: str | 
     change, see ``config.GENERIC_DEFAULTS``)."""
     shipped = spec.defaults_for(TeaCacheBackend.name, model_path)
     try:
-        model = TeaCacheConfig.from_dict(shipped)
+        model = tea_cache_config(shipped)
     except ConfigError as exc:
         raise ConfigError(f"the {spec.name!r} denoiser's shipped tea_cache defaults are invalid: {exc}",
                           field=exc.field) from None
@@ -140,7 +140,7 @@ class TeaCacheBackend(CacheBackend):
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
-        self.options = TeaCacheConfig.from_dict(config)
+        self.options = tea_cache_config(config)
         self.denoisers: dict[str, _Denoiser] = {}
         #: calibration: compute every step and record (input change, output change) pairs
         self.record = False
@@ -152,7 +152,7 @@ class TeaCacheBackend(CacheBackend):
     def check_config(cls, config: dict[str, Any]) -> None:
         """In the engine's process, before workers start: a bad key or value is a ``ConfigError`` naming it
         (and, for a key, the allowed ones)."""
-        TeaCacheConfig.from_dict(config)
+        tea_cache_config(config)
 
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:

@@ -4,6 +4,8 @@ nothing heavy."""
 from omni_core import hookimpl
 from omni_core.plugins.types import CacheBackendSpec
 
+from omni_cache_teacache.config import OPTIONS
+
 
 @hookimpl
 def omni_register_cache_backends():
@@ -14,6 +16,7 @@ def omni_register_cache_backends():
         description="TeaCache: skip the transformer blocks while the timestep-modulated input barely moves; "
                     "per-request decisions (batches, step batching, CFG branches, experts); any model that declares a "
                     "DenoiserSpec with modulated_input",
+        options=OPTIONS,
     )]
 
 

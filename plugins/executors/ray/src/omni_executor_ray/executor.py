@@ -32,23 +32,11 @@ from typing import Any
 from omni_core.errors import ConfigError, EngineDeadError
 from omni_core.executor.mp import MultiProcExecutor
 
+from omni_executor_ray.options import check_options
 from omni_executor_ray.transport import unpack_from_ray
 
 logger = logging.getLogger("omni_core.executor")
 
-#: option name -> (default, help); given as ``ray_<name>=`` to ``Omni(...)`` / ``--ray-<name>`` to the CLI
-OPTIONS: dict[str, tuple[Any, str]] = {
-    "address": (None, "Ray cluster to join: None is Ray's own search (RAY_ADDRESS, else a `ray start` cluster on "
-                      "this machine, else a new local one), 'auto' the `ray start` cluster on this machine, "
-                      "'HOST:PORT' or 'ray://HOST:10001' a remote one"),
-    "cpus_per_rank": (1.0, "logical CPUs each rank reserves in the placement group (fractions allowed)"),
-    "gpus_per_rank": (None, "GPUs each rank reserves (default: 1 on a GPU platform, 0 on CPU)"),
-    "placement": ("spread", "'spread': data-parallel replicas on different nodes where possible; 'pack': "
-                            "as few nodes as possible (a replica's ranks always share one node)"),
-    "heartbeat_timeout": (5.0, "seconds a rank may leave a ping unanswered before the engine is declared dead "
-                               "(catches lost nodes faster than Ray's health checks)"),
-    "start_timeout": (60.0, "seconds to wait for the cluster to grant the placement group"),
-}
 #: environment variables the actors inherit from the engine's process (actors otherwise get the raylet's, so an
 #: ``NCCL_SOCKET_IFNAME`` set where ``omni serve`` runs would not reach other nodes)
 FORWARD_ENV_PREFIXES = ("OMNI_", "HF_", "TRANSFORMERS_", "DIFFUSERS_", "NCCL_", "TORCH_NCCL_", "CUDA_")
@@ -100,36 +88,6 @@ _ray_lock = threading.Lock()
 _ray_users = 0  # executors using a Ray connection this module opened
 
 
-def check_options(options: dict) -> dict:
-    """The options with defaults filled in; ``ConfigError`` naming ``ray_<name>`` for a bad one."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(f"unknown option ray_{unknown[0]} of executor 'ray'; allowed: "
-                          + ", ".join(f"ray_{n}" for n in OPTIONS), field=f"ray_{unknown[0]}")
-    out = {name: options.get(name, default) for name, (default, _) in OPTIONS.items()}
-    address = out["address"]
-    if address is not None and (not isinstance(address, str) or not address):
-        raise ConfigError(f"ray_address must be None, 'auto', 'HOST:PORT' or 'ray://HOST:PORT', got {address!r}",
-                          field="ray_address")
-    for name, low in (("cpus_per_rank", 0.0), ("gpus_per_rank", 0.0), ("heartbeat_timeout", 0.5),
-                      ("start_timeout", 1.0)):
-        value = out[name]
-        if value is None and name == "gpus_per_rank":
-            continue
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"ray_{name} must be a number, got {value!r}", field=f"ray_{name}") from None
-        if not value >= low or (name == "cpus_per_rank" and value <= 0):
-            raise ConfigError(f"ray_{name} must be {'>' if name == 'cpus_per_rank' else '>='} {low}, got {value!r}",
-                              field=f"ray_{name}")
-        out[name] = value
-    if out["placement"] not in ("spread", "pack"):
-        raise ConfigError(f"ray_placement must be 'spread' or 'pack', got {out['placement']!r}",
-                          field="ray_placement")
-    return out
-
-
 def _connect(address: str | None) -> bool:
     """Connect this process to Ray unless it already is; True if this call opened the connection."""
     global _ray_users
@@ -177,10 +135,6 @@ class _AbortSender:
 
 
 class RayExecutor(MultiProcExecutor):
-    #: the options this executor takes (``ray_<name>=`` in ``Omni(...)``); read by the core's config and CLI
-    options = {name: help for name, (_, help) in OPTIONS.items()}
-    check_options = staticmethod(check_options)
-
     def start(self) -> None:
         opts = check_options(dict(getattr(self.config, "executor_options", None) or {}))
         from omni_core.platforms import platform_for
