@@ -143,6 +143,14 @@ def unit_float_to_pil(tensor: Any) -> Any:
     return Image.fromarray(np.ascontiguousarray(pixels.transpose(1, 2, 0)))
 
 
+def tensor_to_pil(t: Any) -> Any:
+    """A pipeline's output tensor as PIL: ``[3, H, W]`` floats in [0, 1] -> an image; ``[F, 3, H, W]`` -> a list of
+    frames. Here rather than in the pipelines so the server converts outputs without importing them."""
+    if t.dim() == 4:
+        return [unit_float_to_pil(f) for f in t]
+    return unit_float_to_pil(t)
+
+
 def float32_array(tensor: Any) -> Any:
     """A float tensor as a float32 numpy array without a torch kernel: bfloat16 (which numpy lacks) widened by
     its bits (bf16 is the upper half of a float32), other dtypes by numpy."""

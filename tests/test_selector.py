@@ -159,7 +159,7 @@ def test_platform_default_comes_from_the_records():
 
 
 def test_no_attention_plugin_is_an_error_naming_the_kind():
-    from omni_core.attention.selector import default_backend
+    from omni_core.attention.defaults import default_backend
     from omni_core.plugins.manager import OmniPluginManager
 
     pm = OmniPluginManager(strict=True)

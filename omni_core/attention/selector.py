@@ -5,7 +5,8 @@ Order: ``per_role[role]`` -> ``per_role[role_category]`` -> the config's default
 must not get a bf16-only kernel). An explicit choice that cannot run here is an error that says why; it is
 never silently replaced.
 
-The platform's default comes from the installed backends' records (:func:`default_backend`), not from a name
+The platform's default comes from the installed backends' records
+(:func:`~omni_core.attention.defaults.default_backend`), not from a name
 in the core: each record states its ``default_priority`` and whether it is ``portable``, and the platform only
 says whether a fast (non-portable) kernel may be the default on this device.
 """
@@ -58,41 +59,6 @@ def load_backend(name: str, pm=None, *, chosen_by: str = "", ctx=None, until: st
         raise TypeError(f"attention backend {name!r} must be an AttentionBackend subclass, got {av.cls!r}")
     chosen = f"chosen by {chosen_by}" if chosen_by else spec.provider
     raise ComponentUnavailableError(f"attention backend {name!r} ({chosen}) cannot run here: {av.reason}")
-
-
-def default_backend(*, device_type: str | None, dtype: Any, head_size: int, capability: tuple[int, int] | None = None,
-                    portable_only: bool = False, pm=None) -> str:
-    """The name of the installed attention backend to use when nothing names one.
-
-    Candidates are the records with a ``default_priority`` (only ``portable`` ones if ``portable_only``), best
-    first (priority, then name); the first that passes the availability walk for ``device_type``/``dtype``/
-    ``head_size``/``capability`` wins. If none does, the best portable one (the selector then checks it against
-    the layer's real device and says why it cannot run, rather than the platform guessing). No portable backend
-    installed and none passing is a :class:`ComponentUnavailableError` naming the missing plugin kind.
-    """
-    from omni_core.plugins.availability import Context, check_record
-    from omni_core.plugins.manager import get_plugin_manager
-
-    records = (pm or get_plugin_manager()).components("attention").values()
-    ranked = sorted((r for r in records if r.default_priority is not None and (r.portable or not portable_only)),
-                    key=lambda r: (-r.default_priority, r.name))
-    ctx = Context(device_type=device_type, dtype=dtype, head_size=head_size, capability=capability)
-    refused = []
-    for record in ranked:
-        av = check_record(record, ctx)
-        if av.ok:
-            return record.name
-        refused.append(f"{record.name} ({record.provider}): {av.reason}")
-    portable = [r for r in ranked if r.portable]
-    if portable:
-        return portable[0].name
-    why = "; ".join(refused) if refused else (
-        "no installed attention backend declares a default_priority" if records else
-        "no attention backend plugin is installed")
-    raise ComponentUnavailableError(
-        f"no attention backend to use by default on {device_type or 'this device'} ({why}). Install an attention "
-        f"plugin with a portable kernel (plugin kind 'attention', e.g. omni-attention-sdpa), or name a backend with "
-        f"attention_config / OMNI_ATTENTION_BACKEND")
 
 
 def select_attention_backend(

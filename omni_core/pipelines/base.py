@@ -21,7 +21,7 @@ import attrs
 
 from omni_core.config import RequestLimits, SamplingParams, check_sampling_field, registered_sampling_fields
 from omni_core.errors import ConfigError
-from omni_core.images import ImageInput
+from omni_core.images import ImageInput, tensor_to_pil
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import read_model_index  # noqa: F401 (model plugins import it here)
 from omni_core.pipelines.state import StepState
@@ -310,13 +310,4 @@ class OmniPipeline:
         return [decoded[id(s)] if id(s) in decoded else
                 DiffusionOutput(request_id=s.request_id, finished=True, status="aborted", step_index=s.step_index,
                                 num_steps=s.num_steps) for s in batch]
-
-
-def tensor_to_pil(t: Any):
-    """``[3, H, W]`` float in [0, 1] -> PIL image; ``[F, 3, H, W]`` -> list of PIL frames."""
-    from omni_core.images import unit_float_to_pil
-
-    if t.dim() == 4:
-        return [tensor_to_pil(f) for f in t]
-    return unit_float_to_pil(t)
 

@@ -14,7 +14,7 @@ def png_b64(image: Any) -> str:
 
 
 def preview_image(tensor: Any, max_side: int) -> Any:
-    from omni_core.pipelines.base import tensor_to_pil
+    from omni_core.images import tensor_to_pil
 
     image = tensor_to_pil(tensor)
     if max(image.size) > max_side:
@@ -26,7 +26,7 @@ def pil_outputs(out: Any) -> list:
     """The output's images as PIL (a list of frames per video). The server asks the engine for tensors
     (``output_type="pt"``) and converts them itself, so a client gets the model's pixels at the ``size`` it
     asked for (a plugin's display tweaks for PIL output, such as upscaling, do not apply)."""
-    from omni_core.pipelines.base import tensor_to_pil
+    from omni_core.images import tensor_to_pil
 
     return [im if not hasattr(im, "dim") else tensor_to_pil(im) for im in (out.images or [])]
 

@@ -123,7 +123,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from omni_core.pipelines import load_pipeline, resolve_model
     from omni_core.platforms import current_platform
     from omni_core.pipelines.denoiser import denoisers_of
-    from omni_core.worker.runner import torch_dtype
+    from omni_core.utils.dtypes import torch_dtype
 
     if args.prompts < 1 or args.batch < 1 or (args.steps is not None and args.steps < 3):
         raise ConfigError("--prompts and --batch must be >= 1 and --steps >= 3", field="prompts")
