@@ -51,10 +51,17 @@ def check_shape(spec: PipelineSpec, model_path: str | None, *, height: int | Non
     if spec.is_video is False and num_frames != 1:
         raise ConfigError(f"{label} {num_frames} is not allowed: {spec.name} makes images (leave it unset or 1)",
                           field="num_frames")
-    if fm and (num_frames - 1) % fm:
-        lo = (num_frames - 1) // fm * fm + 1
-        raise ConfigError(f"{label} {num_frames} is not allowed for {spec.name}: {label} - 1 must be a multiple of "
-                          f"{fm} (e.g. {lo} or {lo + fm})", field="num_frames")
+    # a count off the frame multiple is the pipeline's to round (diffusers' and vLLM-Omni's Wan round it with a
+    # warning: round_frames) or to refuse after loading; nothing to refuse here
+
+
+def round_frames(num_frames: int, frame_multiple: int) -> int:
+    """The frame count a video model with ``num_frames - 1`` a multiple of ``frame_multiple`` makes for
+    ``num_frames``: diffusers' rounding (``WanPipeline.__call__``: ``n // m * m + 1``, 32 -> 33, 35 -> 33), which
+    vLLM-Omni's Wan pipelines use too, so a client's count means the same video here as there."""
+    if frame_multiple <= 1 or (num_frames - 1) % frame_multiple == 0:
+        return num_frames
+    return num_frames // frame_multiple * frame_multiple + 1
 
 
 def check_before_loading(model: str, sampling: dict[str, Any] | None = None,

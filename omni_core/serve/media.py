@@ -35,3 +35,21 @@ def size_of(image: Any) -> str:
     if isinstance(image, list):  # video frames
         image = image[0]
     return f"{image.width}x{image.height}"
+
+
+def mp4_bytes(frames: Any, fps: int) -> bytes:
+    """One video (a list of PIL frames) as MP4 bytes, written by ``omni_core.utils.media.write_video``."""
+    import os
+    import tempfile
+
+    from omni_core.utils.media import write_video
+
+    frames = frames if isinstance(frames, list) else [frames]
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        write_video(frames, path, fps)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.remove(path)

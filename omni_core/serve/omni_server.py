@@ -181,6 +181,17 @@ class OmniServer:
             raise admission_error(exc, self.retry_after_s) from None
         return handle
 
+    def adjusted(self, sent: Any, handle: Any) -> list[str]:
+        """What the model changed in a request as sent, said in the response and logged: a frame count off the
+        model's multiple is rounded as diffusers and vLLM-Omni round it (``WanPipeline``), not refused."""
+        made = handle.request.sampling_params
+        if sent.num_frames is None or made.num_frames == sent.num_frames:
+            return []
+        note = (f"num_frames {sent.num_frames} was rounded to {made.num_frames}: {self.model_info.pipeline} makes "
+                f"videos of num_frames - 1 a multiple of {self.model_info.frame_multiple}")
+        logger.warning("request %s: %s", handle.request_id, note)
+        return [note]
+
     def track(self, request_id: str) -> None:
         self._inflight.add(request_id)
 

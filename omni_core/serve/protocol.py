@@ -188,6 +188,21 @@ def _aliases(fields: dict[str, Any], aliases: Mapping[str, str]) -> dict[str, An
     return fields
 
 
+def _model_fields_in_extra(fields: dict[str, Any], kinds: Mapping[str, str], core: Mapping[str, str]
+                           ) -> dict[str, Any]:
+    """vLLM-Omni hands ``extra_params`` to the model as is: a key of it (here ``extra_args``) that the served model
+    declares as a sampling field (Wan's ``sample_solver``) is read as that field; given both ways, a 400."""
+    extra = fields.get("extra_args")
+    declared = [name for name in extra or () if name in kinds and name not in core]
+    for name in declared:
+        if name in fields:
+            raise invalid(f"'{name}' is given both at the top level and in 'extra_params'; give it once", name)
+        fields[name] = check_kind(f"extra_params.{name}", extra[name], kinds[name])
+    if declared:
+        fields["extra_args"] = {k: v for k, v in extra.items() if k not in declared}
+    return fields
+
+
 def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, video: bool = False
                        ) -> ChatImageRequest:
     """``POST /v1/chat/completions`` (vLLM-Omni's image route, and its older server's video route): the last user
@@ -214,6 +229,7 @@ def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, 
     text, urls = _last_user_message(messages)
     kinds, sampling = with_model_fields({"model": "str", **CHAT_GENERATION_FIELDS}, _CHAT_SAMPLING, model_fields)
     fields = _aliases(read_fields(body, kinds, ignored=CHAT_IGNORED), VLLM_OMNI_ALIASES)
+    fields = _model_fields_in_extra(fields, kinds, CHAT_GENERATION_FIELDS)
     fps = fields.pop("fps", DEFAULT_FPS)  # vLLM-Omni's client sends its --fps with image requests too
     if video:
         if not 1 <= fps <= MAX_FPS:
@@ -253,21 +269,24 @@ def _last_user_message(messages: Any) -> tuple[str, list]:
 
 
 # ------------------------------------------------------------------------------------------ videos
+#: the field of ``/v1/videos`` holding the input image of an image-to-video model (a file part, or a data URL)
+INPUT_REFERENCE = "input_reference"
+#: vLLM-Omni's JSON-safe alternative to it: ``{"image_url": ...}`` (``{"file_id": ...}`` is refused, as there)
+IMAGE_REFERENCE = "image_reference"
 VIDEO_FIELDS = {
     "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
     "extra_args": "object", "width": "int", "height": "int", "lora": "str", "lora_scale": "number",
     # vLLM-Omni's video protocol: ``extra_params`` is its name for extra_args; ``video_params`` a block of
-    # width/height/num_frames/fps (the top-level fields win, as there)
-    "extra_params": "object", "video_params": "object",
+    # width/height/num_frames/fps (the top-level fields win, as there); ``image_reference`` the input image as
+    # ``{"image_url": "data:..."}`` (JSON text in a form)
+    "extra_params": "object", "video_params": "object", IMAGE_REFERENCE: "object",
 }
 #: vLLM-Omni's video switches accepted at their default (off): this server has no audio or frame interpolation
 _OFF = (False, "false", "False")
 VIDEO_ACCEPTED_DEFAULTS = {"quality": ("auto", "standard"), "generate_sound": _OFF,
                            "enable_frame_interpolation": _OFF}
 _VIDEO_PARAMS_BLOCK = ("width", "height", "num_frames", "fps")
-#: the field of ``/v1/videos`` holding the input image of an image-to-video model (a file part, or a data URL)
-INPUT_REFERENCE = "input_reference"
 VIDEO_UNSUPPORTED = {"remixed_from_video_id": "remixing is not supported"}
 _VIDEO_SAMPLING = {"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
@@ -285,6 +304,8 @@ class VideoRequest:
     fps: int
     #: as the client gave it (OpenAI sends strings such as "4"), or None
     seconds: str | None
+    #: the data URL of vLLM-Omni's ``image_reference`` (the input image), or None
+    image_reference: str | None = None
 
 
 def frames_for_seconds(seconds: float, fps: int, frame_multiple: int) -> int:
@@ -301,7 +322,8 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
     kinds, sampling = with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)
     fields = read_fields(body, kinds, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
                          accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, from_form=from_form)
-    fields = _aliases(fields, {"extra_params": "extra_args"})
+    fields = _model_fields_in_extra(_aliases(fields, {"extra_params": "extra_args"}), kinds, VIDEO_FIELDS)
+    reference = _image_reference(fields.pop(IMAGE_REFERENCE, None))
     block = fields.pop("video_params", None)
     if block is not None:
         unknown = sorted(set(block) - set(_VIDEO_PARAMS_BLOCK))
@@ -331,7 +353,21 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
         seconds = str(seconds)
     params = sampling_params(fields, sampling, **fixed)
     return VideoRequest(prompt=prompt, negative_prompt=fields.get("negative_prompt"), params=params,
-                        model=fields.get("model"), fps=fps, seconds=seconds)
+                        model=fields.get("model"), fps=fps, seconds=seconds, image_reference=reference)
+
+
+def _image_reference(value: dict | None) -> str | None:
+    """vLLM-Omni's ``image_reference`` -> its ``image_url`` (read as a data URL by the route)."""
+    if value is None:
+        return None
+    if set(value) == {"file_id"}:
+        raise invalid(f"'{IMAGE_REFERENCE}': file_id is not supported (no file store); give "
+                      f"{{'image_url': 'data:image/png;base64,...'}} or the file as '{INPUT_REFERENCE}'",
+                      IMAGE_REFERENCE, code="unsupported_value")
+    if set(value) != {"image_url"} or not isinstance(value["image_url"], str):
+        raise invalid(f"'{IMAGE_REFERENCE}' must be {{'image_url': 'data:image/png;base64,...'}}, got {value!r:.80}",
+                      IMAGE_REFERENCE, code="invalid_type")
+    return value["image_url"]
 
 
 # ------------------------------------------------------------------------------------------ scheduling

@@ -48,6 +48,8 @@ class VideoJob:
     peak_memory_mb: float | None = None
     path: str | None = None
     task: Any = None
+    #: what the model changed in the request as sent (a rounded ``num_frames``): omni's field, shown when set
+    warnings: list = attrs.field(factory=list)
 
     @property
     def finished(self) -> bool:
@@ -76,11 +78,14 @@ class VideoJob:
         status, error = self.status, self.error
         if status == CANCELLED:
             status, error = FAILED, error or {"code": "cancelled", "message": "the video job was cancelled"}
-        return {"id": self.id, "object": "video", "model": self.model, "status": status,
+        job = {"id": self.id, "object": "video", "model": self.model, "status": status,
                 "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": self.expires_at, "prompt": self.prompt, "size": self.size, "seconds": self.seconds,
                 "quality": "standard", "error": error, "remixed_from_video_id": None,
                 "num_frames": self.num_frames, "fps": self.fps, "seed": self.seed, "peak_memory_mb": self.peak_memory_mb}
+        if self.warnings:
+            job["warnings"] = list(self.warnings)
+        return job
 
 
 class VideoJobs:

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from omni_core.serve.media import pil_outputs, png_b64
+from omni_core.serve.media import mp4_bytes, pil_outputs, png_b64
 from omni_core.serve.omni_server import current
 from omni_core.serve.openapi import error_doc, error_docs
 from omni_core.serve.bodies import read_json
@@ -46,16 +46,18 @@ async def chat_completions(request: Request):
     images = [read_data_url(url, "messages", server.max_image_pixels) for url in chat.image_urls]
     handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
                            images=images)
+    warnings = server.adjusted(req.params, handle)
     server.track(handle.request_id)
     out = await server.run_to_end(request, handle, kind="video" if server.is_video else "image")
     if out is None:
         return Response(status_code=499)
     return JSONResponse(await asyncio.to_thread(chat_payload, out, server.model_name,
-                                                chat.fps if server.is_video else None))
+                                                chat.fps if server.is_video else None, warnings))
 
 
-def chat_payload(out: Any, model: str, fps: int | None = None) -> dict[str, Any]:
-    """The chat completion: image parts, or (``fps`` given: a video model) one MP4 ``video_url`` part per video."""
+def chat_payload(out: Any, model: str, fps: int | None = None, warnings: list | None = None) -> dict[str, Any]:
+    """The chat completion: image parts, or (``fps`` given: a video model) one MP4 ``video_url`` part per video;
+    ``warnings``: what the model changed in the request (omni's field, present only then)."""
     peak = out.metrics.get("peak_memory_mb", 0.0)
     if fps is None:
         parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64(im)}"},
@@ -63,31 +65,22 @@ def chat_payload(out: Any, model: str, fps: int | None = None) -> dict[str, Any]
     else:
         parts = [{"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{mp4_b64(frames, fps)}"},
                   "peak_memory_mb": peak} for frames in pil_outputs(out)]
-    return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+    payload = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "peak_memory_mb": peak,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": parts}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "peak_memory_mb": peak},
             "metrics": {"peak_memory_mb": peak, "seed": out.metrics.get("seed"),
                         "e2e_latency_s": out.metrics.get("e2e_latency_s")}}
+    if warnings:
+        payload["warnings"] = list(warnings)
+    return payload
 
 
 def mp4_b64(frames: Any, fps: int) -> str:
-    """One video (a list of PIL frames) as a base64 MP4, written by ``omni_core.utils.media.write_video``."""
+    """One video (a list of PIL frames) as a base64 MP4."""
     import base64
-    import os
-    import tempfile
 
-    from omni_core.utils.media import write_video
-
-    frames = frames if isinstance(frames, list) else [frames]
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    os.close(fd)
-    try:
-        write_video(frames, path, fps)
-        with open(path, "rb") as f:
-            return base64.b64encode(f.read()).decode("ascii")
-    finally:
-        os.remove(path)
+    return base64.b64encode(mp4_bytes(frames, fps)).decode("ascii")
 
 
 __all__ = ["chat_payload", "mp4_b64", "v1"]

@@ -1,6 +1,7 @@
 """``/v1/videos``: create a job (JSON, a multipart form, or a url-encoded form as aiohttp sends one), list, get,
-download the MP4, delete (cancels it). An image-to-video model takes its input image as ``input_reference`` (a
-file part, or a base64 data URL).
+download the MP4, delete (cancels it); ``/v1/videos/sync`` (vLLM-Omni's): the same request, answered with the MP4
+itself once made. An image-to-video model takes its input image as ``input_reference`` (a file part, or a base64
+data URL) or as vLLM-Omni's ``image_reference`` (``{"image_url": "data:..."}``).
 
 A job follows its engine request on a task of the server's loop and writes the MP4 when it completes;
 the engine's progress callback moves it to ``in_progress`` with a percentage.
@@ -12,18 +13,19 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 
-from omni_core.serve.media import pil_outputs
+from omni_core.serve.media import mp4_bytes, pil_outputs
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.errors import APIError, invalid
 from omni_core.serve.openapi import error_doc, error_docs, form_schema, video_body_schema
 from omni_core.serve.protocol import with_timeout_header
 from omni_core.serve.bodies import read_json, read_multipart, read_urlencoded
-from omni_core.serve.protocol import INPUT_REFERENCE, parse_video_request
+from omni_core.serve.protocol import IMAGE_REFERENCE, INPUT_REFERENCE, VideoRequest, parse_video_request
 from omni_core.serve.uploads import check_count, read_data_url, read_image
 from omni_core.serve.videos import CANCELLED, COMPLETED, FAILED, VideoJob
 
@@ -32,13 +34,15 @@ logger = logging.getLogger("omni_core.serve")
 v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API key")})
 
 
-@v1.post("/videos", responses={200: {"description": "the video job"}, **error_docs(400, 404, 413, 429, 503)},
-         openapi_extra={"requestBody": {"required": True, "content": {
-             "application/json": {"schema": video_body_schema(())},  # + the served model's fields: openapi.py
-             "multipart/form-data": {"schema": form_schema(video_body_schema(()))},
-             "application/x-www-form-urlencoded": {"schema": form_schema(video_body_schema(()))}}}})
-async def create_video(request: Request):
-    server = current(request)
+_VIDEO_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": video_body_schema(())},  # + the served model's fields: openapi.py
+    "multipart/form-data": {"schema": form_schema(video_body_schema(()))},
+    "application/x-www-form-urlencoded": {"schema": form_schema(video_body_schema(()))}}}}
+
+
+async def read_video_request(request: Request, server: OmniServer) -> tuple[VideoRequest, list]:
+    """The body of ``POST /v1/videos`` (and ``/sync``) in any of its three encodings, checked against the served
+    model, with its input image (none, or one PIL image)."""
     content_type = request.headers.get("content-type", "")
     frame_multiple, model_fields = server.model_info.frame_multiple, server.model_info.sampling_fields
     reference: Any = None  # the input image: a file part, or a data URL in a text field
@@ -66,13 +70,26 @@ async def create_video(request: Request):
     if not server.is_video:
         raise invalid(f"model {server.model_name!r} makes images, not videos; use POST /v1/images/generations",
                       "model", code="unsupported_model")
+    field = INPUT_REFERENCE
+    if req.image_reference is not None:
+        if reference not in (None, ""):
+            raise invalid(f"give either '{INPUT_REFERENCE}' or '{IMAGE_REFERENCE}', not both", IMAGE_REFERENCE)
+        reference, field = req.image_reference, IMAGE_REFERENCE
     images = [] if reference in (None, "") else [reference]
     if images and server.image_input is None:
         raise invalid(f"model {server.model_name!r} makes videos from text alone (it takes no input image); "
-                      f"remove 'input_reference'", INPUT_REFERENCE, code="unsupported_parameter")
-    check_count(images, INPUT_REFERENCE, server.image_input, server.model_name)
-    images = [read_image(ref, INPUT_REFERENCE, server.max_image_pixels) if isinstance(ref, (bytes, bytearray))
-              else read_data_url(ref, INPUT_REFERENCE, server.max_image_pixels) for ref in images]
+                      f"remove '{field}'", field, code="unsupported_parameter")
+    check_count(images, field, server.image_input, server.model_name)
+    images = [read_image(ref, field, server.max_image_pixels) if isinstance(ref, (bytes, bytearray))
+              else read_data_url(ref, field, server.max_image_pixels) for ref in images]
+    return req, images
+
+
+@v1.post("/videos", responses={200: {"description": "the video job"}, **error_docs(400, 404, 413, 429, 503)},
+         openapi_extra=_VIDEO_BODY)
+async def create_video(request: Request):
+    server = current(request)
+    req, images = await read_video_request(request, server)
     server.videos.sweep()
     job: VideoJob | None = None
 
@@ -86,7 +103,8 @@ async def create_video(request: Request):
     job = VideoJob(id=server.videos.new_id(), model=server.model_name, prompt=req.prompt,
                    size=f"{params.width}x{params.height}",
                    seconds=req.seconds or f"{params.num_frames / req.fps:g}", num_frames=params.num_frames,
-                   fps=req.fps, request_id=handle.request_id, seed=params.seed)
+                   fps=req.fps, request_id=handle.request_id, seed=params.seed,
+                   warnings=server.adjusted(req.params, handle))
     try:
         server.videos.add(job)
     except APIError:
@@ -94,6 +112,33 @@ async def create_video(request: Request):
         raise
     job.task = asyncio.create_task(run_video_job(server, job, handle))
     return job.to_dict()
+
+
+@v1.post("/videos/sync", response_class=Response, openapi_extra=_VIDEO_BODY, responses={
+    200: {"description": "the MP4 (headers: X-Request-Id, X-Model, X-Inference-Time-S)",
+          "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}},
+    **error_docs(400, 404, 413, 429, 500, 503)})
+async def create_video_sync(request: Request):
+    """vLLM-Omni's synchronous route (for benchmarks): the same fields as ``POST /v1/videos``, answered with the
+    MP4 bytes once made, as vLLM-Omni does (``video/mp4``, ``X-Request-Id``, ``X-Model``, ``X-Inference-Time-S``;
+    omni adds ``X-Omni-Warning`` when the model changed the request, e.g. rounded ``num_frames``)."""
+    server = current(request)
+    started = time.perf_counter()
+    req, images = await read_video_request(request, server)
+    handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
+                           images=images)
+    warnings = server.adjusted(req.params, handle)
+    server.track(handle.request_id)
+    out = await server.run_to_end(request, handle, kind="video")
+    if out is None:
+        return Response(status_code=499)
+    (frames,) = await asyncio.to_thread(pil_outputs, out)
+    data = await asyncio.to_thread(mp4_bytes, frames, req.fps)
+    headers = {"X-Request-Id": handle.request_id, "X-Model": server.model_name,
+               "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}"}
+    if warnings:
+        headers["X-Omni-Warning"] = "; ".join(warnings)
+    return Response(content=data, media_type="video/mp4", headers=headers)
 
 
 @v1.get("/videos")

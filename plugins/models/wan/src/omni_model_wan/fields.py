@@ -22,7 +22,14 @@ FLOW_SHIFT = SamplingField(
     name="flow_shift", type="float", default=None, min=0.01, max=100.0, splits_batch=True,
     help="the scheduler's flow shift (diffusers' shift / flow_shift); default: the folder's scheduler config")
 
-SAMPLING_FIELDS = (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT)
+#: Wan's own solver names (its reference code's ``sample_solver``), each a diffusers scheduler with the folder's
+#: shift (pipeline.SOLVERS); vLLM-Omni's clients send it in ``extra_params``; default: the folder's scheduler
+SAMPLE_SOLVER = SamplingField(
+    name="sample_solver", type="choice", choices=("unipc", "dpm++", "euler"), default=None, splits_batch=True,
+    help="the solver: unipc (UniPCMultistepScheduler), dpm++ (DPMSolverMultistepScheduler), euler "
+         "(FlowMatchEulerDiscreteScheduler), each with the folder's flow shift; default: the folder's scheduler")
+
+SAMPLING_FIELDS = (GUIDANCE_SCALE_2, BOUNDARY_RATIO, FLOW_SHIFT, SAMPLE_SOLVER)
 
 
 def size_rules(model_path: str | None) -> tuple[int, int, int, int]:

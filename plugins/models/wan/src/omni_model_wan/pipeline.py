@@ -9,6 +9,7 @@ A14B folders carry a second expert (``transformer_2``) and ``boundary_ratio``: s
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 import torch
@@ -20,7 +21,10 @@ from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_model_index
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults
+from omni_core.pipelines.shape_check import round_frames
 from omni_model_wan.fields import SAMPLING_FIELDS, size_rules
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
@@ -83,8 +87,8 @@ class WanPipeline(DiffusersStepPipeline):
     @classmethod
     def check_sampling_params(cls, params: SamplingParams, model_path: str | None = None) -> SamplingParams:
         """Defaults as diffusers' ``__call__``. height/width must be multiples of the VAE's spatial factor x the
-        patch size (16 for Wan) and ``num_frames - 1`` a multiple of the temporal factor (4); diffusers
-        silently rounds such sizes, Omni refuses them."""
+        patch size (16 for Wan), refused otherwise (diffusers rounds them silently); ``num_frames - 1`` not a
+        multiple of the temporal factor (4) is rounded with a warning, as diffusers and vLLM-Omni do."""
         hm, wm, temporal, _ = size_rules(model_path)
         params = fill_defaults(params, height=cls.default_height, width=cls.default_width,
                                num_frames=cls.default_num_frames, num_inference_steps=cls.default_num_inference_steps,
@@ -96,11 +100,11 @@ class WanPipeline(DiffusersStepPipeline):
                 raise ConfigError(f"{name}={value} is not allowed for {cls.__name__}: height must be a multiple of "
                                   f"{hm} and width a multiple of {wm} (VAE spatial factor x patch size), e.g. "
                                   f"{lo or m} or {hi}", field=name)
-        if (params.num_frames - 1) % temporal:
-            lo = (params.num_frames - 1) // temporal * temporal + 1
-            raise ConfigError(f"num_frames={params.num_frames} is not allowed for {cls.__name__}: num_frames - 1 must "
-                              f"be a multiple of {temporal} (the VAE's temporal factor), e.g. {lo} or "
-                              f"{lo + temporal}", field="num_frames")
+        frames = round_frames(params.num_frames, temporal)
+        if frames != params.num_frames:  # as diffusers' WanPipeline: round, with a warning
+            logger.warning("num_frames=%d: num_frames - 1 must be a multiple of %d (the VAE's temporal factor) for "
+                           "%s; rounded to %d", params.num_frames, temporal, cls.__name__, frames)
+            params = params.replace(num_frames=frames)
         params = cls.check_model_fields(params)  # guidance_scale_2; other models' fields are refused
         index = (read_model_index(model_path) if model_path else None) or {}
         if params.guidance_scale_2 is not None and model_path and index.get("boundary_ratio") is None:
@@ -160,6 +164,8 @@ class WanPipeline(DiffusersStepPipeline):
         state.prompt_embeds = pe.to(self.transformer_dtype)
         state.negative_prompt_embeds = ne.to(self.transformer_dtype) if ne is not None else None
         scheduler = self.new_scheduler()
+        if sp.sample_solver is not None:  # Wan's solver names, as diffusers schedulers
+            scheduler = solver_scheduler(scheduler, sp.sample_solver)
         if sp.flow_shift is not None:  # this request's shift (vLLM-Omni's flow_shift)
             key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
             scheduler = type(scheduler).from_config(scheduler.config, **{key: sp.flow_shift})
@@ -287,6 +293,29 @@ class WanPipeline(DiffusersStepPipeline):
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """Every latent frame of the first video ``[C, F, h, w]`` (the preview shows four of them, tiled)."""
         return state.latents[0]
+
+
+#: Wan's ``sample_solver`` values -> the diffusers scheduler with flow prediction (Wan's reference code:
+#: FlowUniPCMultistepScheduler / FlowDPMSolverMultistepScheduler; euler: flow matching)
+SOLVERS = {"unipc": "UniPCMultistepScheduler", "dpm++": "DPMSolverMultistepScheduler",
+           "euler": "FlowMatchEulerDiscreteScheduler"}
+
+
+def solver_scheduler(scheduler: Any, solver: str) -> Any:
+    """``scheduler`` (the folder's) as the scheduler of ``solver``, keeping its training timesteps and shift; the
+    folder's own scheduler when it already is that one."""
+    import diffusers
+
+    name = SOLVERS[solver]
+    if type(scheduler).__name__ == name:
+        return scheduler
+    config = scheduler.config
+    shift = config.get("flow_shift", config.get("shift", 1.0))
+    cls = getattr(diffusers, name)
+    if solver == "euler":
+        return cls(num_train_timesteps=config.num_train_timesteps, shift=shift)
+    return cls(num_train_timesteps=config.num_train_timesteps, prediction_type="flow_prediction",
+               use_flow_sigmas=True, flow_shift=shift)
 
 
 def _shift_key(model_path: str) -> str | None:
