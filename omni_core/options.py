@@ -160,6 +160,12 @@ class Option:
         default = "" if self.default is None else f", default {self.default!r}"
         return f"{self.kind_text()}{default}" + (f": {self.help}" if self.help else "")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The option as ``omni env --json`` lists it."""
+        default = list(self.default) if isinstance(self.default, tuple) else self.default
+        return {"name": self.name, "type": self.type, "default": default, "allowed": self.kind_text(),
+                "help": self.help}
+
     def cli_kwargs(self) -> dict[str, Any]:
         """``argparse`` keywords of the option's flag (type, choices or a --x/--no-x pair; no default)."""
         if self.type == "bool":

@@ -74,7 +74,8 @@ def _backend_rows(pm, kind: str, platform, conflicts: dict, default: str | None 
             av = check_record(spec, ctx)
             ok, why = av.ok, av.reason
         rows.append({"name": name, "provider": spec.provider, "usable": ok, "reason": why,
-                     "platform_default": name == default})
+                     "platform_default": name == default,
+                     **({"options": [o.to_dict() for o in spec.options]} if hasattr(spec, "options") else {})})
     return rows
 
 
@@ -94,8 +95,12 @@ def collect_env(pm=None, model: str | None = None, plan_options: dict[str, Any] 
     attention = _backend_rows(pm, "attention", platform, conflicts, default_backend)
     cache = _backend_rows(pm, "cache", platform, conflicts)
     # what Omni(model=...) accepts: a pipeline's short names, or a folder naming the pipeline
-    pipelines = [{"name": name, "provider": spec.provider, "model_names": list(spec.model_names)}
+    pipelines = [{"name": name, "provider": spec.provider, "model_names": list(spec.model_names),
+                  "sampling_fields": [f.to_dict() for f in spec.sampling_fields]}
                  for name, spec in sorted(pm.components("pipeline").items())]
+    # executors that take options (``<executor>_<name>=`` / ``--<executor>-<name>``)
+    executors = [{"name": name, "provider": spec.provider, "options": [o.to_dict() for o in spec.options]}
+                 for name, spec in sorted(pm.components("executor").items())]
     plugins = pm.list_plugins(include_builtin=True)
     return {
         "omni_core": _version("omni-core"),
@@ -110,6 +115,7 @@ def collect_env(pm=None, model: str | None = None, plan_options: dict[str, Any] 
                                    for p in plugins if p.status != ACTIVE]},
         "attention_backends": attention,
         "cache_backends": cache,
+        "executors": executors,
         "pipelines": pipelines,
         "quantization": _quantization_rows(platform),
         **({"performance_modes": _preset_report(pm, model, platform)} if model else {}),
@@ -181,7 +187,14 @@ def _backend_lines(rows: list[dict[str, Any]]) -> list[str]:
         name = r["name"] + (" *" if r["platform_default"] else "")
         usable = "yes" if r["usable"] else "no "
         out.append(f"  {name.ljust(width)}  {usable}  {r['provider'].ljust(pwidth)}  {r['reason']}".rstrip())
+        out += _option_lines(r.get("options", ()))
     return out
+
+
+def _option_lines(options, prefix: str = "") -> list[str]:
+    """One line per declared option (the record's ``to_dict``): ``name: what it takes, default: help``."""
+    return [f"      {prefix}{o['name']}: {o['allowed']}" + ("" if o["default"] is None else f", default {o['default']!r}")
+            + (f": {o['help']}" if o["help"] else "") for o in options]
 
 
 def format_env(env: dict[str, Any]) -> str:
@@ -211,8 +224,15 @@ def format_env(env: dict[str, Any]) -> str:
     lines.append("attention backends (usable here? * = platform default):")
     lines += _backend_lines(env["attention_backends"]) if env["attention_backends"] else ["  (none registered)"]
     lines.append("")
-    lines.append("cache backends (usable here?):")
+    lines.append("cache backends (usable here?; cache_config keys):")
     lines += _backend_lines(env["cache_backends"])
+    executors = [e for e in env.get("executors", []) if e["options"]]
+    if executors:
+        lines.append("")
+        lines.append("executor options (<executor>_<name>= / --<executor>-<name>):")
+        for e in executors:
+            lines.append(f"  {e['name']} ({e['provider']})")
+            lines += _option_lines(e["options"], prefix=f"{e['name']}_")
     lines.append("")
     lines.append("pipelines (model= takes a short name, or a diffusers folder naming the pipeline):")
     lines += _pipeline_lines(env["pipelines"]) if env["pipelines"] else ["  (none: install a model plugin, e.g. "
@@ -243,8 +263,12 @@ def format_env(env: dict[str, Any]) -> str:
 def _pipeline_lines(rows: list[dict[str, Any]]) -> list[str]:
     width = max(len(r["name"]) for r in rows)
     pwidth = max(len(r["provider"]) for r in rows)
-    return [f"  {r['name'].ljust(width)}  {r['provider'].ljust(pwidth)}  "
-            f"{'model=' + ', '.join(r['model_names']) if r['model_names'] else 'folder only'}" for r in rows]
+    out = []
+    for r in rows:
+        out.append(f"  {r['name'].ljust(width)}  {r['provider'].ljust(pwidth)}  "
+                   f"{'model=' + ', '.join(r['model_names']) if r['model_names'] else 'folder only'}")
+        out += _option_lines(r.get("sampling_fields", ()))
+    return out
 
 
 def run_env(args: argparse.Namespace) -> int:

@@ -47,14 +47,34 @@ def body_schema(fields: Mapping[str, str], *, accepted_defaults: Mapping[str, tu
     return {"type": "object", "properties": props, "required": ["prompt"], "additionalProperties": False}
 
 
+def _declared_schemas(schema: dict[str, Any], core: Mapping[str, str], model_fields: Sequence[Any] | None
+                      ) -> dict[str, Any]:
+    """Each declared sampling field documented by its record's own JSON schema (bounds, choices, default, help;
+    ``Option.json_schema``), ``null`` added: it means "the model's default"."""
+    if model_fields is None:
+        from omni_core.config import registered_sampling_fields
+
+        model_fields = [decls[0][1] for decls in registered_sampling_fields().values()]
+    for field in model_fields:
+        if field.name not in core:
+            prop = field.json_schema()
+            prop["type"] = [prop["type"], "null"]
+            if "enum" in prop:
+                prop["enum"] = [*prop["enum"], None]
+            schema["properties"][field.name] = prop
+    return schema
+
+
 def image_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
-    return body_schema(with_model_fields(IMAGE_FIELDS, {}, model_fields)[0],
-                       accepted_defaults=IMAGE_ACCEPTED_DEFAULTS, ignored=("user", "safety_identifier"))
+    return _declared_schemas(body_schema(with_model_fields(IMAGE_FIELDS, {}, model_fields)[0],
+                                         accepted_defaults=IMAGE_ACCEPTED_DEFAULTS,
+                                         ignored=("user", "safety_identifier")), IMAGE_FIELDS, model_fields)
 
 
 def video_body_schema(model_fields: Sequence[Any] | None = None) -> dict[str, Any]:
-    return body_schema(with_model_fields(VIDEO_FIELDS, {}, model_fields)[0],
-                       accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, ignored=("user",))
+    return _declared_schemas(body_schema(with_model_fields(VIDEO_FIELDS, {}, model_fields)[0],
+                                         accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, ignored=("user",)),
+                             VIDEO_FIELDS, model_fields)
 
 
 def error_doc(description: str) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from omni_core.serve.fields import check_kind, read_fields, required_prompt, sam
 
 
 # ------------------------------------------------------------------------------------------ model fields
-_KIND_OF_TYPE = {"float": "number", "int": "int", "bool": "bool", "str": "str", "choice": "str"}
+#: body kind of a declared field, from its record's JSON schema (``Option.json_schema``: the one reading of its type)
+_KIND_OF_SCHEMA = {"number": "number", "integer": "int", "boolean": "bool", "string": "str"}
 
 
 def model_field_kinds(model_fields: Sequence[Any] | None) -> dict[str, str]:
@@ -32,7 +33,7 @@ def model_field_kinds(model_fields: Sequence[Any] | None) -> dict[str, str]:
         from omni_core.config import registered_sampling_fields
 
         model_fields = [decls[0][1] for decls in registered_sampling_fields().values()]
-    return {f.name: _KIND_OF_TYPE[f.type] for f in model_fields}
+    return {f.name: _KIND_OF_SCHEMA[f.json_schema()["type"]] for f in model_fields}
 
 
 def with_model_fields(fields: Mapping[str, str], sampling: Mapping[str, str], model_fields: Sequence[Any] | None

@@ -18,7 +18,12 @@ def test_a_declared_field_is_a_body_field(tiny_dit_server, decode_png):
     with tiny_dit_server.client() as c:
         schema = c.get("/openapi.json").json()
         image_body = schema["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]
-        assert image_body["schema"]["properties"]["context_scale"] == {"type": ["number", "null"]}
+        from omni_core.testing.tiny_dit_plugin import CONTEXT_SCALE
+
+        # documented by the record's own schema (bounds, default, help), null meaning the model's default
+        assert image_body["schema"]["properties"]["context_scale"] == {
+            **CONTEXT_SCALE.json_schema(), "type": ["number", "null"]}
+        assert image_body["schema"]["properties"]["context_scale"]["maximum"] == CONTEXT_SCALE.max
         default, same, scaled = (c.post("/v1/images/generations", json={**body, **extra}) for extra in
                                  ({}, {"context_scale": 1.0}, {"context_scale": 3.0}))
         assert default.status_code == same.status_code == scaled.status_code == 200, scaled.text
