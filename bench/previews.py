@@ -60,8 +60,8 @@ def build(model: str, root: str) -> str:
 
 def measure(pipeline, model_path: str | None, *, steps: int, calib: int, evals: int, sampling: dict) -> dict:
     """The bench's numbers for one loaded pipeline (see the module docstring)."""
-    from omni_core.pipelines.preview import (channel_preview, choose_kernel, collect_pairs, find_projection,
-                                             fit_projection, psnr)
+    from omni_core.pipelines.preview import channel_preview, find_projection
+    from omni_core.pipelines.preview_fit import choose_kernel, collect_pairs, fit_projection, psnr
 
     prompts = list(type(pipeline).example_prompts())
     calib_prompts = [prompts[i % len(prompts)] for i in range(calib)]

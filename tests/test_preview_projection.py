@@ -12,9 +12,9 @@ import torch
 
 from omni_core.config import OmniDiffusionConfig, SamplingParams
 from omni_core.errors import ConfigError
-from omni_core.pipelines.preview import (PROJECTION_FILE, LatentProjection, channel_preview, choose_kernel,
-                                         find_projection, fit_projection, pool_target, psnr, render_preview,
-                                         tile_frames, write_projection)
+from omni_core.pipelines.preview import (PROJECTION_FILE, LatentProjection, channel_preview, find_projection,
+                                         render_preview, tile_frames, write_projection)
+from omni_core.pipelines.preview_fit import choose_kernel, fit_projection, pool_target, psnr
 from omni_core.pipelines.state import StepState, remember_flow_step
 from omni_core.request import OmniDiffusionRequest
 

@@ -47,8 +47,8 @@ def calibrate(pipeline, *, model_path: str | None, prompts: int = 4, steps: int 
     import time
 
     from omni_core.errors import ConfigError
-    from omni_core.pipelines.preview import (channel_preview, choose_kernel, collect_pairs, find_projection,
-                                             fit_projection, projection_psnr, psnr)
+    from omni_core.pipelines.preview import channel_preview, find_projection
+    from omni_core.pipelines.preview_fit import choose_kernel, collect_pairs, fit_projection, projection_psnr, psnr
 
     offered = list(type(pipeline).example_prompts())
     if not offered:
@@ -88,7 +88,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from omni_core.pipelines import load_pipeline, resolve_model
     from omni_core.pipelines.preview import write_projection
     from omni_core.platforms import current_platform
-    from omni_core.worker.runner import torch_dtype
+    from omni_core.utils.dtypes import torch_dtype
 
     config = OmniDiffusionConfig(model=args.model, dtype=args.dtype)
     resolved = resolve_model(args.model)

@@ -19,9 +19,9 @@ def check_preview_projection(pipeline: Any, *, sampling: dict | None = None, ste
     it; returns the numbers (``channel``, ``projection``, ``kernel``)."""
     import torch
 
-    from omni_core.pipelines.preview import (PROJECTION_FILE, channel_preview, choose_kernel, collect_pairs,
-                                             fit_projection, frame_indices, projection_psnr, psnr, tile_frames,
+    from omni_core.pipelines.preview import (PROJECTION_FILE, channel_preview, frame_indices, tile_frames,
                                              write_projection)
+    from omni_core.pipelines.preview_fit import choose_kernel, collect_pairs, fit_projection, projection_psnr, psnr
     from omni_core.pipelines.state import StepState
     from omni_core.request import OmniDiffusionRequest
 
