@@ -451,13 +451,29 @@ def apply_tensor_parallel_to_pipeline(pipeline: Any, config: Any = None, device:
                 observe(name, shape)
 
         read = any(p.device.type == "meta" for p in module.parameters())
+        elements = 0
         if read:
+            component, prefix = _folder_component(pipeline, spec)
             folder = os.path.join(getattr(pipeline, "omni_model_path", None) or "", spec.name)
-            read_shards(module, folder, shards, group.rank_in_group, group.world_size, dtype=dtype,
-                        device=device, observe=seen)
+            read_shards(component, folder, {k[len(prefix):]: v for k, v in shards.items() if k.startswith(prefix)},
+                        group.rank_in_group, group.world_size, dtype=dtype, device=device, observe=seen)
+            elements = sum(p.numel() for p in component.parameters())
         out[spec.name] = {"tp_size": group.world_size, "parameter_bytes": parameter_bytes(module),
-                          "largest_read": largest if read else None}
+                          "largest_read": largest if read else None, "elements": elements}
     return out
+
+
+def _folder_component(pipeline: Any, spec: Any) -> tuple[nn.Module, str]:
+    """The module whose weights are the folder's ``<spec.name>/`` files, and its path prefix inside
+    ``spec.module``: the spec's module itself, or the diffusers component it wraps (Z-Image's denoiser wraps
+    ``pipe.transformer``)."""
+    component = getattr(getattr(pipeline, "pipe", None), spec.name, None)
+    if component is None or component is spec.module:
+        return spec.module, ""
+    for path, sub in spec.module.named_modules():
+        if sub is component:
+            return component, f"{path}."
+    return spec.module, ""
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -24,7 +24,7 @@ PROMPTS = ["a red fox jumps over a lazy dog in the snow", "a cat", "an astronaut
 def zi_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from omni_model_z_image.testing import build_tiny_z_image
 
-    return build_tiny_z_image(tmp_path_factory.mktemp("parallel-z-image"))
+    return build_tiny_z_image(tmp_path_factory.mktemp("parallel-z-image"), num_heads=4)  # TP-2 divides its MLP
 
 
 #: tiny Z-Image: VAE factor 2 and 2x2 patches, so 24x40 has 6 x 10 = 60 image tokens (64 after the transformer's
@@ -69,9 +69,11 @@ def one_process(zi_dir):
 
 @pytest.mark.parametrize("parallel_config,engine", [({"ulysses_degree": 2}, {}),
                                                     ({"ring_degree": 2}, {"step_execution": True}),
+                                                    # tensor parallel (issue #39): main layers and both refiners
+                                                    ({"tensor_parallel_size": 2}, {}),
                                                     # a third engine start (~45 s here): -m "not slow" skips it
                                                     pytest.param({"cfg_parallel_size": 2}, {}, marks=pytest.mark.slow)],
-                         ids=["ulysses2", "ring2", "cfg2"])
+                         ids=["ulysses2", "ring2", "tp2", "cfg2"])
 def test_sequence_parallel_equals_one_process(zi_dir, one_process, parallel_config, engine):
     outs = engine_run(zi_dir, parallel_config, executor="mp", **engine)
     for i, (ref, out) in enumerate(zip(one_process, outs)):
