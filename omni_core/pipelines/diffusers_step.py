@@ -33,20 +33,12 @@ import torch
 
 from omni_core.distributed.cfg_parallel import cfg_combine
 from omni_core.forward_context import use_config, use_denoise_call
-from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook
 from omni_core.pipelines.base import OmniPipeline
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
 from omni_core.pipelines.state import StepState, remember_flow_step
-
-
-def latents_to_rgb(lat: torch.Tensor) -> torch.Tensor:
-    """``[C, h, w]`` latents -> ``[3, h, w]`` in [0, 1]: channels 0..2 (repeated when fewer), each min-max
-    scaled. A preview without a VAE decode: cheap enough to send every step."""
-    rgb = lat[:3] if lat.shape[0] >= 3 else lat[:1].expand(3, -1, -1)
-    lo = rgb.amin(dim=(1, 2), keepdim=True)
-    hi = rgb.amax(dim=(1, 2), keepdim=True)
-    return ((rgb - lo) / (hi - lo).clamp_min(1e-6)).cpu()
+from omni_core.pipelines.text_padding import pad_text
+from omni_core.pipelines.vae_convs import single_frame_causal_convs
 
 
 def _flow_scheduler(scheduler: Any) -> bool:
@@ -54,78 +46,6 @@ def _flow_scheduler(scheduler: Any) -> bool:
     flow-matching schedulers, and multistep ones configured for ``flow_prediction`` (Wan's UniPC)."""
     pred = getattr(getattr(scheduler, "config", None), "prediction_type", None)
     return pred in (None, "flow_prediction") if "FlowMatch" not in type(scheduler).__name__ else True
-
-
-def pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None] | None, rows: list[int]
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack per-request ``[1, L_i, D]`` prompt embeddings into ``[sum(rows), max L, D]`` with zero padding
-    (each repeated for the request's ``rows``), and the ``[sum(rows), max L]`` key-padding mask (True =
-    attend) built from the requests' own masks (None: all valid) and the padding. The mask is None when
-    nothing is masked, which is what diffusers passes for a single prompt, so one request alone computes
-    exactly what diffusers computes."""
-    masks = masks if masks is not None else [None] * len(embeds)
-    longest = max(e.shape[1] for e in embeds)
-    if all(m is None for m in masks) and all(e.shape[1] == longest for e in embeds):  # nothing to pad or mask
-        if len(embeds) == 1:
-            return embeds[0].expand(rows[0], -1, -1), None
-        return torch.cat([e.expand(r, -1, -1) for e, r in zip(embeds, rows)]), None
-    parts, mask_parts = [], []
-    for e, m, r in zip(embeds, masks, rows):
-        length = e.shape[1]
-        valid = m.bool() if m is not None else torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
-        if length < longest:
-            e = torch.cat([e, e.new_zeros(e.shape[0], longest - length, e.shape[2])], dim=1)
-            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], longest - length)], dim=1)
-        parts.append(e.expand(r, -1, -1))
-        mask_parts.append(valid.expand(r, -1))
-    mask = torch.cat(mask_parts)
-    return torch.cat(parts), (None if bool(mask.all()) else mask)
-
-
-#: the hook name of :class:`_SingleFrameCausalConv` on a VAE's causal convolutions
-SINGLE_FRAME_CONV = "vae.single_frame_conv"
-
-
-class _SingleFrameCausalConv(ModuleHook):
-    """Hook (``kernel`` stage) on a diffusers causal ``Conv3d`` (``QwenImageCausalConv3d``, ``WanCausalConv3d``):
-    a single input frame with no cached frames before it (an image, or a video's first latent frame) is padded
-    in time with zeros only, so every temporal kernel slice but the last multiplies zeros: the same output is
-    one ``conv2d`` with that slice, a third of the work for a 3x3x3 kernel. Anything else (cached frames,
-    several frames, temporal stride) runs the rest of the chain (the module's own forward)."""
-
-    order = STAGES["kernel"]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._slice: tuple[Any, torch.Tensor] | None = None
-
-    def new_forward(self, conv: torch.nn.Conv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-        pad = conv._padding
-        if (cache_x is not None or x.dim() != 5 or x.shape[2] != 1 or conv.stride[0] != 1
-                or conv.dilation[0] != 1 or pad[4] != conv.kernel_size[0] - 1 or pad[5] != 0):
-            return self.fn_ref.original_forward(x, cache_x)
-        w = conv.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._slice is None or self._slice[0] != key:
-            self._slice = (key, w[:, :, -1].contiguous())
-        x2 = torch.nn.functional.pad(x[:, :, 0], list(pad[:4])) if any(pad[:4]) else x[:, :, 0]
-        out = torch.nn.functional.conv2d(x2, self._slice[1], conv.bias, stride=conv.stride[1:],
-                                         dilation=conv.dilation[1:], groups=conv.groups)
-        return out.unsqueeze(2)
-
-
-def single_frame_causal_convs(vae: torch.nn.Module) -> int:
-    """Add the :class:`_SingleFrameCausalConv` hook (:data:`SINGLE_FRAME_CONV`) to every causal ``Conv3d`` of
-    ``vae`` (modules with diffusers' ``_padding`` causal layout); returns how many. Decoding an image (one
-    latent frame) then costs about a third of the convolution work, with the same result up to float
-    summation order."""
-    n = 0
-    for module in vae.modules():
-        if (isinstance(module, torch.nn.Conv3d) and isinstance(getattr(module, "_padding", None), (tuple, list))
-                and len(module._padding) == 6 and get_hook(module, SINGLE_FRAME_CONV) is None):
-            add_hook(module, SINGLE_FRAME_CONV, _SingleFrameCausalConv())
-            n += 1
-    return n
 
 
 def fill_defaults(params: Any, **defaults: Any) -> Any:

@@ -75,7 +75,7 @@ class TestQwenImageParity(DiffusersParityContract):
         """The decoder's causal Conv3d on one frame with no cache runs as conv2d (the last temporal kernel
         slice) and gives diffusers' own decode up to float summation order."""
         from omni_core.hooks import get_hook
-        from omni_core.pipelines.diffusers_step import SINGLE_FRAME_CONV, _SingleFrameCausalConv
+        from omni_core.pipelines.vae_convs import SINGLE_FRAME_CONV, _SingleFrameCausalConv
 
         omni_qwen, diffusers_qwen = self.omni, self.diffusers
         convs = [m for m in omni_qwen.pipe.vae.modules()
