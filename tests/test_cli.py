@@ -94,7 +94,7 @@ def test_env_lists_pipelines_with_model_names(run_omni, capsys, omni_plugin_mana
     assert main(["env", "--json"]) == 0
     pipelines = {p["name"]: p for p in json.loads(capsys.readouterr().out)["pipelines"]}
     assert pipelines["ShapesPipeline"] == {"name": "ShapesPipeline", "provider": "omni-model-shapes",
-                                           "model_names": ["shapes"]}
+                                           "model_names": ["shapes"], "sampling_fields": []}
 
 
 def test_plugins_list_table(run_omni):
