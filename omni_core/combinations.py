@@ -82,6 +82,29 @@ PLATFORM_REFUSED: dict[tuple[str, str], str] = {
     for off in ("offload_model", "offload_group") for par in ("ulysses", "ring", "cfg_parallel")}
 
 
+#: features refused with tensor parallelism (``parallel_config.tensor_parallel_size > 1``), and why; everything else
+#: combines with it (``tests/parallel/test_tensor_parallel.py``: CFG, Ulysses, both modes, both caches)
+TENSOR_PARALLEL_REFUSED: dict[str, str] = {
+    "int8": "torchao's per-row scales would cover each rank's share of a split layer's inputs only, so a TP run would "
+            "not equal the quantized model; quantize other components (quantize_components without 'denoiser')",
+    "gguf": "a GGUF file's denoiser weights are read whole, not by tensor-parallel shard",
+    "offload_model": "offload moves whole modules to the host and back; tensor parallelism already splits the "
+                     "denoiser over the ranks' devices",
+    "offload_group": "offload moves whole modules to the host and back; tensor parallelism already splits the "
+                     "denoiser over the ranks' devices",
+    "compile": "compiling the split layers' collectives is not built yet",
+}
+#: why LoRA adapters (preloaded or per request) are refused with tensor parallelism
+TENSOR_PARALLEL_LORA = ("LoRA adapters are full-size while the layers they adapt are split across the "
+                        "tensor-parallel ranks (splitting adapters is not built); use tensor_parallel_size=1 "
+                        "(sequence or CFG parallelism serve LoRA)")
+
+
+def tensor_parallel(config: Any) -> bool:
+    pc = getattr(config, "parallel_config", None)
+    return pc is not None and pc.tensor_parallel_size > 1
+
+
 def refusal(a: str, b: str) -> str | None:
     """The reason ``a`` and ``b`` are refused together on every machine (either order), or None."""
     return REFUSED.get((a, b)) or REFUSED.get((b, a))
@@ -96,6 +119,14 @@ def check_combinations(config: Any) -> None:
     """Raise :class:`ConfigError` for the first refused pair ``config`` turns on: the message names both
     options and why (``field`` is the second option's config field)."""
     on = enabled_features(config)
+    if tensor_parallel(config):
+        for name in on:
+            if name in TENSOR_PARALLEL_REFUSED:
+                raise ConfigError(f"{FEATURES[name].option} cannot be combined with parallel_config."
+                                  f"tensor_parallel_size > 1: {TENSOR_PARALLEL_REFUSED[name]}", field=_field(name))
+        if getattr(config, "loras", None):
+            raise ConfigError(f"loras cannot be combined with parallel_config.tensor_parallel_size > 1: "
+                              f"{TENSOR_PARALLEL_LORA}", field="loras")
     for i, a in enumerate(on):
         for b in on[i + 1:]:
             why = refusal(a, b)

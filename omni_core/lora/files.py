@@ -224,4 +224,9 @@ def check_request_lora(params: Any, config: Any, pipeline_cls: Any, model_path: 
     when ``SamplingParams`` is built."""
     if params.lora is None:
         return
+    from omni_core.combinations import TENSOR_PARALLEL_LORA, tensor_parallel
+
+    if tensor_parallel(config):
+        raise ConfigError(f"lora={params.lora!r} cannot be used with parallel_config.tensor_parallel_size > 1: "
+                          f"{TENSOR_PARALLEL_LORA}", field="lora")
     check_lora_file(params.lora, config.loras, pipeline_cls, model_path, config.max_lora_rank)
