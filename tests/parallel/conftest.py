@@ -49,11 +49,12 @@ def run_engine(model: str, requests: list[dict], parallel_config: dict | None = 
         pids = engine.executor.worker_pids() if hasattr(engine.executor, "worker_pids") else []
         alive = [p for p in multiprocessing.active_children() if p.pid in pids]
         executor = type(engine.executor).__name__
+        model_bytes = engine.stats()["model_bytes"]  # one rank's parameter bytes per component
     errors = [o.error for o in finals if o.status == "error"]
     assert not errors, errors
     return {"images": [torch.stack(list(o.images)).float() for o in finals],
             "metrics": [dict(o.metrics) for o in finals], "executor": executor, "worker_pids": pids,
-            "alive_workers": len(alive)}
+            "alive_workers": len(alive), "model_bytes": model_bytes}
 
 
 def uses_cfg(spec: dict) -> bool:

@@ -88,6 +88,9 @@ def test_tensor_parallel_matches_one_process(model, config, request, engine_run,
         diff = (got - want).abs().max().item()
         assert diff <= TP_TOL, f"{model} {config} request {i}: max |diff| {diff:.2e} > {TP_TOL}"
     assert all(m["communication_bytes"] > 0 for m in result["metrics"]), result["metrics"]
+    # each rank holds a shard: stats() reports rank 0's transformer bytes (tiny models: embeddings stay whole)
+    assert result["model_bytes"]["transformer"] <= 0.8 * ref["model_bytes"]["transformer"], \
+        (result["model_bytes"], ref["model_bytes"])
     if "cache_backend" in options:  # the cache acted, on the same steps as in one process
         reused = [m.get("steps_reused") for m in result["metrics"]]
         assert any(reused) and reused == [m.get("steps_reused") for m in ref["metrics"]], (reused, ref["metrics"])
