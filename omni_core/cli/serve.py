@@ -184,7 +184,10 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.no_stream_previews:
         # previews need step execution; a pipeline without it is served without them
         opts["streaming_output"] = bool(resolved.pipeline_cls().supports_step_execution)
-    engine = start_engine(build_config(args.model, opts))
+    from omni_core.engine.plan import plan_engine
+
+    # planned once, with the model resolved above: the engine runs the plan and resolves nothing again
+    engine = start_engine(plan_engine(build_config(args.model, opts), resolved=resolved))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, video_dir=args.video_dir,
                     max_video_jobs=args.max_video_jobs, video_ttl_s=args.video_ttl, retry_after_s=args.retry_after,
                     close_engine=True, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Collection
+from typing import TYPE_CHECKING, Collection
 
 import attrs
 
 from omni_core.request import OmniDiffusionRequest
-from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+
+if TYPE_CHECKING:  # the wave types' home is omni_core.waves, not this module
+    from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
 
 class DiffusionRequestStatus(enum.StrEnum):

@@ -7,11 +7,10 @@ one request fails only that request.
 
 Ranks fail together: with several ranks in a replica, every failure is agreed before anyone acts on it, so a
 rank-local exception (an out-of-memory error on one GPU, say) fails the call on every rank and no rank goes on
-with collectives its peers have left (:meth:`ModelRunner.sync_failure`, :class:`~omni_core.worker.failures.PeerFailure`; the agreement lives in
-:mod:`omni_core.worker.failures`). Where the runner
-has a :class:`~omni_core.distributed.recovery.GroupRecovery` (a replica that is the whole world), a failing rank
-aborts the process groups first, so peers blocked in a collective it never reached fail at once, and every
-rank rebuilds them before the agreement (:meth:`ModelRunner._recover`).
+with collectives its peers have left (:mod:`omni_core.worker.failures`: ``sync_failure``, ``PeerFailure``).
+Where the runner has a :class:`~omni_core.distributed.recovery.GroupRecovery` (a replica that is the whole
+world), a failing rank aborts the process groups first, so peers blocked in a collective it never reached fail
+at once, and every rank rebuilds them before the agreement (``RankAgreement._recover``).
 """
 
 from __future__ import annotations
