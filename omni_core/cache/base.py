@@ -24,11 +24,17 @@ class CacheBackend:
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
         """Validate ``cache_config`` in the engine's process, before any worker starts: raise
-        :class:`~omni_core.errors.ConfigError` naming the bad key and the allowed ones. The default accepts
-        nothing but an empty dict, so a backend that takes options must override it."""
-        if config:
-            from omni_core.errors import ConfigError
+        :class:`~omni_core.errors.ConfigError` naming the bad key and the allowed ones. The default checks it
+        against the ``options`` (Option records) on the backend's ``CacheBackendSpec``, which the config also
+        does when it is built; a backend declaring none takes nothing but an empty dict (or overrides this)."""
+        from omni_core.errors import ConfigError
+        from omni_core.options import validate_options
+        from omni_core.plugins.manager import get_plugin_manager
 
+        options = getattr(get_plugin_manager().components("cache").get(cls.name), "options", ())
+        if options:
+            validate_options(config, options, prefix="cache_config.", owner=f"a {cls.name} option")
+        elif config:
             key = next(iter(config))
             raise ConfigError(f"cache backend {cls.name!r} takes no cache_config options, got {key!r}",
                               field=f"cache_config.{key}")

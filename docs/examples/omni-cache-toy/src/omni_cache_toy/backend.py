@@ -14,10 +14,12 @@ import torch
 
 from omni_core.cache import CacheBackend
 from omni_core.cache.rows import span_index, take_rows
-from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_forward_context
 from omni_core.hooks import STAGES, FunctionHook, add_hook, remove_hook
+from omni_core.options import validate_options
 from omni_core.pipelines.denoiser import denoisers_of
+
+from omni_cache_toy.hooks import OPTIONS
 
 #: the name of this backend's hook in each denoiser's hook registry
 HOOK = "every_other"
@@ -26,22 +28,12 @@ HOOK = "every_other"
 class EveryOtherStep(CacheBackend):
     name = "every_other"
 
-    @classmethod
-    def check_config(cls, config: dict[str, Any]) -> None:
-        """Runs in the engine's process before any worker starts: ``interval`` is the only key."""
-        for key, value in config.items():
-            if key != "interval":
-                raise ConfigError(f"every_other: unknown cache_config key {key!r}; allowed: interval",
-                                  field=f"cache_config.{key}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"every_other: cache_config.interval={value!r} must be an integer >= 1",
-                                  field="cache_config.interval")
-
     def enable(self, pipeline: Any) -> None:
         self.specs = denoisers_of(pipeline)
         for spec in self.specs:
-            # the user's cache_config over what the model ships for this backend, over our own default
-            interval = {"interval": 2, **spec.defaults_for(self.name), **self.config}["interval"]
+            # the user's cache_config over what the model ships for this backend, over the record's default
+            interval = validate_options({**spec.defaults_for(self.name), **self.config}, OPTIONS,
+                                        prefix="cache_config.", owner="an every_other option")["interval"]
             # outside LoRA, compile and kernels, whatever order they were enabled in
             add_hook(spec.module, HOOK, FunctionHook(self._hook(spec, interval), order=STAGES["cache"]))
         super().enable(pipeline)

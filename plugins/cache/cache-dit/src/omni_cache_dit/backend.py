@@ -94,12 +94,6 @@ class CacheDiTBackend(CacheBackend):
         #: denoiser calls split into one call per row group
         self.split_calls = 0
 
-    @classmethod
-    def check_config(cls, config: dict[str, Any]) -> None:
-        """Every key and value of ``cache_config`` (in the engine's process, before workers start); whether
-        Fn/Bn fit the model's block count is checked in :meth:`enable`, where the model is loaded."""
-        cache_dit_config(config)
-
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:
         from omni_core.distributed import get_sp_group

@@ -148,12 +148,6 @@ class TeaCacheBackend(CacheBackend):
         #: how calls ran: all rows computed / none / only some rows (sliced) / all rows, reused ones overwritten
         self.mode_counts = {"all": 0, "none": 0, "slice": 0, "mask": 0}
 
-    @classmethod
-    def check_config(cls, config: dict[str, Any]) -> None:
-        """In the engine's process, before workers start: a bad key or value is a ``ConfigError`` naming it
-        (and, for a key, the allowed ones)."""
-        tea_cache_config(config)
-
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:
         specs = denoisers_of(pipeline)
