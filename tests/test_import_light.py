@@ -53,3 +53,18 @@ def test_the_engine_client_interface_does_not_load_the_engine():
     """The server's one engine import is the client module; it must not drag in the engine, loader and runner."""
     mods = imported_after("import omni_core.engine.client")
     assert "omni_core.engine.engine" not in mods and "omni_core.worker.runner" not in mods and "torch" not in mods
+
+
+def test_config_imports_no_plugin_and_checks_plugin_options_from_records(omni_env):
+    """``import omni_core.config`` loads no plugin; checking a cache backend's and an executor's options reads their
+    records (entry-point modules and their light option modules) and imports no implementation, torch or Ray."""
+    plugins = ("omni_cache_", "omni_executor_", "omni_model_", "omni_attention_")
+    mods = imported_after("import omni_core.config", env=omni_env())
+    assert not {m for m in mods if m.startswith(plugins)} and not mods & set(HEAVY)
+    mods = imported_after("from omni_core.config import OmniDiffusionConfig as C; C(model='m', cache_backend="
+                          "'tea_cache', cache_config={'rel_l1_thresh': 0.1}, executor='ray', executor_options="
+                          "{'address': 'auto'})", env=omni_env())
+    assert not mods & {*HEAVY, "ray"}
+    implementations = {"omni_cache_teacache.backend", "omni_cache_dit.backend", "omni_executor_ray.executor"}
+    assert not mods & implementations, sorted(mods & implementations)
+    assert {"omni_cache_teacache.config", "omni_executor_ray.options"} <= mods
