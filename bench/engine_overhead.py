@@ -1,29 +1,53 @@
-"""Engine overhead: the same pipeline called directly vs through the engine (uni and mp executors).
+"""Engine overhead: the same pipeline called directly vs through the engine, one image at a time.
 
-    python bench/engine_overhead.py [--model shapes] [--n 20]
+    python bench/engine_overhead.py [--model shapes] [--n 20] [--paths direct uni mp one-thread batch]
+                                    [--budget 2]
 
-All three paths are loaded first, then measured interleaved (one request on each path per round), so
-load drift on a shared machine hits them alike. Prints the median latency per request of each path and
-its ratio over the direct call.
+Paths (``--paths``, default ``direct uni mp``):
+
+* ``direct`` -- ``pipeline.forward`` on one request plus post-processing: what the engine wraps;
+* ``uni`` / ``mp`` -- ``Omni(model).generate(prompt)`` with the in-process / the multi-process executor
+  (1 worker): engine, scheduler, executor and post-processing included;
+* ``one-thread`` -- ``uni`` with ``cpu_threads=1`` (one torch thread instead of every usable core);
+* ``batch`` -- ``uni`` with ``max_num_seqs=8``: eight prompts in one ``generate``, per image.
+
+Every path is loaded first, then measured interleaved (one request -- one batch for ``batch`` -- on each path per
+round, after a warm-up round), so load drift on a shared machine hits them alike. Prints each path's median wall
+time per image, its CPU time (this process only: an ``mp`` worker's is not counted), its ratio over ``direct``
+(or the first path) and, with ``--budget``, over a latency budget; the header gives the model's settings, the
+engine's start-up time and the load average (on a shared machine wall times include waiting for a core, CPU
+times do not). Merged from ``bench/shapes_latency.py`` (the ``shapes`` README's latency table:
+``--model shapes --paths uni batch one-thread direct --n 10 --budget 2``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import _common
 
+PROMPTS = ["a red circle in the top left", "a blue square in the center", "a green triangle in the bottom right",
+           "a yellow cross in the top right", "a purple circle in the bottom left", "an orange square in the center",
+           "a red triangle in the top right", "a blue cross in the bottom left"]
+PATHS = ("direct", "uni", "mp", "one-thread", "batch")
+LABELS = {"direct": "direct pipeline.forward", "uni": "engine, uni executor", "mp": "engine, mp executor (1 worker)",
+          "one-thread": "engine, uni, cpu_threads=1", "batch": "engine, uni, 8 in one batch, per image"}
+BATCH = 8
+
 
 class Direct:
     """``pipeline.forward`` on one request, plus post-processing: what the engine wraps."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, threads: int | None) -> None:
         import torch
 
         from omni_core.config import OmniDiffusionConfig
         from omni_core.pipelines import load_pipeline, resolve_model
 
+        if threads:
+            torch.set_num_threads(threads)
         self.torch = torch
         self.resolved = resolve_model(model)
         self.cls = self.resolved.pipeline_cls()
@@ -44,32 +68,55 @@ def main() -> None:
     from omni_core import Omni
 
     p = _common.parser(__doc__)
-    p.add_argument("--n", type=int, default=20)
+    p.add_argument("--n", type=int, default=20, help="timed rounds (after one warm-up round)")
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=["direct", "uni", "mp"], help="paths to measure")
+    p.add_argument("--budget", type=float, default=None, help="a latency budget in seconds to compare against")
     args = p.parse_args()
     model = _common.resolve(args)
     params = _common.sampling(args)
-    uni = Omni(model, warmup=True)
-    mp = Omni(model, executor="mp", warmup=True)
-    paths = {"direct pipeline.forward": Direct(model),
-             "engine, uni executor": lambda prompt, sp: uni.generate(prompt, sp, use_tqdm=False),
-             "engine, mp executor (1 worker)": lambda prompt, sp: mp.generate(prompt, sp, use_tqdm=False)}
-    times: dict[str, list[float]] = {name: [] for name in paths}
+    cfg = _common.engine_config(args)
+    engines, runs = [], {}
+    startup = None
+    for name in args.paths:
+        if name == "direct":
+            runs[name] = (1, Direct(model, args.cpu_threads))
+            continue
+        kw = {"executor": "mp"} if name == "mp" else {"cpu_threads": 1} if name == "one-thread" else {}
+        if name == "batch":
+            kw["max_num_seqs"] = BATCH
+        t0 = time.perf_counter()
+        omni = Omni(model, warmup=True, **{**cfg, **kw})
+        if name == "uni":
+            startup = time.perf_counter() - t0
+        engines.append(omni)
+        if name == "batch":
+            runs[name] = (BATCH, lambda prompt, sp, omni=omni: omni.generate(
+                [prompt] + PROMPTS[1:BATCH], sp, use_tqdm=False))
+        else:
+            runs[name] = (1, lambda prompt, sp, omni=omni: omni.generate(prompt, sp, use_tqdm=False))
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     try:
         for i in range(args.n + 1):
-            for name, run in paths.items():
-                t0 = time.perf_counter()
-                run(f"prompt {i}", params.replace(seed=i))
+            for name, (per, run) in runs.items():
+                wall, cpu = time.perf_counter(), time.process_time()
+                run(PROMPTS[i % len(PROMPTS)], params.replace(seed=i))
                 if i:  # round 0 warms every path up
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(((time.perf_counter() - wall) / per, (time.process_time() - cpu) / per))
     finally:
-        uni.close()
-        mp.close()
-    base = statistics.median(times["direct pipeline.forward"])
-    print(f"model={args.model or 'tiny test pipeline'} requests={args.n} per path (medians, interleaved)")
-    print(f"{'path':34} {'ms/request':>11} {'vs direct':>10}")
-    for name, lat in times.items():
-        med = statistics.median(lat)
-        print(f"{name:34} {med * 1e3:11.2f} {med / base:9.2f}x")
+        for omni in engines:
+            omni.close()
+    base_name = "direct" if "direct" in times else next(iter(times))
+    base = statistics.median(w for w, _ in times[base_name])
+    print(f"model={args.model or 'tiny test pipeline'} rounds={args.n} per path (medians, interleaved); "
+          f"{_common.thread_header(args)} on {os.cpu_count()} cores"
+          + (f"; engine start-up {startup:.1f} s" if startup is not None else ""))
+    print(f"{'path':40} {'ms/image':>9} {'cpu ms':>8} {'vs ' + base_name:>12}"
+          + (f" {'vs budget':>10}" if args.budget else ""))
+    for name, samples in times.items():
+        wall = statistics.median(w for w, _ in samples)
+        cpu = statistics.median(c for _, c in samples)
+        print(f"{LABELS[name]:40} {wall * 1e3:9.2f} {cpu * 1e3:8.2f} {wall / base:11.2f}x"
+              + (f" {wall / args.budget:9.2f}x" if args.budget else ""))
 
 
 if __name__ == "__main__":
