@@ -31,6 +31,7 @@ class Omni:
         wave). Keyword arguments (``seed=0``) apply to every prompt."""
         prompts = as_prompt_list(prompts)
         params = build_sampling_params_list(sampling_params, sampling_kwargs, len(prompts))
+        # validated here, once (submit does not check a prepared request again): the bar needs their step counts
         requests = [self.engine.prepare_request(r) for r in build_requests(prompts, params)]
         bar = _progress_bar(requests, use_tqdm)
         try:  # all at once, so compatible prompts share a wave
