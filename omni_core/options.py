@@ -202,7 +202,7 @@ def _float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def option_tuple(cls: type = None) -> Callable:
+def option_tuple(cls: type | None = None) -> Callable:
     """attrs validator of a record's option tuple: ``cls`` records (default :class:`Option`) with distinct names."""
     def check(instance: Any, attribute: attrs.Attribute, value: tuple) -> None:
         want = cls or Option
@@ -239,7 +239,3 @@ def validate_options(values: Mapping[str, Any] | None, options: Sequence[Option]
             else o.validate(values[o.name], where=f"{prefix}{o.name}", field=f"{prefix}{o.name}", explain=True)
             for o in options}
 
-
-def options_help(options: Sequence[Option], *, prefix: str = "") -> list[str]:
-    """One docs line per option: ``name: a number >= 0, default 0.24: help``."""
-    return [f"{prefix}{o.name}: {o.describe()}" for o in options]
