@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from omni_core.engine.engine import DiffusionEngine
 
 
 class DeadlineWatcher:
-    def __init__(self, engine: DiffusionEngine) -> None:
+    """The watcher of one ``DiffusionEngine`` (``engine``): it shares the engine's lock and request table."""
+
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         #: request id -> deadline, for the requests that have one (until it passes)
         self.deadlines: dict[str, float] = {}

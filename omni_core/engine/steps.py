@@ -11,15 +11,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from omni_core.engine.records import RequestRecord
 from omni_core.errors import EngineDeadError
 from omni_core.outputs import DiffusionOutput
 from omni_core.sched.interface import DiffusionRequestStatus
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
-if TYPE_CHECKING:
-    from omni_core.engine.engine import DiffusionEngine, RequestRecord
 
 logger = logging.getLogger("omni_core.engine")
 
@@ -31,8 +30,9 @@ def failed_wave(sched: DiffusionSchedulerOutput, exc: Exception) -> RunnerOutput
                                  for rid in sched.scheduled_ids})
 
 
-def steps_for(engine: DiffusionEngine) -> PlainSteps:
-    """The step function of ``engine``'s mode and executor (``mode.pipeline_depth``)."""
+def steps_for(engine: Any) -> PlainSteps:
+    """The step function of ``engine`` (a ``DiffusionEngine``, whose lock and tables it shares) for its mode and
+    executor (``mode.pipeline_depth``)."""
     depth = engine.mode.pipeline_depth(engine.executor)
     return PipelinedSteps(engine, depth) if depth > 1 else PlainSteps(engine)
 
@@ -40,7 +40,7 @@ def steps_for(engine: DiffusionEngine) -> PlainSteps:
 class PlainSteps:
     """Each wave's result is applied before the next wave is scheduled."""
 
-    def __init__(self, engine: DiffusionEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def has_work(self) -> bool:
@@ -87,7 +87,7 @@ class PipelinedSteps(PlainSteps):
     costs a step's gap or a skipped id, never a wrong result: the runner ignores ids it no longer holds, and
     outputs are applied in wave order."""
 
-    def __init__(self, engine: DiffusionEngine, depth: int) -> None:
+    def __init__(self, engine: Any, depth: int) -> None:
         super().__init__(engine)
         self.depth = depth
         #: (wave, time scheduled): sent, result not yet applied

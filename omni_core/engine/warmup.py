@@ -6,7 +6,7 @@ A failure names the model, the shape, where it was raised and how to start witho
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omni_core.config import SamplingParams
 from omni_core.errors import ConfigError, OmniError
@@ -14,8 +14,6 @@ from omni_core.request import OmniDiffusionRequest
 from omni_core.utils.progress import progress
 from omni_core.utils.tracebacks import innermost_frame
 
-if TYPE_CHECKING:
-    from omni_core.engine.engine import DiffusionEngine
 
 
 def warmup_params(pipeline_cls: Any, model_path: str) -> SamplingParams:
@@ -37,7 +35,7 @@ def warmup_params(pipeline_cls: Any, model_path: str) -> SamplingParams:
     return pipeline_cls.check_sampling_params(params, model_path)
 
 
-def run_startup_warmup(engine: DiffusionEngine) -> None:
+def run_startup_warmup(engine: Any) -> None:
     """Run one tiny request through ``engine``; raises ``OmniError`` saying which model, shape and where."""
     cls, shape, frame = engine.pipeline_cls, "(no shape: choosing it failed)", None
     try:
