@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook
 
@@ -33,10 +34,14 @@ class _SingleFrameCausalConv(ModuleHook):
             return self.fn_ref.original_forward(x, cache_x)
         w = conv.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._slice is None or self._slice[0] != key:
-            self._slice = (key, w[:, :, -1].contiguous())
+        if self._slice is not None and self._slice[0] == key:
+            weight = self._slice[1]
+        else:
+            weight = w[:, :, -1].contiguous()
+            if not isinstance(weight, FakeTensor):  # a shapes-only pass (the parallel decode's) keeps nothing
+                self._slice = (key, weight)
         x2 = torch.nn.functional.pad(x[:, :, 0], list(pad[:4])) if any(pad[:4]) else x[:, :, 0]
-        out = torch.nn.functional.conv2d(x2, self._slice[1], conv.bias, stride=conv.stride[1:],
+        out = torch.nn.functional.conv2d(x2, weight, conv.bias, stride=conv.stride[1:],
                                          dilation=conv.dilation[1:], groups=conv.groups)
         return out.unsqueeze(2)
 

@@ -42,19 +42,24 @@ CONFIGS = {
     # caches decide on the whole (replicated) block streams, so every rank skips the same steps
     "tp2-tea_cache": ({"tensor_parallel_size": 2}, {"cache_backend": "tea_cache",
                                                     "cache_config": {"rel_l1_thresh": 5.0, "warmup_steps": 0}}),
+    # the decode split across the two ranks (tiles of 16 pixels): equal to one process's tiled decode
+    "tp2-vae_tiling": ({"tensor_parallel_size": 2}, {"vae_tiling": {
+        "tile_sample_min_height": 16, "tile_sample_min_width": 16, "tile_sample_stride_height": 8,
+        "tile_sample_stride_width": 8}}),
     "tp2-cache_dit": ({"tensor_parallel_size": 2}, {"cache_backend": "cache_dit", "cache_config": {
         "residual_diff_threshold": 5.0, "max_warmup_steps": 1, "Fn_compute_blocks": 1}}),
 }
 #: engine options that change the output: the single-process reference runs with them too
-SAME_IN_REFERENCE = ("cache_backend", "cache_config")
+SAME_IN_REFERENCE = ("cache_backend", "cache_config", "vae_tiling")
 #: cached runs need steps to reuse: their requests take this many
 CACHE_STEPS = 6
 CASES = [("qwen", "tp2"), ("qwen", "tp2-step"), ("wan", "tp2"), ("wan", "tp2-step"), ("flux", "tp2"),
          ("flux", "tp2-step"), ("qwen", "tp2xcfg2"), ("qwen", "tp2xulysses2"), ("wan", "tp2xcfg2"),
-         ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("qwen", "tp2-tea_cache"), ("wan", "tp2-cache_dit")]
+         ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("qwen", "tp2-tea_cache"), ("wan", "tp2-cache_dit"),
+         ("wan", "tp2-vae_tiling"), ("qwen", "tp2-vae_tiling")]
 #: 4-rank layouts take ~30 s each on 2 cores: one model of each in CI, the rest with the slow checks
 SLOW = {("wan", "tp2xcfg2"), ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("wan", "tp2-step"),
-        ("flux", "tp2-step"), ("wan", "tp2-cache_dit")}
+        ("flux", "tp2-step"), ("wan", "tp2-cache_dit"), ("qwen", "tp2-vae_tiling")}
 
 
 @pytest.fixture(scope="session")

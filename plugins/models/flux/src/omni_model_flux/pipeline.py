@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from omni_core.config import SamplingParams
+from omni_core.distributed.parallel_decode import vae_decode
 from omni_core.distributed.tensor_parallel import attention_layers, feed_forward_layers
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
@@ -227,7 +228,7 @@ class FluxPipeline(DiffusersStepPipeline):
         pipe = self.pipe
         latents = pipe._unpack_latents(latents, state.extra["height"], state.extra["width"], pipe.vae_scale_factor)
         latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
+        image = vae_decode(pipe.vae, latents.to(pipe.vae.dtype))  # split across ranks when it pays
         return pipe.image_processor.postprocess(image, output_type="pt")
 
     def preview_latents(self, state: StepState) -> torch.Tensor:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from omni_core.config import SamplingParams
+from omni_core.distributed.parallel_decode import vae_decode
 from omni_core.distributed.tensor_parallel import attention_layers, feed_forward_layers
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
@@ -258,7 +259,7 @@ class QwenImagePipeline(DiffusersStepPipeline):
     def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         pipe = self.pipe
         latents = pipe._unpack_latents(latents, state.extra["height"], state.extra["width"], pipe.vae_scale_factor)
-        image = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0][:, :, 0]
+        image = vae_decode(pipe.vae, self.denormalize_latents(latents))[:, :, 0]  # split across ranks when it pays
         return pipe.image_processor.postprocess(image, output_type="pt")
 
     def preview_latents(self, state: StepState) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from omni_core.config import SamplingParams
+from omni_core.distributed.parallel_decode import vae_decode
 from omni_core.distributed.tensor_parallel import attention_layers, feed_forward_layers
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
@@ -287,7 +288,7 @@ class WanPipeline(DiffusersStepPipeline):
 
     def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         pipe = self.pipe
-        video = pipe.vae.decode(self.denormalize_latents(latents), return_dict=False)[0]
+        video = vae_decode(pipe.vae, self.denormalize_latents(latents))  # split across ranks when it pays
         return pipe.video_processor.postprocess_video(video, output_type="pt")  # [n, F, 3, H, W]
 
     def preview_latents(self, state: StepState) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from omni_core.config import SamplingParams
+from omni_core.distributed.parallel_decode import vae_decode
 from omni_core.errors import ConfigError
 from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
@@ -241,7 +242,7 @@ class ZImagePipeline(DiffusersStepPipeline):
     def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         vae = self.pipe.vae
         latents = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents, return_dict=False)[0]
+        image = vae_decode(vae, latents)  # split across ranks when it pays
         return self.pipe.image_processor.postprocess(image, output_type="pt")
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
