@@ -7,8 +7,9 @@ than the denoiser's step) neither got faster nor smaller with more ranks. xDiT s
 here the split reuses diffusers' ``tiled_decode`` as it is, in two passes, through a hook on ``vae.decoder``:
 
 1. *decode*: ``vae.decode`` runs with tiling; a decoder call of a tile this rank owns (tiles dealt round-robin)
-   computes, a call of another rank's tile runs under ``FakeTensorMode`` (shapes only, no compute, no memory)
-   and returns zeros of that shape, so diffusers' loop and blending run on (partly empty) tiles;
+   computes, a call of another rank's tile runs on the ``meta`` device (``torch.func.functional_call`` with the
+   decoder's weights as meta tensors: shapes only, no compute, no memory) and returns zeros of that shape, so
+   diffusers' loop and blending run on (partly empty) tiles;
 2. *exchange*: each call's output is broadcast by its owner (shapes are known to all from pass 1);
 3. *replay*: ``vae.decode`` runs again with every decoder call answered from the exchanged outputs: diffusers'
    blending now sees every tile, and the output is the one-process tiled decode, on every rank.
@@ -40,16 +41,20 @@ def _tile_start(kwargs: dict) -> bool:
 
 
 class _Split:
-    """Pass 1: decode owned tiles, shapes of the others (fake)."""
+    """Pass 1: decode owned tiles, shapes of the others (on meta)."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world = rank, world
+    def __init__(self, decoder: Any, rank: int, world: int) -> None:
+        self.decoder, self.rank, self.world = decoder, rank, world
+        self.shaping = False
+        self.meta_state: dict | None = None
         self.tile = -1
         self.owner: list[int] = []
         self.outputs: dict[int, torch.Tensor] = {}
         self.shapes: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
 
     def __call__(self, below: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.shaping:  # the meta call of another rank's tile, come back through this hook
+            return below(*args, **kwargs)
         if _tile_start(kwargs):
             self.tile += 1
         owner = self.tile % self.world
@@ -60,13 +65,25 @@ class _Split:
             self.outputs[call] = out.clone()  # diffusers' blend_v / blend_h write into the tiles they blend
             self.shapes.append((tuple(out.shape), out.dtype, out.device))
             return out
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            fake = below(*args, **kwargs)
         device = args[0].device if args and torch.is_tensor(args[0]) else torch.device("cpu")
-        self.shapes.append((tuple(fake.shape), fake.dtype, device))
-        return torch.zeros(fake.shape, dtype=fake.dtype, device=device)
+        shape = self._shape_of(args, kwargs)
+        self.shapes.append((tuple(shape.shape), shape.dtype, device))
+        return torch.zeros(shape.shape, dtype=shape.dtype, device=device)
+
+    def _shape_of(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The decoder's output for these inputs, on ``meta``. A causal VAE's ``feat_cache`` list is passed as it is:
+        the decoder fills it with meta tensors for this tile's later frames (the next tile starts from a cleared
+        cache)."""
+        if self.meta_state is None:
+            self.meta_state = {name: t.to("meta") for name, t in
+                               [*self.decoder.named_parameters(), *self.decoder.named_buffers()]}
+        meta = lambda x: x.to("meta") if torch.is_tensor(x) else x  # noqa: E731
+        self.shaping = True
+        try:
+            return torch.func.functional_call(self.decoder, self.meta_state, tuple(meta(a) for a in args),
+                                              {k: meta(v) for k, v in kwargs.items()})
+        finally:
+            self.shaping = False
 
 
 class _Replay:
@@ -106,7 +123,7 @@ def parallel_tiled_decode(vae: Any, latents: torch.Tensor, group: Any, *, stats:
     """``vae.decode(latents)`` with tiling, its tiles decoded across ``group`` (a GroupCoordinator whose ranks all
     call this with the same latents); every rank returns the whole decode, equal to the one-process tiled one.
     ``stats`` (a dict) receives ``tiles``, ``decoder_calls`` and ``computed_calls`` (this rank's)."""
-    split = _Split(group.rank_in_group, group.world_size)
+    split = _Split(vae.decoder, group.rank_in_group, group.world_size)
     with _tiling(vae), torch.no_grad():
         failed: BaseException | None = None
         try:

@@ -130,7 +130,7 @@ def run_plan(steps: list[LoadStep], resolved: Any, config: Any, device: Any, dty
                 applied["denoiser_weights"] = config.denoiser_weights
         elif step.action == "parallel":
             from omni_core.attention.parallel import apply_sequence_parallel_to_pipeline
-            from omni_core.distributed.tensor_parallel import apply_tensor_parallel_to_pipeline
+            from omni_core.distributed.sharded_load import apply_tensor_parallel_to_pipeline
 
             # tensor parallelism first: Ulysses then splits each rank's local heads
             split = apply_tensor_parallel_to_pipeline(pipeline, config, torch.device(step.device), dtype)

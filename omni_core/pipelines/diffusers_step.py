@@ -125,7 +125,7 @@ class DiffusersStepPipeline(OmniPipeline):
         check_model_index(model_path, cls.diffusers_class)
         dtype = dtype or torch.float32
         kwargs = dict(getattr(config, "model_kwargs", None) or {})
-        from omni_core.distributed.tensor_parallel import read_later, meta_component
+        from omni_core.distributed.sharded_load import meta_component, read_later
 
         later = read_later(model_path, cls.denoiser_names, kwargs)  # tensor parallel: shards read by the plan
         pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(

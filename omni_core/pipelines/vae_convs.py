@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from omni_core.hooks import STAGES, ModuleHook, add_hook, get_hook
 
@@ -33,13 +32,13 @@ class _SingleFrameCausalConv(ModuleHook):
                 or conv.dilation[0] != 1 or pad[4] != conv.kernel_size[0] - 1 or pad[5] != 0):
             return self.fn_ref.original_forward(x, cache_x)
         w = conv.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._slice is not None and self._slice[0] == key:
-            weight = self._slice[1]
+        if w.device.type == "meta":  # a shapes-only pass (the parallel decode's): keep nothing
+            weight = w[:, :, -1]
         else:
-            weight = w[:, :, -1].contiguous()
-            if not isinstance(weight, FakeTensor):  # a shapes-only pass (the parallel decode's) keeps nothing
-                self._slice = (key, weight)
+            key = (w.data_ptr(), w._version, w.dtype, w.device)
+            if self._slice is None or self._slice[0] != key:
+                self._slice = (key, w[:, :, -1].contiguous())
+            weight = self._slice[1]
         x2 = torch.nn.functional.pad(x[:, :, 0], list(pad[:4])) if any(pad[:4]) else x[:, :, 0]
         out = torch.nn.functional.conv2d(x2, weight, conv.bias, stride=conv.stride[1:],
                                          dilation=conv.dilation[1:], groups=conv.groups)
