@@ -53,13 +53,8 @@ def _code_strings(path: Path) -> list[tuple[int, str]]:
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip]
 
 
-#: an example in an error message, not a choice (the lead may reword it)
-EXAMPLE_ONLY = {"omni_core/config/attention.py"}
-
-
 def test_the_core_names_no_attention_kernel_in_code():
     kernels = ("TORCH_SDPA", "FLASH_ATTN", "SAGE_ATTN")
     found = [f"{path.relative_to(REPO)}:{line}" for path in sorted((REPO / "omni_core").rglob("*.py"))
-             if path.relative_to(REPO).as_posix() not in EXAMPLE_ONLY
              for line, text in _code_strings(path) if any(k in text for k in kernels)]
     assert not found, f"the core names an attention kernel (records decide the default): {found}"

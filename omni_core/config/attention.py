@@ -13,7 +13,7 @@ from omni_core.errors import ConfigError
 
 def _backend_name(instance, attribute, value):
     if not isinstance(value, str) or not value.strip():
-        _fail(instance, attribute, value, "expected an attention backend name such as 'TORCH_SDPA'")
+        _fail(instance, attribute, value, "expected the name of an installed attention backend (omni env lists them)")
 
 
 @attrs.frozen

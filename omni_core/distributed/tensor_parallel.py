@@ -25,6 +25,9 @@ The styles (Megatron-LM's column/row split, which torch's ``ColwiseParallel``/``
   output is chunked into shift/scale/gate: its weights are a large share of a DiT's, its output is small).
 * ``norm_across_heads`` -- an RMSNorm over the concatenated heads (Wan's ``norm_q``/``norm_k``): its weight is
   split like the heads, the mean of squares is all-reduced.
+* ``heads`` -- not a layer but an attention module of the model's own whose head count must become the local
+  one (its ``heads`` / ``num_heads`` / ``num_kv_heads`` / ``inner_dim`` ... attributes, and the Omni ``Attention``
+  layers among its children); diffusers' attention modules need no entry: a split ``to_q`` implies it.
 
 Attention modules whose ``to_q`` is split get their head count (``heads``, ``inner_dim``, ``inner_kv_dim``,
 ``kv_inner_dim``) divided, so attention processors that ``unflatten`` by ``attn.heads`` see the local heads;
@@ -48,11 +51,11 @@ from omni_core.attention.layer import Attention as OmniAttention
 from omni_core.errors import ConfigError, suggest
 from omni_core.hooks import FunctionHook, STAGES, add_hook
 
-STYLES = ("colwise", "rowwise", "colwise_gather", "norm_across_heads")
+STYLES = ("colwise", "rowwise", "colwise_gather", "norm_across_heads", "heads")
 #: the hook name on split layers that need a collective
 HOOK = "omni.tensor_parallel"
 #: attributes of an attention module that count heads or head-sized widths (divided by the TP size)
-HEAD_ATTRS = ("heads", "inner_dim", "inner_kv_dim", "kv_inner_dim")
+HEAD_ATTRS = ("heads", "num_heads", "num_kv_heads", "inner_dim", "inner_kv_dim", "kv_inner_dim")
 
 
 @attrs.frozen
@@ -156,6 +159,8 @@ def param_shards(module: nn.Module, layers: Mapping[str, LayerStyle], tp: int) -
     for name, style in layers.items():
         layer = module.get_submodule(name)
         parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        if style.style == "heads":
+            continue
         if style.style == "norm_across_heads":
             weight = getattr(layer, "weight", None)
             if weight is not None:
@@ -243,6 +248,9 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, group: Any) -> dict[str,
         setattr(owner, attr, _local_param(getattr(owner, attr), shard, rank, tp))
     for name, style in layers.items():
         layer = module.get_submodule(name)
+        if style.style == "heads":
+            _split_heads(layer, name, tp)
+            continue
         if style.style == "colwise":
             layer.out_features //= tp
             continue
@@ -273,23 +281,27 @@ def _norm_width(norm: nn.Module, name: str) -> int:
 
 
 def _divide_heads(module: nn.Module, layers: Mapping[str, LayerStyle], tp: int) -> None:
-    """Local head counts on every attention module whose query projection was split by output."""
+    """Local head counts on every attention module whose query projection (diffusers' ``to_q``) was split."""
     for name, style in layers.items():
         parent_name, _, leaf = name.rpartition(".")
-        if leaf != "to_q" or style.style != "colwise":
-            continue
-        attn = module.get_submodule(parent_name) if parent_name else module
-        heads = getattr(attn, "heads", None)
-        if heads is None or heads % tp:
-            raise ConfigError(f"tensor_parallel_size={tp} does not divide the {heads} heads of {parent_name!r}; "
-                              f"allowed: a divisor of the head count", field="parallel_config.tensor_parallel_size")
-        for attr in HEAD_ATTRS:
-            value = getattr(attn, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(attn, attr, value // tp)
-        for child in attn.children():  # the Omni attention layers a model installed on it see local heads
-            if isinstance(child, OmniAttention):
-                child.split_heads(tp)
+        declared = layers.get(parent_name)
+        if leaf == "to_q" and style.style == "colwise" and (declared is None or declared.style != "heads"):
+            _split_heads(module.get_submodule(parent_name) if parent_name else module, parent_name, tp)
+
+
+def _split_heads(attn: nn.Module, name: str, tp: int) -> None:
+    """``attn``'s head counts and head-sized widths divided by ``tp``, and its Omni attention layers'."""
+    heads = next((getattr(attn, a) for a in ("heads", "num_heads") if isinstance(getattr(attn, a, None), int)), None)
+    if heads is None or heads % tp:
+        raise ConfigError(f"tensor_parallel_size={tp} does not divide the {heads} heads of {name!r}; "
+                          f"allowed: a divisor of the head count", field="parallel_config.tensor_parallel_size")
+    for attr in HEAD_ATTRS:
+        value = getattr(attn, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(attn, attr, value // tp)
+    for child in attn.children():  # the Omni attention layers a model installed on it see local heads
+        if isinstance(child, OmniAttention):
+            child.split_heads(tp)
 
 
 # -- plan fragments for diffusers' shared layers (a model's plan is usually a few of these)

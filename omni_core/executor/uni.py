@@ -10,7 +10,8 @@ from omni_core.worker.transport import outputs_to_host
 class UniProcExecutor(DiffusionExecutor):
     def start(self) -> None:
         from omni_core.platforms import platform_for
-        from omni_core.worker.runner import ModelRunner, torch_dtype
+        from omni_core.utils.dtypes import torch_dtype
+        from omni_core.worker.runner import ModelRunner
 
         platform = platform_for(self.config)
         if self.config.world_size != 1:

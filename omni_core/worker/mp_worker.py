@@ -199,7 +199,8 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
 
         from omni_core.platforms import platform_for
         from omni_core.waves import RunnerOutput
-        from omni_core.worker.runner import ModelRunner, torch_dtype
+        from omni_core.utils.dtypes import torch_dtype
+        from omni_core.worker.runner import ModelRunner
 
         platform = platform_for(config)  # the config's platform, not only what detection finds here
         from omni_core.platforms.threads import apply_thread_policy

@@ -29,17 +29,8 @@ from omni_core.worker.failures import RankAgreement, batched_then_one_by_one, er
 from omni_core.worker.lanes import CpuLanes, lanes_allowed
 from omni_core.worker.timing import WaveClock, lane_clock
 
+
 logger = logging.getLogger("omni_core.worker")
-
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-def torch_dtype(config: Any, platform: Any) -> Any:
-    import torch
-
-    name = config.dtype if config.dtype != "auto" else platform.default_dtype
-    return getattr(torch, DTYPES[name])
-
 
 def sent_bytes() -> int:
     """Bytes this process has sent over its parallel groups so far (0 without parallelism); the difference

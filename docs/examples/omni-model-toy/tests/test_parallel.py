@@ -1,4 +1,5 @@
-"""Ulysses-2 and Ring-2 (two gloo processes) give what one process gives, by the spec's sp_plan alone."""
+"""Ulysses-2, Ring-2 and tensor parallel 2 (two gloo processes) give what one process gives, by the spec's sp_plan
+and tp_plan alone."""
 
 import pytest
 import torch
@@ -25,9 +26,10 @@ def one_process():
 
 
 @pytest.mark.parametrize("parallel_config,engine", [({"ulysses_degree": 2}, {}),
-                                                    ({"ring_degree": 2}, {"step_execution": True})],
-                         ids=["ulysses2", "ring2"])
+                                                    ({"ring_degree": 2}, {"step_execution": True}),
+                                                    ({"tensor_parallel_size": 2}, {})],
+                         ids=["ulysses2", "ring2", "tp2"])
 def test_sequence_parallel_equals_one_process(one_process, parallel_config, engine):
     for ref, out in zip(one_process, generate(parallel_config, **engine)):
         assert (out.images[0] - ref.images[0]).abs().max().item() <= 1e-5
-        assert out.metrics["communication_bytes"] > 0  # the ranks really split the tokens
+        assert out.metrics["communication_bytes"] > 0  # the ranks really split the tokens (or the layers)

@@ -107,7 +107,7 @@ def state_of(pipeline, prompt, seed, *, negative=None, cfg=1.0, n=1, **fields):
 def test_dev_and_schnell_are_one_pipeline_with_every_parallel_mode(flux_dir, schnell_dir):
     spec = resolve_model(schnell_dir).spec
     assert spec.name == resolve_model(flux_dir).spec.name == "FluxPipeline"
-    assert spec.supported_parallel == ("ulysses", "ring", "cfg")
+    assert spec.supported_parallel == ("tensor", "ulysses", "ring", "cfg")
 
 
 def test_bad_sizes_and_lengths_are_refused_naming_the_field(flux_dir, schnell_dir):

@@ -12,7 +12,7 @@ def omni_register_pipelines():
         model_names=("toy",),  # Omni("toy") loads the folder default_model_path returns
         default_model_path="omni_model_toy.build:default_model_path",
         requires=("torch", "diffusers"),
-        supported_parallel=("ulysses", "ring"),
+        supported_parallel=("tensor", "ulysses", "ring"),
         is_video=False,  # shape rules, read before the model loads (the class may restate them: they must agree)
         size_multiple=2,
         description="worked example: a tiny random-weight text-to-image DiT (16x16 RGB)",

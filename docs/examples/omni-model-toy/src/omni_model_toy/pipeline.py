@@ -31,7 +31,7 @@ TEA_CACHE = {"coefficients": (1.0, 0.0), "rel_l1_thresh": 0.1, "warmup_steps": 2
 
 
 class ToyPipeline(OmniPipeline):
-    supported_parallel = ("ulysses", "ring")
+    supported_parallel = ("tensor", "ulysses", "ring")
     size_multiple = 2  # the patch size
     default_height = default_width = 16
     default_num_inference_steps = 20
@@ -80,6 +80,12 @@ class ToyPipeline(OmniPipeline):
             num_heads=dit.config.num_heads,
             # shard the image tokens after patchify, gather them after the head (the text stays whole)
             sp_plan={"shard_outputs": {"patchify": 1}, "gather_after": {"head": 1}, "gather_output": None},
+            # tensor parallelism: q/k/v by heads, the output and the MLP's second layer by input, the modulation's
+            # weights split with its output gathered; the attention modules hold local heads
+            tp_plan={**{f"blocks.*.{a}.qkv.*": "colwise" for a in ("self_attn", "cross_attn")},
+                     **{f"blocks.*.{a}.out": "rowwise" for a in ("self_attn", "cross_attn")},
+                     **{f"blocks.*.{a}": "heads" for a in ("self_attn", "cross_attn")},
+                     "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise", "blocks.*.ada.1": "colwise_gather"},
             cache_defaults={"tea_cache": TEA_CACHE},
         )]
 
