@@ -92,7 +92,6 @@ class DiffusersStepPipeline(OmniPipeline):
             tcfg = folder_config(model_path, name)
             if tcfg or i == 0:
                 validate_parallel_config(parallel_config, num_heads=(tcfg or {}).get("num_attention_heads"),
-                                         supported=(*cls.supported_parallel, "data"),
                                          model=f"{cls.__name__} ({name})" if len(cls.denoiser_names) > 1
                                          else cls.__name__)
 

@@ -303,8 +303,9 @@ def apply_sequence_parallel(module: nn.Module, plan: Any = None) -> SequencePara
 def apply_sequence_parallel_to_pipeline(pipeline: Any, config: Any = None) -> list[str]:
     """Sequence parallelism for any pipeline, from its declared denoiser specs (``pipeline.denoisers()``).
 
-    Checks ``config.parallel_config`` against every spec (Ulysses needs each ``num_heads`` divisible by its
-    degree, the strategies the pipeline supports) and, when the sp group has more than one rank, installs each
+    Checks ``config.parallel_config`` against every spec's loaded head counts (Ulysses needs each ``num_heads``
+    divisible by its degree; the strategies a pipeline supports are checked once, from its record, by the
+    engine's plan: :func:`omni_core.pipelines.loader.check_parallel_support`) and, when the sp group has more than one rank, installs each
     spec's ``sp_plan`` on its module. Runs once in every worker after ``init_parallel_state`` and ``load``
     (:func:`omni_core.pipelines.loader.load_pipeline`), so a model gets SP by declaring a plan and nothing else.
     Returns the names of the denoisers whose plan was installed. A ``ConfigError`` when SP is asked for and the
@@ -316,9 +317,8 @@ def apply_sequence_parallel_to_pipeline(pipeline: Any, config: Any = None) -> li
     specs = list(pipeline.denoisers()) if hasattr(pipeline, "denoisers") else []
     model = type(pipeline).__name__
     pc = getattr(config, "parallel_config", None)
-    supported = (*getattr(pipeline, "supported_parallel", ()), "data")
     for spec in specs:
-        validate_parallel_config(pc, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, supported=supported,
+        validate_parallel_config(pc, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                                  model=f"{model} ({spec.name})" if len(specs) > 1 else model)
     if get_sp_group().world_size == 1:
         return []

@@ -54,8 +54,7 @@ class ToyPipeline(OmniPipeline):
         if model_path:
             with open(os.path.join(model_path, "transformer", "config.json")) as f:
                 heads = json.load(f)["num_heads"]
-        validate_parallel_config(parallel_config, num_heads=heads, supported=(*cls.supported_parallel, "data"),
-                                 model=cls.__name__)
+        validate_parallel_config(parallel_config, num_heads=heads, model=cls.__name__)
 
     # ------------------------------------------------------------------ worker process
     @classmethod

@@ -126,14 +126,13 @@ class ShapesPipeline(OmniPipeline):
 
     @classmethod
     def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
-        """Refuse, before any worker starts, a Ulysses degree that does not divide the transformer's head count
-        (read from the folder) or a strategy this pipeline does not support."""
+        """Refuse, before any worker starts, a Ulysses or tensor-parallel degree that does not divide the
+        transformer's head count (read from the folder); the strategies it supports are its record's."""
         from omni_core.distributed import validate_parallel_config
 
         config = read_json(os.path.join(model_path, "transformer", "config.json")) if model_path else None
         heads = (config or {}).get("num_heads")
-        validate_parallel_config(parallel_config, num_heads=heads, supported=(*cls.supported_parallel, "data"),
-                                 model=cls.__name__)
+        validate_parallel_config(parallel_config, num_heads=heads, model=cls.__name__)
 
     # ------------------------------------------------------------------ worker process
     @classmethod

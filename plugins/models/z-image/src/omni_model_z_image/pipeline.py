@@ -99,7 +99,7 @@ class ZImagePipeline(DiffusersStepPipeline):
 
         tcfg = folder_config(model_path, "transformer") or {}
         validate_parallel_config(parallel_config, num_heads=tcfg.get("n_heads"), num_kv_heads=tcfg.get("n_kv_heads"),
-                                 supported=(*cls.supported_parallel, "data"), model=cls.__name__)
+                                 model=cls.__name__)
 
     # ------------------------------------------------------------------ worker process
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
