@@ -30,6 +30,17 @@ def check_prompt(prompt: Any, negative_prompt: Any = None) -> None:
                           field="negative_prompt")
 
 
+def preview_steps(count: int, num_steps: int) -> frozenset[int]:
+    """The steps (1-based) after which ``count`` previews are taken: spread evenly over the ``num_steps`` steps, the
+    final image coming after the last step. Fewer when there are fewer steps than previews (OpenAI's documentation
+    allows the final image before every partial image)."""
+    if count <= 0 or num_steps <= 0:
+        return frozenset()
+    if num_steps <= count:
+        return frozenset(range(1, num_steps + (1 if num_steps == 1 else 0)))
+    return frozenset(min(num_steps - 1, max(1, int((i + 1) * num_steps / (count + 1) + 0.5))) for i in range(count))
+
+
 @attrs.define(eq=False)
 class OmniDiffusionRequest:
     """One generation request. ``sampling_params`` is complete (model defaults filled in) once pre-processed."""
@@ -44,11 +55,19 @@ class OmniDiffusionRequest:
     #: with a streaming engine, whether this request's caller reads its per-step previews; False skips the
     #: preview work and the intermediate outputs (a non-streamed HTTP request still gets progress callbacks)
     stream_previews: bool = True
+    #: how many previews to compute, spread over the steps (:func:`preview_steps`: OpenAI's ``partial_images``);
+    #: None: one after every step. A preview costs a projection of the step's clean estimate, so the runner
+    #: computes only the ones somebody reads
+    preview_count: int | None = None
     #: input images (edit and image-to-video models): PIL images as given, then (once the engine has checked
     #: them, ``omni_core.images``) RGB ``uint8`` tensors ``[3, H, W]``, which is what a pipeline receives
     images: list = attrs.field(factory=list)
     #: what besides the sampling params decides batch compatibility (the pipeline's, set by the engine)
     batch_extra: tuple = ()
+
+    def wants_preview(self, step_index: int, num_steps: int) -> bool:
+        """Whether the preview after step ``step_index`` (1-based) of ``num_steps`` is read (streaming aside)."""
+        return self.preview_count is None or step_index in preview_steps(self.preview_count, num_steps)
 
     @property
     def seed(self) -> int:

@@ -159,11 +159,11 @@ class OmniServer:
 
     # ------------------------------------------------------------------ engine
     def submit(self, prompt: str, negative_prompt: str | None, params: Any, on_progress: ProgressFn | None = None,
-               *, stream_previews: bool = False, images: list | None = None):
+               *, stream_previews: bool = False, preview_count: int | None = None, images: list | None = None):
         """Validate and queue one request; returns its handle or raises the matching APIError.
 
         ``stream_previews``: the client reads per-step previews (a streamed response); otherwise the engine
-        computes none for it.
+        computes none for it. ``preview_count``: only that many, spread over the steps (None: every step).
 
         The handle is taken at admission, so a request that ends before its reader starts still delivers
         its final output; ``handle.request`` is the request as the engine completed it (defaults, seed).
@@ -172,7 +172,8 @@ class OmniServer:
         if params.lora is not None:  # before the engine opens any file
             params = params.replace(lora=allowed_lora(params.lora, self.lora_names, self.lora_dirs))
         request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params,
-                                       stream_previews=stream_previews, images=list(images or []))
+                                       stream_previews=stream_previews, preview_count=preview_count,
+                                       images=list(images or []))
         try:
             (handle,) = self.engine.submit([request], on_progress=on_progress)
         except OmniError as exc:

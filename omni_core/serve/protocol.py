@@ -98,15 +98,11 @@ def _stream_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def partial_image_steps(partial_images: int, num_steps: int) -> frozenset[int]:
-    """The steps (1-based) after which a stream with ``partial_images`` previews sends them: spread evenly over
-    the ``num_steps`` steps, the final image coming after the last step. Fewer when there are fewer steps than
-    previews asked for (OpenAI's documentation allows the final image before every partial image)."""
-    if partial_images <= 0 or num_steps <= 0:
-        return frozenset()
-    if num_steps <= partial_images:
-        return frozenset(range(1, num_steps + (1 if num_steps == 1 else 0)))
-    return frozenset(min(num_steps - 1, max(1, int((i + 1) * num_steps / (partial_images + 1) + 0.5)))
-                     for i in range(partial_images))
+    """The steps (1-based) after which a stream with ``partial_images`` previews sends them
+    (:func:`omni_core.request.preview_steps`, which the runner uses to compute only those)."""
+    from omni_core.request import preview_steps
+
+    return preview_steps(partial_images, num_steps)
 
 
 def parse_image_request(body: Any, *, model_fields: Sequence[Any] | None = None) -> ImageRequest:

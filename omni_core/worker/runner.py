@@ -310,7 +310,8 @@ class ModelRunner(RankAgreement):
                 state = self.states.get(rid)
                 if state is None or rid in outputs:
                     continue
-                previews = self.config.streaming_output and state.request.stream_previews
+                previews = (self.config.streaming_output and state.request.stream_previews
+                            and state.request.wants_preview(state.step_index, state.num_steps))
                 if state.done:
                     try:
                         result = decoded[rid]

@@ -48,6 +48,30 @@ def test_engine_stream_of_omni_gives_the_same_count(tiny_model):
         assert omni.stats()["tracked_requests"] == []
 
 
+def test_a_preview_count_computes_only_those_previews(tiny_model):
+    """``preview_count`` (the server's ``partial_images``): the runner projects previews only after the chosen
+    steps, next to a request in the same waves that wants one per step; every step still streams its progress."""
+    from omni_core.request import preview_steps
+
+    with Omni(tiny_model, streaming_output=True, max_num_seqs=2, warmup=False) as omni:
+        pipeline = omni.engine.executor.runner.pipeline
+        calls: list = []
+        preview = pipeline.preview
+        pipeline.preview = lambda state: calls.append(state.request.preview_count) or preview(state)
+        requests = [OmniDiffusionRequest(prompt=p, sampling_params=SamplingParams(seed=1, num_inference_steps=8),
+                                         preview_count=count) for p, count in (("a", 2), ("b", None))]
+        outs = []
+        for stream in omni.engine.submit(requests):
+            outs.append([])
+            while not outs[-1] or not outs[-1][-1].finished:
+                outs[-1].append(stream.get(timeout=60))
+    counted, every = outs
+    assert [o.step_index for o in counted[:-1]] == list(range(1, 9))  # progress after every step
+    assert [o.step_index for o in counted[:-1] if o.preview is not None] == sorted(preview_steps(2, 8)) == [3, 5]
+    assert all(o.preview is not None for o in every[:-1])
+    assert calls.count(2) == 2 and calls.count(None) == 8
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_progress_listener_sees_every_step_in_step_mode(tiny_model, streaming):
     """The last step counts too (the tqdm bar of ``Omni.generate`` ends at its total)."""

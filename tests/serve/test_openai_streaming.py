@@ -114,3 +114,14 @@ def test_partial_images_without_stream_is_accepted_and_changes_nothing(server):
     a = client.images.generate(model="default", prompt="p", size="16x16", partial_images=2, extra_body={"seed": 4})
     b = client.images.generate(model="default", prompt="p", size="16x16", extra_body={"seed": 4})
     assert np.array_equal(pixels(a.data[0].b64_json), pixels(b.data[0].b64_json))
+
+
+def test_partial_images_with_the_models_default_step_count(server):
+    """No ``num_inference_steps`` in the request: the previews spread over the model's own count."""
+    from omni_core.request import preview_steps
+
+    events = list(client_of(server).images.generate(model="default", prompt="p", size="16x16", stream=True,
+                                                    partial_images=2, extra_body={"seed": 1}))
+    partial = [e for e in events if e.type == "image_generation.partial_image"]
+    assert len(partial) == 2 and [e.step for e in partial] == sorted(preview_steps(2, partial[0].num_steps))
+    assert events[-1].type == "image_generation.completed"

@@ -109,7 +109,7 @@ async def answer_images(request: Request, server: OmniServer, req: ImageRequest,
                       "unless started with --no-stream-previews; the pipeline must support step execution)",
                       "stream", code="unsupported_value")
     handle = server.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.wants_previews,
-                           images=list(req.images))
+                           preview_count=None if req.step_previews else req.partial_images, images=list(req.images))
     rid = handle.request_id
     server.track(rid)
     if req.stream:
@@ -168,11 +168,14 @@ async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, stat
     common = {"quality": "auto", "background": "opaque", "output_format": "png"}
     size = f"{req.params.width}x{req.params.height}"
     partial, completed = f"{events}.partial_image", f"{events}.completed"
-    steps = None if req.step_previews else partial_image_steps(req.partial_images, req.params.num_inference_steps or 0)
     while True:
         out = await handle.aget()
         if not out.finished:
-            if out.preview is None or (steps is not None and out.step_index not in steps):
+            # the engine computed previews only after these steps (the request's preview_count); the model's
+            # step count is the output's, whether or not the request named one
+            if out.preview is None or (not req.step_previews
+                                       and out.step_index not in partial_image_steps(req.partial_images,
+                                                                                     out.num_steps or 0)):
                 continue
             image = await asyncio.to_thread(lambda: png_b64(preview_image(out.preview, server.preview_max_side)))
             yield sse(partial, {
