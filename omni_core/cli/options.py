@@ -12,7 +12,8 @@ from omni_core.errors import ConfigError
 def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the "engine options" group; returns it so a command can add its own engine flags to it."""
     eng = parser.add_argument_group("engine options")
-    eng.add_argument("--attention-backend", default=None, help="default attention backend (e.g. TORCH_SDPA)")
+    eng.add_argument("--attention-backend", default=None,
+                     help="default attention backend (one of the names `omni env` lists under attention)")
     eng.add_argument("--cache-backend", default=None, help="cache backend (e.g. cache_dit, tea_cache; default none)")
     eng.add_argument("--cache-config", default=None, help=_cache_config_help().replace("%", "%%"))
     eng.add_argument("--cpu-threads", type=int, default=None,
