@@ -9,24 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.parallel.requests import QWEN_REQUESTS, WAN_REQUESTS
+
 pytestmark = pytest.mark.dist
 
 #: TP's partial sums add in another order than one process's matmul: float32 rounding only
 TP_TOL = 1e-5
 
-#: tiny Qwen-Image (VAE factor 4, 2x2 packing): a CFG pair with prompts of different token lengths, one without
-QWEN_REQUESTS = [
-    {"prompt": "a red fox jumping over a lazy dog in the snow", "negative_prompt": "blurry", "true_cfg_scale": 4.0,
-     "height": 24, "width": 40, "num_inference_steps": 2, "seed": 1},
-    {"prompt": "an astronaut riding a horse", "height": 32, "width": 32, "num_inference_steps": 2, "seed": 3},
-]
-#: tiny Wan 2.2 (two experts): three steps cross the boundary; one request with CFG, one without
-WAN_REQUESTS = [
-    {"prompt": "a red fox in the snow", "negative_prompt": "blurry", "guidance_scale": 4.0, "guidance_scale_2": 3.0,
-     "height": 16, "width": 48, "num_frames": 9, "num_inference_steps": 3, "seed": 1},
-    {"prompt": "a cat", "guidance_scale": 1.0, "guidance_scale_2": 1.0, "height": 32, "width": 32, "num_frames": 5,
-     "num_inference_steps": 3, "seed": 2},
-]
 FLUX_REQUESTS = [
     {"prompt": "a red fox jumping over a lazy dog", "height": 32, "width": 48, "num_inference_steps": 2, "seed": 1,
      "guidance_scale": 3.5},
@@ -82,7 +71,7 @@ def test_tensor_parallel_matches_one_process(model, config, request, engine_run,
     if "cache_backend" in options:
         requests = [{**r, "num_inference_steps": CACHE_STEPS} for r in requests]
     same = {k: v for k, v in options.items() if k in SAME_IN_REFERENCE}
-    key = f"tp-{model}-{sorted(same.items())}"  # this file's requests (and cache): their own one-process reference
+    key = f"{model}-{sorted(same.items())}" if same else model  # shared with test_engine_parallel's runs
     if key not in references:
         references[key] = engine_run(folder, requests, **same)
     ref = references[key]
