@@ -47,7 +47,7 @@ CASES = [("qwen", "tp2"), ("qwen", "tp2-step"), ("wan", "tp2"), ("wan", "tp2-ste
          ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("qwen", "tp2-tea_cache"), ("wan", "tp2-cache_dit"),
          ("wan", "tp2-vae_tiling"), ("qwen", "tp2-vae_tiling")]
 #: 4-rank layouts take ~30 s each on 2 cores: one model of each in CI, the rest with the slow checks
-SLOW = {("wan", "tp2xcfg2"), ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("wan", "tp2-step"),
+SLOW = {("wan", "tp2xcfg2"), ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("wan", "tp2-step"), ("qwen", "tp2xcfg2"),
         ("flux", "tp2-step"), ("wan", "tp2-cache_dit"), ("qwen", "tp2-vae_tiling")}
 
 
