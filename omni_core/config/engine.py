@@ -148,6 +148,9 @@ class OmniDiffusionConfig(_FromKwargs):
     max_loras: int = attrs.field(default=8, validator=int_field(min=1, max=1024))
     #: the largest LoRA rank accepted (a request naming a larger adapter is refused)
     max_lora_rank: int = attrs.field(default=64, validator=int_field(min=1, max=4096))
+    #: bytes of text-encoder outputs each model process keeps (an LRU shared by all requests: a prompt seen
+    #: before skips the text encoder; 0 turns it off; docs/runtime.md "Embedding cache")
+    embedding_cache_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=int_field(min=0, max=2**44))
     #: options of the selected executor (its class's ``options``); ``from_kwargs`` collects ``<executor>_<name>=``
     #: keywords here, e.g. ``Omni(model, executor="ray", ray_address="auto")`` -> ``{"address": "auto"}``
     executor_options: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)

@@ -26,7 +26,8 @@ from omni_core.engine.handle import RequestHandle
 from omni_core.engine.model_info import ModelInfo, ProgressFn
 from omni_core.engine.modes import DiffusionExecutionMode
 from omni_core.engine.plan import EnginePlan, plan_engine
-from omni_core.engine.records import RequestRecord, close_output, count_wave, new_timing, timing_summary
+from omni_core.engine.records import (RequestRecord, close_output, count_wave, embedding_cache_summary, new_timing,
+                                      timing_summary)
 from omni_core.engine.steps import failed_wave, steps_for
 from omni_core.engine.stream import OutputStream
 from omni_core.errors import ConfigError, EngineDeadError, OmniError, QueueFullError
@@ -367,7 +368,8 @@ class DiffusionEngine:
             return {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
                     "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
                     "dead": self._dead, **self.counters, "timing": self.wave_timing(),
-                    "requests_preempted": self.scheduler.num_preemptions, "model_bytes": self.executor.model_bytes()}
+                    "requests_preempted": self.scheduler.num_preemptions, "model_bytes": self.executor.model_bytes(),
+                    "embedding_cache": embedding_cache_summary(self.timing)}
 
     def close(self) -> None:
         """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""

@@ -95,6 +95,8 @@ def count_wave(timing: dict, wall_s: float, metrics: dict) -> None:
         timing[key] += metrics.get(key, 0.0)
     for key in ("denoise_calls", "denoiser_calls"):
         timing[key] += metrics.get(key, 0)
+    for snap in metrics.get("embedding_cache", ()):  # each cache's latest cumulative counters, by cache
+        timing.setdefault("embedding_caches", {})[snap.get("source")] = snap
 
 
 def timing_summary(timing: dict) -> dict[str, float]:
@@ -105,9 +107,18 @@ def timing_summary(timing: dict) -> dict[str, float]:
     engine's own time (``engine_s = wave_s - pipeline_s``: scheduling, transport, bookkeeping, events, delivery)
     per ``denoise_step`` call."""
     t = dict(timing)
+    t.pop("embedding_caches", None)  # embedding_cache_summary
     t["engine_s"] = t["wave_s"] - t["pipeline_s"]
     t["engine_s_per_step"] = t["engine_s"] / t["denoise_calls"] if t["denoise_calls"] else 0.0
     return t
 
 
-__all__ = ["RequestRecord", "close_output", "count_wave", "new_timing", "timing_summary"]
+def embedding_cache_summary(timing: dict) -> dict[str, int]:
+    """``stats()["embedding_cache"]``: hits, misses, entries, bytes, capacity_bytes and evictions of the text
+    embedding caches the waves reported (:mod:`omni_core.pipelines.embedding_cache`), summed over replicas."""
+    from omni_core.pipelines.embedding_cache import sum_embedding_caches
+
+    return sum_embedding_caches((timing.get("embedding_caches") or {}).values())
+
+
+__all__ = ["RequestRecord", "close_output", "count_wave", "embedding_cache_summary", "new_timing", "timing_summary"]

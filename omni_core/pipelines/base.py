@@ -63,6 +63,9 @@ class OmniPipeline:
     #: ``denoise_step`` / ``forward`` may run on two sub-batches at once in two threads (no per-call state kept
     #: on the pipeline or its modules): lets a CPU wave use one lane per core (``omni_core.worker.lanes``)
     concurrent_calls_safe: ClassVar[bool] = False
+    #: this process's text-encoder output cache (:mod:`omni_core.pipelines.embedding_cache`), set by the loader
+    #: from ``embedding_cache_bytes``; None: off. A pipeline's ``encoded_prompts`` window reads it
+    embedding_cache: Any = None
     #: parallel strategies supported: any of "ulysses", "ring", "cfg", "data"
     supported_parallel: ClassVar[tuple[str, ...]] = ()
     #: height and width must be multiples of this

@@ -150,22 +150,59 @@ class DiffusersStepPipeline(OmniPipeline):
     def encoded_prompts(self, states: list[StepState]):
         """While active, ``_text_memo`` holds one batched :meth:`encode_prompts` over the wave's distinct
         texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as diffusers does
-        (a batch of prompts of different lengths is padded and masked)."""
+        (a batch of prompts of different lengths is padded and masked).
+
+        With the process's embedding cache (``embedding_cache``) every text of the wave, a lone request's too,
+        comes from the cache or, missed, from its own :meth:`encode_prompts` call: what a request alone
+        computes, so a hit gives those bits and a request's encodings do not depend on its wave."""
+        cache = self.embedding_cache
+        scope = self.text_cache_scope() if cache is not None else None
         keys: list = []
-        for s in states if len(states) > 1 else []:
+        for s in states if len(states) > 1 or (cache is not None and scope is not None) else []:
             for key in self.text_keys(s):
                 if key not in keys:
                     keys.append(key)
-        memo = self.encode_prompts(keys) if len(keys) > 1 else {}
+        if cache is not None and scope is not None:
+            memo = self._cached_encodings(cache, scope, keys)
+        else:
+            memo = self.encode_prompts(keys) if len(keys) > 1 else {}
         self._text_memo = memo
         try:
             yield memo
         finally:
             self._text_memo = None
 
+    def _cached_encodings(self, cache: Any, scope: Any, keys: list) -> dict:
+        """``{key: encoding}`` for ``keys`` through ``cache``: misses encoded one key per call (a padded batch
+        may differ from the text alone in the last bits, and the cache must hold what a request alone gets)."""
+        by_cache_key = {(scope, self.text_cache_key(k)): k for k in keys}
+
+        def encode(missing: list) -> dict:
+            return {ck: self.encode_prompts([by_cache_key[ck]])[by_cache_key[ck]] for ck in missing}
+
+        got = cache.get_or_encode(list(by_cache_key), encode)
+        return {key: got[ck] for ck, key in by_cache_key.items()}
+
     def text_keys(self, state: StepState) -> list:
-        """The hashable texts ``prepare_encode`` will encode for ``state`` (none: no batched encoding)."""
+        """The hashable texts ``prepare_encode`` will encode for ``state`` (none: no batched encoding). Each key
+        holds everything its encoding depends on besides the encoder (the text, ``max_sequence_length``, ...):
+        the embedding cache keys by it."""
         return []
+
+    def text_cache_key(self, key: Any) -> Any:
+        """What the embedding cache keeps ``key`` (one of :meth:`text_keys`) as: the key itself, or a lighter
+        equal-deciding form (an edit model's key without its images)."""
+        return key
+
+    def text_cache_scope(self) -> Any:
+        """The text encoder's identity in the embedding cache: its components and the model folder; None (the
+        cache is bypassed) while a text encoder carries LoRA adapters, whose outputs the key cannot tell apart."""
+        from omni_core.pipelines.embedding_cache import text_encoders_have_adapters
+
+        names = tuple(n for n in getattr(self.pipe, "components", {}) if n.startswith("text_encoder"))
+        if text_encoders_have_adapters(getattr(self.pipe, n, None) for n in names):
+            return None
+        return (type(self).__name__, getattr(self.pipe, "name_or_path", None), names)
 
     def encode_prompts(self, keys: list) -> dict:
         """``{key: encoding}`` for the keys of :meth:`text_keys`, in as few text-encoder calls as possible."""

@@ -90,8 +90,11 @@ def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any,
     ``use_config`` so Attention layers see the config. In a worker this runs after ``init_parallel_state``.
     ``observe(step, pipeline)`` is called after each step (tests record where the weights are)."""
     from omni_core.optimize.plan import plan_load, run_plan
+    from omni_core.pipelines.embedding_cache import attach_embedding_cache
 
-    return run_plan(plan_load(config, device), resolved, config, device, dtype, observe=observe)
+    pipeline = run_plan(plan_load(config, device), resolved, config, device, dtype, observe=observe)
+    attach_embedding_cache(pipeline, config)  # the process's text-encoder output cache (embedding_cache_bytes)
+    return pipeline
 
 
 __all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "default_model_folder", "load_pipeline",

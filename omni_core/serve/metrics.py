@@ -147,6 +147,19 @@ class ServerMetrics:
         metric("omni_model_bytes", "gauge", "Bytes of each model component's parameters and buffers on one rank "
                "(after quantization).", [({**m, "component": c}, b)
                                         for c, b in sorted((stats.get("model_bytes") or {}).items())])
+        cache = stats.get("embedding_cache") or {}
+        metric("omni_embedding_cache_hits_total", "counter", "Text encodings read from the embedding cache (the "
+               "text encoder skipped), summed over replicas.", [(m, cache.get("hits", 0))])
+        metric("omni_embedding_cache_misses_total", "counter", "Text encodings the embedding cache did not hold "
+               "(the text encoder ran), summed over replicas.", [(m, cache.get("misses", 0))])
+        metric("omni_embedding_cache_entries", "gauge", "Text encodings the embedding cache holds.",
+               [(m, cache.get("entries", 0))])
+        metric("omni_embedding_cache_bytes", "gauge", "Bytes of text encodings the embedding cache holds "
+               "(its bound: embedding_cache_bytes per model process).",
+               [({**m, "kind": "used"}, cache.get("bytes", 0)), ({**m, "kind": "capacity"},
+                                                                  cache.get("capacity_bytes", 0))])
+        metric("omni_embedding_cache_evictions_total", "counter", "Text encodings the embedding cache evicted "
+               "(least recently used first) to stay within its bytes.", [(m, cache.get("evictions", 0))])
         metric("omni_video_jobs", "gauge", "Video jobs in the job table by status.",
                [({"status": s}, n) for s, n in sorted(video_jobs.items())])
         return "\n".join(lines) + "\n"

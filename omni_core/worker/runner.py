@@ -107,6 +107,9 @@ class ModelRunner(RankAgreement):
     def load_model(self) -> None:
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
+        from omni_core.pipelines.embedding_cache import embedding_cache_snapshot
+
+        self.clock.sources.append(embedding_cache_snapshot(self.pipeline))  # stats()["embedding_cache"]
         from omni_core.worker.instrument import instrument_denoisers  # (imports diffusers: not at module level)
 
         instrument_denoisers(self.pipeline, self.clock)  # denoiser calls and time: 'instrument'-stage hooks

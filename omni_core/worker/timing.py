@@ -58,6 +58,8 @@ class WaveClock:
         self.denoiser_calls = 0
         #: time spent in the runner's own callbacks while ``forward`` runs (request path): not the model's
         self._excluded_s = 0.0
+        #: callables whose dicts ``take()`` adds (cumulative snapshots, e.g. the embedding cache's counters)
+        self.sources: list[Callable[[], dict]] = []
 
     def timed(self, fn: Callable, *args: Any) -> Any:
         """``fn(*args)``, counted as pipeline time."""
@@ -106,9 +108,15 @@ class WaveClock:
                "denoiser_calls": self.denoiser_calls}
         self.pipeline_s = self.denoise_s = self.denoiser_s = self._excluded_s = 0.0
         self.denoise_calls = self.denoiser_calls = 0
+        for source in self.sources:
+            out.update(source())
         return out
 
 
 def merge_wave_timings(parts: list[dict[str, Any]]) -> dict[str, float]:
     """One wave's timing from the replicas that ran parts of it side by side (the slowest decides)."""
-    return {k: max((p.get(k, 0) for p in parts), default=0) for k in WAVE_TIMING_KEYS}
+    merged = {k: max((p.get(k, 0) for p in parts), default=0) for k in WAVE_TIMING_KEYS}
+    caches = [snap for p in parts for snap in p.get("embedding_cache", ())]  # one per replica: all kept
+    if caches:
+        merged["embedding_cache"] = caches
+    return merged

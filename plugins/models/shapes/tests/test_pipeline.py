@@ -229,11 +229,13 @@ def test_tanh_gelu_is_torchs_tanh_approximation():
     assert y.grad is not None and torch.isfinite(y.grad).all()
 
 
-def test_a_waves_texts_are_encoded_in_one_call_with_the_bits_of_each_alone(shapes_pipeline):
+def test_a_waves_texts_are_encoded_in_one_call_with_the_bits_of_each_alone(shapes_pipeline, monkeypatch):
     """Inside ``encoded_prompts`` the prompts and negative prompts of every request share one text-encoder call
     (per ``max_sequence_length``), and each text's states are exactly those it gets encoded alone; outside the
-    window, or for a text the window did not see, nothing is shared."""
+    window, or for a text the window did not see, nothing is shared. (Without the embedding cache, which would
+    answer texts earlier tests encoded: tests/runtime/test_embedding_cache.py.)"""
     p = shapes_pipeline
+    monkeypatch.setattr(p, "embedding_cache", None)
     states = [make_state(p, "a red circle in the top left", seed=0),
               make_state(p, "a blue square in the center", seed=1, negative_prompt="blurry"),
               make_state(p, "a green triangle", seed=2, guidance_scale=1.0),  # CFG off: no negative prompt

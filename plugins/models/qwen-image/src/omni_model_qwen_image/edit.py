@@ -138,6 +138,10 @@ class QwenImageEditPipeline(QwenImagePipeline):
         cond = self.condition(state)
         return TextImageKey(text, cond.digest, cond.vl_images)
 
+    def text_cache_key(self, key: TextImageKey) -> tuple[str, str]:
+        """The text and the images' digest (the embedding cache keeps no images)."""
+        return key.text, key.digest
+
     def embed_texts(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pipe._get_qwen_prompt_embeds([k.text for k in keys], [k.images for k in keys], self.device)
 

@@ -24,6 +24,7 @@ from omni_core.pipelines import OmniPipeline, StepState
 from omni_core.pipelines.base import read_model_index
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_json, refuse_pickled_weights
+from omni_core.pipelines.embedding_cache import text_encoders_have_adapters
 from omni_core.pipelines.state import flow_clean_estimate, remember_flow_step
 from omni_core.request import OmniDiffusionRequest
 from omni_model_shapes.models import ShapesTextEncoder, ShapesTransformer2DModel, velocity
@@ -223,16 +224,36 @@ class ShapesPipeline(OmniPipeline):
         is all per-op cost, so 8 texts batched cost ~2x one text (not 8x), and a request's two encodings were
         ~2% of its time in a batch of 8. The text encoder is batch-invariant here as the transformer is (every
         op is per row or per token; the GEMMs have >= 16 rows): a text's states in the batch are the bits it
-        gets alone (``tests/test_pipeline.py``)."""
+        gets alone (``tests/test_pipeline.py``).
+
+        With the process's embedding cache (``embedding_cache``) every text, a lone request's too, is read from
+        it; the misses are encoded in one call per ``max_sequence_length`` (batch-invariant, so the cache holds
+        the bits of each text alone) and kept."""
         groups: dict[int | None, list[str]] = {}
         for state in states:
             for text, max_length in self._texts_of(state):
                 if text not in groups.setdefault(max_length, []):
                     groups[max_length].append(text)
         memo: dict = {}
-        for max_length, texts in groups.items():
-            if len(texts) > 1:
-                memo.update(((t, max_length), enc) for t, enc in zip(texts, self._encode_texts(texts, max_length)))
+        cache = self.embedding_cache
+        if cache is not None and not text_encoders_have_adapters([self.text_encoder]):
+            scope = (type(self).__name__, "text_encoder")
+
+            def encode(missing: list) -> dict:
+                out: dict = {}
+                for max_length in dict.fromkeys(m for _, (_, m) in missing):
+                    texts = [t for _, (t, m) in missing if m == max_length]
+                    out.update(((scope, (t, max_length)), enc)
+                               for t, enc in zip(texts, self._encode_texts(texts, max_length)))
+                return out
+
+            keys = [(scope, (t, m)) for m, texts in groups.items() for t in texts]
+            memo.update((key, enc) for (_, key), enc in cache.get_or_encode(keys, encode).items())
+        else:
+            for max_length, texts in groups.items():
+                if len(texts) > 1:
+                    memo.update(((t, max_length), enc)
+                                for t, enc in zip(texts, self._encode_texts(texts, max_length)))
         token = _TEXT_MEMO.set(memo)
         try:
             yield memo
