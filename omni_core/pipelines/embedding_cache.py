@@ -32,8 +32,8 @@ from typing import Any, Callable, Hashable, Iterable
 
 logger = logging.getLogger("omni_core.pipelines.embedding_cache")
 
-#: the default of ``embedding_cache_bytes``: ~30 Wan T5 encodings (512 x 4096 fp32 = 8 MiB each), thousands of
-#: short Qwen-Image or Flux prompts
+#: the default of ``embedding_cache_bytes``: ~60 Wan or Flux T5 encodings (512 x 4096 in bf16 = 4 MiB each),
+#: hundreds of short Qwen-Image prompts
 DEFAULT_EMBEDDING_CACHE_BYTES = 256 * 1024 * 1024
 
 #: the counters ``stats()`` reports (summed over data-parallel replicas by the engine)
