@@ -210,3 +210,34 @@ def test_the_counters_cross_the_process_boundary_and_reach_metrics():
     assert 'omni_embedding_cache_misses_total{model="shapes"} 2' in text
     assert 'omni_embedding_cache_entries{model="shapes"} 2' in text
     assert f'omni_embedding_cache_bytes{{model="shapes",kind="used"}} {cache["bytes"]}' in text
+
+
+def test_qwen_image_keys_the_whole_text_and_cuts_each_requests_length_from_a_hit(tmp_path):
+    """Qwen-Image encodes the whole text and cuts it to the request's ``max_sequence_length`` afterwards (as
+    diffusers does), so two lengths of one text share one entry; each request gets exactly its solo encoding."""
+    from omni_core.testing import load_model
+    from omni_core.testing.diffusers_folders import build_tiny_qwen_image
+    from omni_core.testing.driver import make_state
+
+    pipeline = load_model(build_tiny_qwen_image(tmp_path / "qwen"))
+    text = "a red fox jumping over a lazy dog in the snow"
+    size = {"height": 32, "width": 32, "num_inference_steps": 1}
+
+    def encode(msl: int, cached: bool) -> torch.Tensor:
+        cache = pipeline.embedding_cache
+        if not cached:
+            pipeline.embedding_cache = None
+        try:
+            state = make_state(pipeline, text, max_sequence_length=msl, **size)
+            with torch.inference_mode(), pipeline.encoded_prompts([state]):
+                pipeline.prepare_encode(state)
+            return state.prompt_embeds
+        finally:
+            pipeline.embedding_cache = cache
+
+    calls: list[int] = []
+    pipeline.pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: calls.append(1), with_kwargs=True)
+    long, short = encode(64, True), encode(4, True)
+    assert len(calls) == 1 and pipeline.embedding_cache.stats()["hits"] == 1
+    assert short.shape[1] == 4 < long.shape[1]
+    assert torch.equal(long, encode(64, False)) and torch.equal(short, encode(4, False))
