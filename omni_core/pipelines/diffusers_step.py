@@ -202,7 +202,8 @@ class DiffusersStepPipeline(OmniPipeline):
         names = tuple(n for n in getattr(self.pipe, "components", {}) if n.startswith("text_encoder"))
         if text_encoders_have_adapters(getattr(self.pipe, n, None) for n in names):
             return None
-        return (type(self).__name__, getattr(self.pipe, "name_or_path", None), names)
+        folder = getattr(self, "omni_model_path", None) or getattr(self.pipe, "name_or_path", None)
+        return (type(self).__name__, folder, names)
 
     def encode_prompts(self, keys: list) -> dict:
         """``{key: encoding}`` for the keys of :meth:`text_keys`, in as few text-encoder calls as possible."""

@@ -237,7 +237,7 @@ class ShapesPipeline(OmniPipeline):
         memo: dict = {}
         cache = self.embedding_cache
         if cache is not None and not text_encoders_have_adapters([self.text_encoder]):
-            scope = (type(self).__name__, "text_encoder")
+            scope = (type(self).__name__, getattr(self, "omni_model_path", None), "text_encoder")
 
             def encode(missing: list) -> dict:
                 out: dict = {}
