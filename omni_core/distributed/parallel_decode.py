@@ -95,6 +95,7 @@ class _Replay:
 
     def __call__(self, below: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.outputs[self.call]
+        self.outputs[self.call] = None  # diffusers holds what it keeps (a video tile's frames: until their cat)
         self.call += 1
         return out
 
