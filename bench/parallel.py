@@ -27,6 +27,11 @@ wave (``metrics["communication_bytes"]``), the bench's wall time per denoising s
 (throughput; data parallel shows here), and the largest difference of the float outputs from one process.
 Configurations the model refuses at start-up (e.g. a Ulysses degree that does not divide the heads) are
 listed as skipped with the reason.
+
+Tensor parallelism and the split VAE decode (issue #39) have their own scripts, also reachable from here::
+
+    .venv/bin/python bench/parallel.py --tp [...]        # = bench/parallel_tp.py: Omni's TP layer vs DTensor
+    .venv/bin/python bench/parallel.py --decode [...]    # = bench/parallel_decode.py: decode memory per rank
 """
 
 from __future__ import annotations
@@ -205,6 +210,13 @@ def main_model(opts) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("--tp", "--decode"):
+        name = {"--tp": "parallel_tp", "--decode": "parallel_decode"}[sys.argv[1]]
+        spec = importlib.util.spec_from_file_location(f"omni_bench_{name}", ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.main(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help="run a model through the engine: shapes, tiny-qwen, tiny-wan or a model folder/name")
