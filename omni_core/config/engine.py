@@ -151,6 +151,10 @@ class OmniDiffusionConfig(_FromKwargs):
     #: bytes of text-encoder outputs each model process keeps (an LRU shared by all requests: a prompt seen
     #: before skips the text encoder; 0 turns it off; docs/runtime.md "Embedding cache")
     embedding_cache_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=int_field(min=0, max=2**44))
+    #: processes that run the VAE decode apart from the denoiser (0: decoded in line, in the model process; 1: one
+    #: decode process holds the decode components and the denoiser starts its next wave meanwhile; docs/runtime.md
+    #: "Stages")
+    decode_workers: int = attrs.field(default=0, validator=int_field(min=0, max=1))
     #: options of the selected executor (its class's ``options``); ``from_kwargs`` collects ``<executor>_<name>=``
     #: keywords here, e.g. ``Omni(model, executor="ray", ray_address="auto")`` -> ``{"address": "auto"}``
     executor_options: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)

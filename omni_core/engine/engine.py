@@ -35,6 +35,7 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest, check_prompt
 from omni_core.sched.interface import DiffusionRequestStatus as Status
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.worker.stages import pending_decode
 
 logger = logging.getLogger("omni_core.engine")
 
@@ -84,9 +85,50 @@ class DiffusionEngine:
         #: the busy loop's step function, chosen once (plain, or pipelined over an executor that queues waves)
         self._steps = steps_for(self)
         self._deadlines = DeadlineWatcher(self)
+        #: requests that finished denoising and wait for the decode stage: id -> the runner's output (its tensor
+        #: a DecodePayload), the record still in ``_records`` so abort, deadlines and close find it
+        self._decoding: dict[str, DiffusionOutput] = {}
+        self._stage = self._start_stages()
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
         self._deadlines.thread.start()
+
+    def _start_stages(self) -> Any:
+        """The decode process of ``decode_workers`` (:mod:`omni_core.worker.stages`), or None; a stage that
+        fails to start shuts the model processes down too."""
+        from omni_core.worker.stages import start_decode_stage
+
+        try:
+            return start_decode_stage(self.config, self.resolved, self._on_decoded, self._on_stage_dead)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _await_decode(self, request_id: str, out: DiffusionOutput, groups: dict[str, list]) -> None:
+        """A request that finished denoising goes to the decode stage (lock held); sent after the wave, one
+        message per group the runner's decode call made."""
+        self._decoding[request_id] = out
+        groups.setdefault(out.tensor.group, []).append(out.tensor)
+
+    def _on_decoded(self, outputs: dict[str, DiffusionOutput]) -> None:
+        """The decode stage's outputs (its reader thread): each delivered as the in-line decode's would be, its
+        metrics the runner's plus the decode's (``peak_memory_mb``: the higher of the two processes)."""
+        with self._lock:
+            for rid, out in outputs.items():
+                pending = self._decoding.pop(rid, None)
+                if pending is None or rid not in self._records:
+                    continue  # aborted (or timed out) while it waited
+                peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
+                out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
+                out.preview = pending.preview
+                self._finalize(rid, out)
+
+    def _on_stage_dead(self, reason: str) -> None:
+        """The decode process died: the engine dies with a reason naming the stage, failing every request
+        (those waiting for their decode too)."""
+        with self._lock:
+            self._die(f"the engine is dead: {reason}")
+            self._wake.notify_all()
 
     @classmethod
     def make_engine(cls, config: EnginePlan | OmniDiffusionConfig, **kwargs: Any) -> DiffusionEngine:
@@ -203,7 +245,15 @@ class DiffusionEngine:
 
     def _end(self, request_id: str) -> bool:
         """Have the scheduler end a request (lock held): a waiting one ends now; True for a running one, which
-        ends at the next step boundary once the runner has let it go (request mode: ``mode.stop_running``)."""
+        ends at the next step boundary once the runner has let it go (request mode: ``mode.stop_running``). One
+        waiting for its decode ends now; the decode stage drops it."""
+        pending = self._decoding.pop(request_id, None)
+        if pending is not None:
+            self._stage.abort([request_id])
+            self._finalize(request_id, DiffusionOutput(request_id=request_id, status=Status.FINISHED_ABORTED,
+                                                       step_index=pending.step_index, num_steps=pending.num_steps,
+                                                       metrics=dict(pending.metrics)))
+            return False
         status = self.scheduler.abort_request(request_id)
         if status == Status.FINISHED_ABORTED:
             self._finalize(request_id, DiffusionOutput(request_id=request_id, status=Status.FINISHED_ABORTED))
@@ -244,7 +294,7 @@ class DiffusionEngine:
         has let them go (``_finalize_aborted``); a later request reusing an id is not one of them."""
         for rid in request_ids:
             record = self._records.get(rid)
-            if record is not None:
+            if record is not None and rid not in self._decoding:  # a decoding one ended its denoise: not aborted
                 record.ending = True
 
     def _mark_started(self, sched: DiffusionSchedulerOutput) -> None:
@@ -281,6 +331,7 @@ class DiffusionEngine:
             self.counters["step_waves_replaced"] += 1
         else:
             self.counters["denoise_steps"] += self.mode.wave_steps(sched)
+        groups: dict[str, list] = {}
         for rid, out in result.outputs.items():
             record = self._records.get(rid)
             if record is None:
@@ -290,11 +341,16 @@ class DiffusionEngine:
                     out.status, out.error = Status.FINISHED_ERROR, out.error or "request failed"
                 elif ended[rid] == Status.FINISHED_COMPLETED and self.mode.final_output_is_a_step:
                     record.step(record.last_step_preview(out))  # the finishing step counts like the others
-                self._finalize(rid, out)
+                if self._stage is not None and ended[rid] == Status.FINISHED_COMPLETED and pending_decode(out):
+                    self._await_decode(rid, out, groups)
+                else:
+                    self._finalize(rid, out)
             elif not out.finished:
                 record.step(out)
+        for payloads in groups.values():
+            self._stage.submit(payloads)
         for rid in ended:  # ended without an output (lost by the runner)
-            if rid in self._records:
+            if rid in self._records and rid not in self._decoding:
                 self._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR,
                                                     error="the runner returned no output for this request"))
         # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
@@ -333,6 +389,7 @@ class DiffusionEngine:
         if self._dead:
             return
         self._dead = reason
+        self._decoding.clear()  # finalized below with the reason, as every record
         self._deadlines.wake.notify_all()
         self.scheduler.fail_all(reason)
         self.scheduler.schedule()  # nothing will run again: drop the release list too
@@ -369,7 +426,15 @@ class DiffusionEngine:
                     "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
                     "dead": self._dead, **self.counters, "timing": self.wave_timing(),
                     "requests_preempted": self.scheduler.num_preemptions, "model_bytes": self.executor.model_bytes(),
-                    "embedding_cache": embedding_cache_summary(self.timing)}
+                    "embedding_cache": embedding_cache_summary(self.timing), **self._stage_stats()}
+
+    def _stage_stats(self) -> dict[str, Any]:
+        """``stats()["stages"]`` with a decode stage: its process, what it holds and does (lock held)."""
+        if self._stage is None:
+            return {}
+        return {"stages": {"decode": {"pid": self._stage.pid(), "model_bytes": dict(self._stage.model_bytes),
+                                      "waiting": len(self._decoding), "decoded": self._stage.decoded,
+                                      "dead": self._stage.dead}}}
 
     def close(self) -> None:
         """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""
@@ -394,6 +459,8 @@ class DiffusionEngine:
             self.scheduler.schedule()  # flush finished ids
             self._runner_held = set()
         self.executor.shutdown()
+        if self._stage is not None:
+            self._stage.shutdown()
         self._delivery.close()  # what finished before the close still arrives
 
 

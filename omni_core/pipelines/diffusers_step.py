@@ -136,10 +136,33 @@ class DiffusersStepPipeline(OmniPipeline):
             setattr(pipe, name, meta_component(model_path, name, dtype))
         layers: list = []
         with use_config(config) if config is not None else contextlib.nullcontext():
-            for name in cls.denoiser_names:
-                if getattr(pipe, name, None) is not None:
+            for name in cls.denoiser_names:  # not into a config-only stand-in (the split decode's process)
+                if getattr(pipe, name, None) is not None and not getattr(getattr(pipe, name), "omni_config_only", 0):
                     layers += cls.install_attention(getattr(pipe, name), name)
         return cls(pipe, device, dtype, layers)
+
+    @classmethod
+    def stage_components_for(cls, model_path: str | None) -> dict[str, tuple[str, ...]]:
+        """``{stage: components}`` for loading the decode (and encode) apart (``omni_core.worker.stages``): the
+        class's ``stage_components`` if it declares them, else from the folder's model_index.json: the ``vae*``
+        components decode, the ``text_encoder*`` / ``tokenizer*`` ones encode."""
+        declared = getattr(cls, "stage_components", None)
+        if declared is not None:
+            return dict(declared)
+        from omni_core.pipelines.diffusers_folder import read_model_index
+
+        index = (read_model_index(model_path) if model_path else None) or {}
+        names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None]
+        return {"decode": tuple(n for n in names if n.startswith("vae")),
+                "encode": tuple(n for n in names if n.startswith(("text_encoder", "tokenizer")))}
+
+    @classmethod
+    def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any) -> dict:
+        """``from_pretrained`` keywords that load one side of the split: ``"denoise"`` without the decode
+        components' weights, ``"decode"`` with nothing else (``omni_core.worker.stages``)."""
+        from omni_core.worker.stages import diffusers_stage_kwargs
+
+        return diffusers_stage_kwargs(model_path, stage, cls.stage_components_for(model_path), dtype or torch.float32)
 
     # -- batched text encoding: while a wave is encoded, ``_text_memo`` holds its encodings by text key and a
     # subclass's prepare_encode reads them there (falling back to encoding alone: one request, or step mode)

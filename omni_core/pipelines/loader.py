@@ -83,18 +83,56 @@ def check_parallel_support(resolved: ResolvedModel, parallel_config: Any) -> Non
 
 
 def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, *,
-                  observe: Any = None) -> Any:
+                  observe: Any = None, stage: str | None = None) -> Any:
     """Load the pipeline by its load plan (:mod:`omni_core.optimize.plan`): read the weights (to the host when
     offload or quantization must start there), sequence parallelism from the declared denoiser specs,
     quantization, VAE options, compile, then place on ``device`` or install offload hooks. The read runs inside
     ``use_config`` so Attention layers see the config. In a worker this runs after ``init_parallel_state``.
-    ``observe(step, pipeline)`` is called after each step (tests record where the weights are)."""
+    ``observe(step, pipeline)`` is called after each step (tests record where the weights are). ``stage``
+    ("denoise" or "decode", with ``decode_workers``) loads one side of the split (:func:`_stage_load`)."""
     from omni_core.optimize.plan import plan_load, run_plan
     from omni_core.pipelines.embedding_cache import attach_embedding_cache
 
-    pipeline = run_plan(plan_load(config, device), resolved, config, device, dtype, observe=observe)
+    steps = plan_load(config, device)
+    if stage is not None:
+        config, steps, bare = _stage_load(resolved, config, device, dtype, stage, steps)
+        if bare is not None:
+            return bare
+    pipeline = run_plan(steps, resolved, config, device, dtype, observe=observe)
     attach_embedding_cache(pipeline, config)  # the process's text-encoder output cache (embedding_cache_bytes)
     return pipeline
+
+
+def _stage_load(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, stage: str, steps: list) -> tuple:
+    """(config, load steps, a ready pipeline or None) for one side of the split decode. A pipeline with
+    ``stage_load_kwargs`` (diffusers folders) reads its folder without the other side's weights; one whose
+    decode needs no components (``stage_components["decode"] == ()``, e.g. ``shapes``) loads whole on the
+    denoise side and, on the decode side, is an instance made without ``load`` (its decode reads only the
+    state). The decode side runs only the read, VAE-option and place steps."""
+    import attrs as _attrs
+
+    from omni_core.worker.stages import DECODE, declared_stages
+
+    cls = resolved.pipeline_cls()
+    decode = declared_stages(cls, resolved.model_path).get(DECODE)
+    if stage == DECODE:
+        steps = [s for s in steps if s.action in ("read", "vae", "place")]
+    else:
+        steps = [s for s in steps if s.action != "vae"]
+    kwargs_for = getattr(cls, "stage_load_kwargs", None)
+    if kwargs_for is not None:
+        extra = kwargs_for(resolved.model_path, stage, dtype)
+        return _attrs.evolve(config, model_kwargs={**config.model_kwargs, **extra}), steps, None
+    if decode == ():
+        if stage != DECODE:
+            return config, steps, None
+        import torch
+
+        bare = cls.__new__(cls)
+        bare.device, bare.dtype = torch.device(device), dtype
+        return config, steps, bare
+    raise ConfigError(f"pipeline {cls.__name__} declares decode components {decode} but no stage_load_kwargs to "
+                      f"load them apart", field="decode_workers")
 
 
 __all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "default_model_folder", "load_pipeline",

@@ -105,7 +105,14 @@ class ModelRunner(RankAgreement):
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
-        self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype)
+        #: decode_workers: this process denoises only; finished requests go back as decode payloads
+        self.split_decode = bool(getattr(self.config, "decode_workers", 0))
+        self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype,
+                                      stage="denoise" if self.split_decode else None)
+        if self.split_decode:
+            from omni_core.worker.stages import defer_decode
+
+            defer_decode(self.pipeline)  # both modes: post_decode_batch hands back DecodePayloads
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
         from omni_core.pipelines.embedding_cache import embedding_cache_snapshot
 
@@ -140,6 +147,10 @@ class ModelRunner(RankAgreement):
 
         #: {component: bytes} of this rank's model after quantization (``stats()["model_bytes"]``)
         self.model_bytes = model_bytes(self.pipeline)
+        if self.split_decode:  # the decode components' config-only stand-ins hold nothing
+            from omni_core.worker.stages import model_bytes_of_stage
+
+            self.model_bytes = model_bytes_of_stage(self.pipeline)
 
     def new_state(self, request: OmniDiffusionRequest) -> StepState:
         import torch

@@ -83,6 +83,8 @@ class ShapesPipeline(OmniPipeline):
     text_encoder: ShapesTextEncoder
     transformer: ShapesTransformer2DModel
     component_names: ClassVar[tuple[str, ...]] = ("transformer", "text_encoder", "tokenizer", "scheduler")
+    #: what each stage needs (omni_core.worker.stages): its decode is arithmetic on the latents, no component
+    stage_components: ClassVar[dict] = {"decode": (), "encode": ("text_encoder", "tokenizer")}
 
     def __init__(self, transformer: ShapesTransformer2DModel, text_encoder: ShapesTextEncoder,
                  tokenizer: ShapesTokenizer, scheduler: FlowMatchEulerDiscreteScheduler,
