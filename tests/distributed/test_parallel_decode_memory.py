@@ -1,7 +1,8 @@
 """The split VAE decode's memory per rank (issue #39): a rank holds no more than the one-process tiled decode plus
 the tiles it keeps for the exchange. Measured with ``bench/parallel_decode.py``'s ``LiveBytes`` (bytes of the
 tensors the decode creates), on the causal video VAE, whose decoder outputs (one per latent frame) the replay
-would otherwise keep alive until the decode ends (1.32x the one-process peak at 33 x 256 x 256, 1.17x without)."""
+would otherwise keep alive until the decode ends (here a rank's peak is 1.17x the one-process tiled decode's;
+1.32x when the replay kept them)."""
 
 from __future__ import annotations
 
