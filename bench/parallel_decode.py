@@ -29,6 +29,7 @@ Shapes the split decode computes on ``meta`` (other ranks' tiles, pass 1) hold n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -134,7 +135,7 @@ def run(rank: int, world_size: int, kind: str, args: dict) -> dict:
         world.barrier()
         start, out, meter = time.perf_counter(), None, LiveBytes() if track else None
         if row == "split" or rank == 0:
-            with meter or _nothing():
+            with meter or contextlib.nullcontext():
                 if row == "plain":
                     out = plain(z)
                 elif row == "tiled":  # vae.tiled_decode when the latents exceed one tile (diffusers' rule)
@@ -159,14 +160,6 @@ def run(rank: int, world_size: int, kind: str, args: dict) -> dict:
     if rank == 0:
         result["diff"] = {row: float((outs[row] - outs["tiled"]).abs().max()) for row in ROWS}
     return result
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def main(argv: list[str] | None = None) -> None:
