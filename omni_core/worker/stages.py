@@ -215,7 +215,7 @@ def decode_main(config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: i
         from omni_core.utils.dtypes import torch_dtype
 
         platform = platform_for(config)
-        apply_thread_policy(config, processes=config.world_size + 1)
+        apply_thread_policy(config, processes=config.world_size)  # the in-line decode's threads: the same sums
         device = platform.get_torch_device(0)
         platform.set_device(device)
         pipeline = load_pipeline(resolved, config, device, torch_dtype(config, platform), stage=DECODE)

@@ -1,0 +1,120 @@
+"""The decode stage apart (issue #40): in-line decode vs ``decode_workers=1`` on a decode-heavy tiny model.
+
+    .venv/bin/python bench/stages.py [--requests 16] [--rounds 3] [--vae-dim 32] [--size 64] [--frames 17]
+                                     [--steps 4] [--max-num-seqs 4] [--request-mode]
+                                     [--cpu-threads N]
+
+The model is a tiny Wan 2.1 folder built here whose video VAE (``base_dim=--vae-dim``) is larger and slower
+than its transformer, as a real video model's decode is a large share of a request. Both engines are started
+once (step mode by default) and stay up; each round submits ``--requests`` concurrent requests (one prompt, one
+seed each) to one, then the other, the order alternating per round (paired rounds). Reported: requests per
+second of each and their ratio (median over rounds), the outputs' max |diff| split vs in line, the load average
+before and after, and the parameter bytes each process holds (``stats()["model_bytes"]`` and
+``stats()["stages"]["decode"]["model_bytes"]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def build_folder(path: str, vae_dim: int) -> str:
+    """A tiny Wan folder (the test transformer and text encoder) with a ``vae_dim``-wide VAE."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanPipeline
+    from omni_model_wan.testing import tiny_wan_components
+
+    components = tiny_wan_components()
+    torch.manual_seed(0)
+    components["vae"] = AutoencoderKLWan(base_dim=vae_dim, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                         temperal_downsample=[False, True, True])
+    WanPipeline(**components).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def run_round(omni, args) -> tuple[float, list]:
+    from omni_core.config import SamplingParams
+
+    params = dict(height=args.size, width=args.size, num_frames=args.frames, num_inference_steps=args.steps,
+                  guidance_scale=1.0, max_sequence_length=32)
+    engine = omni.engine
+    requests = [engine.prepare_request(_request(SamplingParams(seed=s, **params))) for s in range(args.requests)]
+    t0 = time.perf_counter()
+    handles = engine.submit(requests)
+    outs = [h.result() for h in handles]
+    wall = time.perf_counter() - t0
+    assert all(o.status == "completed" for o in outs), [o.error for o in outs]
+    return wall, [o.tensor for o in outs]
+
+
+def _request(params):
+    from omni_core.request import OmniDiffusionRequest
+
+    return OmniDiffusionRequest(prompt="a red circle moving right", sampling_params=params)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--vae-dim", type=int, default=32)
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--frames", type=int, default=17)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--request-mode", action="store_true")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads of every process (default: the engine's policy, which drops a contended "
+                        "model process to one thread: then the two runs' denoisers may sum differently)")
+    args = p.parse_args()
+    from omni_core import Omni
+
+    folder = build_folder(tempfile.mkdtemp(prefix="omni-stages-"), args.vae_dim)
+    load_before = os.getloadavg()
+    common = dict(warmup=False, step_execution=not args.request_mode, max_num_seqs=args.max_num_seqs,
+                  cpu_threads=args.cpu_threads)
+    engines = {"in line": Omni(folder, decode_workers=0, **common), "decode_workers=1": Omni(folder, decode_workers=1,
+                                                                                             **common)}
+    try:
+        for omni in engines.values():  # one untimed round each: first-call costs out of the way
+            run_round(omni, argparse.Namespace(**{**vars(args), "requests": 2}))
+        walls: dict[str, list[float]] = {k: [] for k in engines}
+        diffs = []
+        for r in range(args.rounds):
+            names = list(engines) if r % 2 == 0 else list(reversed(engines))
+            tensors = {}
+            for name in names:
+                wall, tensors[name] = run_round(engines[name], args)
+                walls[name].append(wall)
+            diffs.append(max(float((a - b).abs().max()) for a, b in zip(*tensors.values())))
+        load_after = os.getloadavg()
+        stats = {k: o.engine.stats() for k, o in engines.items()}
+    finally:
+        for omni in engines.values():
+            omni.close()
+    mode = "request" if args.request_mode else "step"
+    print(f"tiny Wan, VAE base_dim={args.vae_dim}, {args.size}x{args.size}x{args.frames} frames, {args.steps} steps, "
+          f"{mode} mode, max_num_seqs={args.max_num_seqs}, cpu_threads={args.cpu_threads}; {args.requests} concurrent requests x {args.rounds} "
+          f"paired rounds; {os.cpu_count()} CPUs")
+    rates = {k: statistics.median(args.requests / w for w in ws) for k, ws in walls.items()}
+    for name, rate in rates.items():
+        print(f"  {name:18s} {rate:7.2f} req/s   (walls: {', '.join(f'{w:.2f}' for w in walls[name])} s)")
+    ratios = [a / b for a, b in zip(walls["in line"], walls["decode_workers=1"])]
+    print(f"  throughput ratio decode_workers=1 / in line: {statistics.median(ratios):.2f}x "
+          f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"  max |diff| of the outputs: {max(diffs):.2e}")
+    print(f"  load average before: {' '.join(f'{x:.2f}' for x in load_before)}; after: "
+          f"{' '.join(f'{x:.2f}' for x in load_after)}")
+    print("  parameter bytes per process:")
+    print(f"    in line, model process:   {stats['in line']['model_bytes']}")
+    print(f"    split, model process:     {stats['decode_workers=1']['model_bytes']}")
+    print(f"    split, decode process:    {stats['decode_workers=1']['stages']['decode']['model_bytes']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
