@@ -35,7 +35,7 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest, check_prompt
 from omni_core.sched.interface import DiffusionRequestStatus as Status
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
-from omni_core.worker.stages import pending_decode
+from omni_core.worker.stage_contract import pending_decode
 
 logger = logging.getLogger("omni_core.engine")
 

@@ -87,7 +87,7 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
 
     check_combinations(config)  # pairs of features that cannot run together (omni_core/combinations.py)
     check_config(config, platform_for(config))
-    from omni_core.worker.stages import check_stage_config
+    from omni_core.worker.stage_contract import check_stage_config
 
     check_stage_config(config, pipeline_cls, resolved.model_path)  # decode_workers: what the split cannot run with
     # a bad cache_config key fails here, before any worker starts ("none" too: a built-in that takes any)

@@ -111,7 +111,7 @@ def _stage_load(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, s
     state). The decode side runs only the read, VAE-option and place steps."""
     import attrs as _attrs
 
-    from omni_core.worker.stages import DECODE, declared_stages
+    from omni_core.worker.stage_contract import DECODE, declared_stages
 
     cls = resolved.pipeline_cls()
     decode = declared_stages(cls, resolved.model_path).get(DECODE)

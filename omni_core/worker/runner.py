@@ -110,7 +110,7 @@ class ModelRunner(RankAgreement):
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype,
                                       stage="denoise" if self.split_decode else None)
         if self.split_decode:
-            from omni_core.worker.stages import defer_decode
+            from omni_core.worker.stage_contract import defer_decode
 
             defer_decode(self.pipeline)  # both modes: post_decode_batch hands back DecodePayloads
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
@@ -148,7 +148,7 @@ class ModelRunner(RankAgreement):
         #: {component: bytes} of this rank's model after quantization (``stats()["model_bytes"]``)
         self.model_bytes = model_bytes(self.pipeline)
         if self.split_decode:  # the decode components' config-only stand-ins hold nothing
-            from omni_core.worker.stages import model_bytes_of_stage
+            from omni_core.worker.stage_contract import model_bytes_of_stage
 
             self.model_bytes = model_bytes_of_stage(self.pipeline)
 
