@@ -173,3 +173,26 @@ def test_the_cli_flag_reaches_the_config():
     add_engine_options(parser)
     assert engine_options(parser.parse_args(["--decode-workers", "1"]))["decode_workers"] == 1
     assert "decode_workers" not in engine_options(parser.parse_args([]))
+
+
+@pytest.mark.parametrize("step", MODES)
+def test_previews_stream_before_the_decoded_output(qwen_dir, step):
+    """Streaming previews: one per step, the last step's before the final output, which carries the image the
+    in-line decode gives."""
+    outputs = {}
+    for workers in (1, 0):
+        with Omni(qwen_dir, warmup=False, step_execution=step, streaming_output=True, decode_workers=workers,
+                  cpu_threads=1) as omni:
+            from omni_core.request import OmniDiffusionRequest
+
+            handle, = omni.engine.submit([OmniDiffusionRequest(prompt="a red circle", sampling_params=SamplingParams(
+                seed=3, **{**QWEN, "num_inference_steps": 3}))])
+            outs = []
+            while not outs or not outs[-1].finished:
+                outs.append(handle.get(timeout=60))
+            outputs[workers] = outs
+    split, inline = outputs[1], outputs[0]
+    assert [o.finished for o in split] == [o.finished for o in inline] == [False] * 3 + [True]
+    assert all(o.preview is not None for o in split[:-1])
+    assert split[-1].status == "completed" and torch.equal(split[-1].tensor, inline[-1].tensor)
+    assert split[-1].metrics["decode_batch_size"] == 1
