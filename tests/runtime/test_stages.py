@@ -196,3 +196,25 @@ def test_previews_stream_before_the_decoded_output(qwen_dir, step):
     assert all(o.preview is not None for o in split[:-1])
     assert split[-1].status == "completed" and torch.equal(split[-1].tensor, inline[-1].tensor)
     assert split[-1].metrics["decode_batch_size"] == 1
+
+
+def test_wan_through_the_mp_executor_equals_in_line(tmp_path_factory):
+    """The payload crosses from an ``mp`` worker to the engine, then to the decode process (a video VAE)."""
+    from omni_model_wan.testing import build_tiny_wan
+
+    folder = build_tiny_wan(tmp_path_factory.mktemp("wan-stages"))
+    params = {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 1.0,
+              "max_sequence_length": 32}
+    runs = {}
+    for workers in (1, 0):
+        with Omni(folder, warmup=False, step_execution=True, executor="mp", decode_workers=workers, cpu_threads=1,
+                  max_num_seqs=2) as omni:
+            outs = omni.generate(["a red circle"] * 3, [SamplingParams(seed=s, **params) for s in range(3)],
+                                 use_tqdm=False)
+            runs[workers] = ([o.tensor for o in outs], omni.engine.stats())
+    (split, stats), (inline, inline_stats) = runs[1], runs[0]
+    assert "vae" not in stats["model_bytes"] and stats["stages"]["decode"]["model_bytes"] == {
+        "vae": inline_stats["model_bytes"]["vae"]}
+    assert all(t.shape == (1, 5, 3, 16, 16) for t in split)
+    for a, b in zip(split, inline):
+        assert torch.equal(a, b)
