@@ -71,6 +71,9 @@ def decode_main(config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: i
         if payloads:
             sender.put(("done", _decode(pipeline, platform, device, payloads)))
     sender.close()
+    from multiprocessing import util
+
+    util._exit_function()  # multiprocessing's own exit work (semaphores such as tqdm's lock), as the model workers
     os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded), as the model workers do
 
 
