@@ -455,6 +455,7 @@ class DiffusionEngine:
             for rid in list(self._records):
                 self._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ABORTED,
                                                     error="the engine was closed"))
+            self._decoding.clear()  # finalized just above (aborted); a late decode result finds no record
             self.scheduler.fail_all("the engine was closed")
             self.scheduler.schedule()  # flush finished ids
             self._runner_held = set()

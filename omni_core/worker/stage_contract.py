@@ -35,6 +35,9 @@ def check_stage_config(config: Any, pipeline_cls: type, model_path: str | None) 
     if DECODE not in declared_stages(pipeline_cls, model_path):
         why = (f"pipeline {pipeline_cls.__name__} declares no decode components (stage_components['decode']), so "
                f"its decode cannot be loaded apart")
+    elif getattr(pipeline_cls, "image_input", None) is not None:
+        why = (f"pipeline {pipeline_cls.__name__} takes input images, which its denoise side encodes with the VAE "
+               f"(not split yet)")
     elif config.world_size != 1:
         why = ("several model ranks decode together (the parallel VAE decode splits the VAE across them); a "
                "decode process apart is built for one model process")

@@ -162,6 +162,13 @@ def test_what_cannot_split_is_refused_by_name():
     assert err.value.field == "decode_workers"
     with pytest.raises(ConfigError, match="decode_workers"):
         Omni("shapes", warmup=False, decode_workers=2)
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.worker.stage_contract import check_stage_config
+    from omni_model_wan.i2v import WanImageToVideoPipeline
+
+    with pytest.raises(ConfigError, match="input images") as err:
+        check_stage_config(OmniDiffusionConfig(model="shapes", decode_workers=1), WanImageToVideoPipeline, None)
+    assert err.value.field == "decode_workers"
 
 
 def test_the_cli_flag_reaches_the_config():
