@@ -22,6 +22,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                      help="0 (decode in the model process) or 1: a process of its own runs the VAE decode while the "
                           "denoiser goes on (docs/runtime.md, Stages)")
     eng.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    eng.add_argument("--embedding-cache-bytes", type=int, default=None,
+                     help="bytes of text-encoder outputs kept for reuse across requests (default 256 MiB; 0: off)")
     eng.add_argument("--executor", default=None, help="uni or mp (default: by the number of processes), or a "
                      "plugin's (e.g. ray)")
     _add_executor_option_flags(eng)
@@ -70,7 +72,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``OmniDiffusionConfig`` keyword arguments from the engine options that were given."""
     opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
             "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
-            "executor": args.executor, "cpu_threads": args.cpu_threads, "decode_workers": getattr(args, "decode_workers", None), "parallel_config": _json_arg(args.parallel_config, "parallel-config"),
+            "executor": args.executor, "cpu_threads": args.cpu_threads,
+            "decode_workers": getattr(args, "decode_workers", None),
+            "embedding_cache_bytes": getattr(args, "embedding_cache_bytes", None),
+            "parallel_config": _json_arg(args.parallel_config, "parallel-config"),
             "max_preemptions": args.max_preemptions, "step_time_budget_s": args.step_time_budget_s}
     opts.update(_executor_option_values(args))
     tiling = getattr(args, "vae_tiling", None)

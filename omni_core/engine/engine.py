@@ -12,10 +12,8 @@ the engine forgets its record. Everything the engine holds for a request is one 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
-import weakref
 from typing import Any
 
 from omni_core.config import OmniDiffusionConfig, SamplingParams
@@ -32,9 +30,11 @@ from omni_core.engine.steps import failed_wave, steps_for
 from omni_core.engine.stream import OutputStream
 from omni_core.errors import ConfigError, EngineDeadError, OmniError, QueueFullError
 from omni_core.outputs import DiffusionOutput
-from omni_core.request import OmniDiffusionRequest, check_prompt
+from omni_core.request import OmniDiffusionRequest
 from omni_core.sched.interface import DiffusionRequestStatus as Status
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.engine.admission import RequestChecker
+from omni_core.engine.decode_link import DecodeLink
 from omni_core.worker.stage_contract import pending_decode
 
 logger = logging.getLogger("omni_core.engine")
@@ -52,8 +52,7 @@ class DiffusionEngine:
         plan = plan if isinstance(plan, EnginePlan) else plan_engine(plan)
         self.plan = plan
         self.config, self.resolved, self.pipeline_cls = plan.config, plan.resolved, plan.pipeline_cls
-        #: the resolved RequestLimits every request is checked against (config.limits over the model's)
-        self.limits = plan.limits
+        self.limits = plan.limits  # every request is checked against these (config.limits over the model's)
         self.performance = plan.performance
         #: the execution-mode strategy, chosen once (every mode difference lives in it)
         self.mode = plan.mode
@@ -67,8 +66,8 @@ class DiffusionEngine:
         self._wake = threading.Condition(self._lock)
         #: every admitted request that has not ended, by id: the engine's only per-request table
         self._records: dict[str, RequestRecord] = {}
-        #: requests ``prepare_request`` checked, with the params it gave them: ``submit`` does not check them again
-        self._prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        #: validates each request once (``prepare_request``; ``submit`` re-checks only what was replaced since)
+        self._checker = RequestChecker(plan)
         #: ids the runner still held state for after the last wave (it may outlive a record; stats shows it)
         self._runner_held: set[str] = set()
         self._closed = False
@@ -85,50 +84,11 @@ class DiffusionEngine:
         #: the busy loop's step function, chosen once (plain, or pipelined over an executor that queues waves)
         self._steps = steps_for(self)
         self._deadlines = DeadlineWatcher(self)
-        #: requests that finished denoising and wait for the decode stage: id -> the runner's output (its tensor
-        #: a DecodePayload), the record still in ``_records`` so abort, deadlines and close find it
-        self._decoding: dict[str, DiffusionOutput] = {}
-        self._stage = self._start_stages()
+        #: the decode stage's link (``decode_workers``), None when requests decode in line
+        self._decode = DecodeLink.start(self)
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
         self._deadlines.thread.start()
-
-    def _start_stages(self) -> Any:
-        """The decode process of ``decode_workers`` (:mod:`omni_core.worker.stages`), or None; a stage that
-        fails to start shuts the model processes down too."""
-        from omni_core.worker.stages import start_decode_stage
-
-        try:
-            return start_decode_stage(self.config, self.resolved, self._on_decoded, self._on_stage_dead)
-        except BaseException:
-            self.executor.shutdown()
-            raise
-
-    def _await_decode(self, request_id: str, out: DiffusionOutput, groups: dict[str, list]) -> None:
-        """A request that finished denoising goes to the decode stage (lock held); sent after the wave, one
-        message per group the runner's decode call made."""
-        self._decoding[request_id] = out
-        groups.setdefault(out.tensor.group, []).append(out.tensor)
-
-    def _on_decoded(self, outputs: dict[str, DiffusionOutput]) -> None:
-        """The decode stage's outputs (its reader thread): each delivered as the in-line decode's would be, its
-        metrics the runner's plus the decode's (``peak_memory_mb``: the higher of the two processes)."""
-        with self._lock:
-            for rid, out in outputs.items():
-                pending = self._decoding.pop(rid, None)
-                if pending is None or rid not in self._records:
-                    continue  # aborted (or timed out) while it waited
-                peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
-                out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
-                out.preview = pending.preview
-                self._finalize(rid, out)
-
-    def _on_stage_dead(self, reason: str) -> None:
-        """The decode process died: the engine dies with a reason naming the stage, failing every request
-        (those waiting for their decode too)."""
-        with self._lock:
-            self._die(f"the engine is dead: {reason}")
-            self._wake.notify_all()
 
     @classmethod
     def make_engine(cls, config: EnginePlan | OmniDiffusionConfig, **kwargs: Any) -> DiffusionEngine:
@@ -153,31 +113,7 @@ class DiffusionEngine:
     # ------------------------------------------------------------------ admission
     def prepare_request(self, request: OmniDiffusionRequest) -> OmniDiffusionRequest:
         """Validate and complete a request (model defaults, a seed) before it touches any engine state."""
-        return self._prepare(request, images=True)
-
-    def _prepare(self, request: OmniDiffusionRequest, images: bool) -> OmniDiffusionRequest:
-        check_prompt(request.prompt, request.negative_prompt)
-        params = self.pipeline_cls.check_sampling_params(request.sampling_params, self.resolved.model_path)
-        self.limits.check(params, request.prompt, request.negative_prompt, model=self.pipeline_cls.__name__)
-        if images:
-            self.pipeline_cls.check_images(request, self.limits)
-        if params.lora is not None:  # the adapter exists, is a LoRA for this model, within max_lora_rank
-            from omni_core.lora import check_request_lora
-
-            check_request_lora(params, self.config, self.pipeline_cls, self.resolved.model_path)
-        if params.seed is None:
-            params = params.replace(seed=secrets.randbits(63))
-        request.sampling_params = params
-        self._prepared[request] = (params, request.images)
-        return request
-
-    def _checked(self, request: OmniDiffusionRequest) -> OmniDiffusionRequest:
-        """``request`` validated once: what ``prepare_request`` checked and the caller left as it was (the very
-        params and image list the check gave it) is not checked again."""
-        params, images = self._prepared.get(request, (None, None))
-        if params is request.sampling_params and images is request.images:
-            return request
-        return self._prepare(request, images=images is not request.images)  # images: checked and converted once
+        return self._checker.prepare(request)
 
     def submit(self, requests: list[OmniDiffusionRequest], *, on_progress: ProgressFn | None = None
                ) -> list[RequestHandle]:
@@ -189,7 +125,7 @@ class DiffusionEngine:
         """
         if isinstance(requests, OmniDiffusionRequest):
             raise TypeError("submit takes a list of requests: engine.submit([request])")
-        return self._admit([self._checked(r) for r in requests], on_progress)
+        return self._admit([self._checker.checked(r) for r in requests], on_progress)
 
     def _admit(self, requests: list[OmniDiffusionRequest], on_progress: ProgressFn | None = None
                ) -> list[RequestHandle]:
@@ -247,12 +183,9 @@ class DiffusionEngine:
         """Have the scheduler end a request (lock held): a waiting one ends now; True for a running one, which
         ends at the next step boundary once the runner has let it go (request mode: ``mode.stop_running``). One
         waiting for its decode ends now; the decode stage drops it."""
-        pending = self._decoding.pop(request_id, None)
-        if pending is not None:
-            self._stage.abort([request_id])
-            self._finalize(request_id, DiffusionOutput(request_id=request_id, status=Status.FINISHED_ABORTED,
-                                                       step_index=pending.step_index, num_steps=pending.num_steps,
-                                                       metrics=dict(pending.metrics)))
+        aborted = self._decode.drop(request_id) if self._decode is not None else None
+        if aborted is not None:
+            self._finalize(request_id, aborted)
             return False
         status = self.scheduler.abort_request(request_id)
         if status == Status.FINISHED_ABORTED:
@@ -294,7 +227,7 @@ class DiffusionEngine:
         has let them go (``_finalize_aborted``); a later request reusing an id is not one of them."""
         for rid in request_ids:
             record = self._records.get(rid)
-            if record is not None and rid not in self._decoding:  # a decoding one ended its denoise: not aborted
+            if record is not None and not self._decoding(rid):  # a decoding one ended its denoise: not aborted
                 record.ending = True
 
     def _mark_started(self, sched: DiffusionSchedulerOutput) -> None:
@@ -331,7 +264,6 @@ class DiffusionEngine:
             self.counters["step_waves_replaced"] += 1
         else:
             self.counters["denoise_steps"] += self.mode.wave_steps(sched)
-        groups: dict[str, list] = {}
         for rid, out in result.outputs.items():
             record = self._records.get(rid)
             if record is None:
@@ -341,16 +273,16 @@ class DiffusionEngine:
                     out.status, out.error = Status.FINISHED_ERROR, out.error or "request failed"
                 elif ended[rid] == Status.FINISHED_COMPLETED and self.mode.final_output_is_a_step:
                     record.step(record.last_step_preview(out))  # the finishing step counts like the others
-                if self._stage is not None and ended[rid] == Status.FINISHED_COMPLETED and pending_decode(out):
-                    self._await_decode(rid, out, groups)
+                if self._decode is not None and ended[rid] == Status.FINISHED_COMPLETED and pending_decode(out):
+                    self._decode.hold(rid, out)
                 else:
                     self._finalize(rid, out)
             elif not out.finished:
                 record.step(out)
-        for payloads in groups.values():
-            self._stage.submit(payloads)
+        if self._decode is not None:
+            self._decode.flush()
         for rid in ended:  # ended without an output (lost by the runner)
-            if rid in self._records and rid not in self._decoding:
+            if rid in self._records and not self._decoding(rid):
                 self._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR,
                                                     error="the runner returned no output for this request"))
         # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
@@ -389,7 +321,8 @@ class DiffusionEngine:
         if self._dead:
             return
         self._dead = reason
-        self._decoding.clear()  # finalized below with the reason, as every record
+        if self._decode is not None:
+            self._decode.waiting.clear()  # finalized below with the reason, as every record
         self._deadlines.wake.notify_all()
         self.scheduler.fail_all(reason)
         self.scheduler.schedule()  # nothing will run again: drop the release list too
@@ -426,15 +359,12 @@ class DiffusionEngine:
                     "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
                     "dead": self._dead, **self.counters, "timing": self.wave_timing(),
                     "requests_preempted": self.scheduler.num_preemptions, "model_bytes": self.executor.model_bytes(),
-                    "embedding_cache": embedding_cache_summary(self.timing), **self._stage_stats()}
+                    "embedding_cache": embedding_cache_summary(self.timing),
+                    **(self._decode.stats() if self._decode is not None else {})}
 
-    def _stage_stats(self) -> dict[str, Any]:
-        """``stats()["stages"]`` with a decode stage: its process, what it holds and does (lock held)."""
-        if self._stage is None:
-            return {}
-        return {"stages": {"decode": {"pid": self._stage.pid(), "model_bytes": dict(self._stage.model_bytes),
-                                      "waiting": len(self._decoding), "decoded": self._stage.decoded,
-                                      "dead": self._stage.dead}}}
+    def _decoding(self, request_id: str) -> bool:
+        """Whether the request finished denoising and waits for the decode stage."""
+        return self._decode is not None and request_id in self._decode
 
     def close(self) -> None:
         """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""
@@ -455,13 +385,14 @@ class DiffusionEngine:
             for rid in list(self._records):
                 self._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ABORTED,
                                                     error="the engine was closed"))
-            self._decoding.clear()  # finalized just above (aborted); a late decode result finds no record
+            if self._decode is not None:
+                self._decode.waiting.clear()  # finalized just above (aborted); a late decode result finds none
             self.scheduler.fail_all("the engine was closed")
             self.scheduler.schedule()  # flush finished ids
             self._runner_held = set()
         self.executor.shutdown()
-        if self._stage is not None:
-            self._stage.shutdown()
+        if self._decode is not None:
+            self._decode.shutdown()
         self._delivery.close()  # what finished before the close still arrives
 
 

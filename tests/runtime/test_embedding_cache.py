@@ -241,3 +241,14 @@ def test_qwen_image_keys_the_whole_text_and_cuts_each_requests_length_from_a_hit
     assert len(calls) == 1 and pipeline.embedding_cache.stats()["hits"] == 1
     assert short.shape[1] == 4 < long.shape[1]
     assert torch.equal(long, encode(64, False)) and torch.equal(short, encode(4, False))
+
+
+def test_the_cli_flag_reaches_the_config():
+    import argparse
+
+    from omni_core.cli.options import add_engine_options, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert engine_options(parser.parse_args(["--embedding-cache-bytes", "0"]))["embedding_cache_bytes"] == 0
+    assert "embedding_cache_bytes" not in engine_options(parser.parse_args([]))
