@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1] / "omni_core"
 #: third-party libraries whose private names (``_x``) the core must not import
 LIBRARIES = ("torch", "diffusers", "transformers")

@@ -3,8 +3,6 @@ endpoint, and ``omni env``'s quantization rows and ``--model`` preset line."""
 
 from __future__ import annotations
 
-import pytest
-
 from omni_core.config import OmniDiffusionConfig
 from omni_core.optimize.presets import choose
 

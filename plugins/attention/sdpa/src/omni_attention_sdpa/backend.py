@@ -8,8 +8,6 @@ accepts falls back to the base class's float32 math.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
