@@ -64,6 +64,9 @@ class OmniDiffusionRequest:
     images: list = attrs.field(factory=list)
     #: what besides the sampling params decides batch compatibility (the pipeline's, set by the engine)
     batch_extra: tuple = ()
+    #: the text encodings the encode stage computed (``encode_workers``), by the pipeline's text key: the model
+    #: process reads them instead of running a text encoder (``omni_core.worker.stages``). None: encoded there
+    text_encodings: dict | None = None
 
     def wants_preview(self, step_index: int, num_steps: int) -> bool:
         """Whether the preview after step ``step_index`` (1-based) of ``num_steps`` is read (streaming aside)."""

@@ -21,6 +21,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     eng.add_argument("--decode-workers", type=int, default=None,
                      help="0 (decode in the model process) or 1: a process of its own runs the VAE decode while the "
                           "denoiser goes on (docs/runtime.md, Stages)")
+    eng.add_argument("--decode-device", default=None,
+                     help="where the decode process runs: auto (the model's first device), cpu, or a device index")
+    eng.add_argument("--encode-workers", type=int, default=None,
+                     help="0 (encode in the model process) or 1: a process of its own runs the text encoders, "
+                          "encoding each request as it arrives (docs/runtime.md, Stages)")
+    eng.add_argument("--encode-device", default=None,
+                     help="where the encode process runs: auto (the model's first device), cpu, or a device index")
     eng.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     eng.add_argument("--embedding-cache-bytes", type=int, default=None,
                      help="bytes of text-encoder outputs kept for reuse across requests (default 256 MiB; 0: off)")
@@ -73,7 +80,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
             "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
             "executor": args.executor, "cpu_threads": args.cpu_threads,
-            "decode_workers": getattr(args, "decode_workers", None),
+            **{f"{stage}_{what}": getattr(args, f"{stage}_{what}", None) for stage in ("encode", "decode")
+               for what in ("workers", "device")},
             "embedding_cache_bytes": getattr(args, "embedding_cache_bytes", None),
             "parallel_config": _json_arg(args.parallel_config, "parallel-config"),
             "max_preemptions": args.max_preemptions, "step_time_budget_s": args.step_time_budget_s}

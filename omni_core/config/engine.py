@@ -90,6 +90,18 @@ def _tiny_decoder_folder(instance, attribute, value):
         _fail(instance, attribute, value, f"a folder with a diffusers AutoencoderTiny; its config.json names {name!r}")
 
 
+def _stage_device(value: Any) -> Any:
+    return "auto" if value is None else str(value).strip().lower()
+
+
+def _check_stage_device(instance, attribute, value):
+    """``encode_device`` / ``decode_device``: "auto", "cpu" or a device index (0, 1, ... or "cuda:1")."""
+    index = value.rpartition(":")[2] if ":" in value else value
+    if value not in ("auto", "cpu") and not index.isdigit():
+        raise ConfigError(f"{attribute.name} must be 'auto' (the model's first device), 'cpu' or a device index "
+                          f"such as 1 or 'cuda:1', got {value!r}", field=attribute.name)
+
+
 def _optional_bool(instance, attribute, value):
     if value is not None:
         bool_field(instance, attribute, value)
@@ -155,6 +167,12 @@ class OmniDiffusionConfig(_FromKwargs):
     #: decode process holds the decode components and the denoiser starts its next wave meanwhile; docs/runtime.md
     #: "Stages")
     decode_workers: int = attrs.field(default=0, validator=int_field(min=0, max=1))
+    #: processes that run the text encoders apart (0: in the model process; 1: one encode process encodes each
+    #: request's texts as it arrives, before it is queued, and the model process loads no text encoder)
+    encode_workers: int = attrs.field(default=0, validator=int_field(min=0, max=1))
+    #: where the encode / decode process runs: "auto" (the model's first device), "cpu", or a device index
+    encode_device: str = attrs.field(default="auto", converter=_stage_device, validator=_check_stage_device)
+    decode_device: str = attrs.field(default="auto", converter=_stage_device, validator=_check_stage_device)
     #: options of the selected executor (its class's ``options``); ``from_kwargs`` collects ``<executor>_<name>=``
     #: keywords here, e.g. ``Omni(model, executor="ray", ray_address="auto")`` -> ``{"address": "auto"}``
     executor_options: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)

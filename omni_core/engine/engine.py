@@ -34,7 +34,7 @@ from omni_core.request import OmniDiffusionRequest
 from omni_core.sched.interface import DiffusionRequestStatus as Status
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 from omni_core.engine.admission import RequestChecker
-from omni_core.engine.decode_link import DecodeLink
+from omni_core.engine.stage_links import StageLinks
 from omni_core.worker.stage_contract import pending_decode
 
 logger = logging.getLogger("omni_core.engine")
@@ -84,8 +84,8 @@ class DiffusionEngine:
         #: the busy loop's step function, chosen once (plain, or pipelined over an executor that queues waves)
         self._steps = steps_for(self)
         self._deadlines = DeadlineWatcher(self)
-        #: the decode stage's link (``decode_workers``), None when requests decode in line
-        self._decode = DecodeLink.start(self)
+        #: the stage processes' links (``encode_workers`` / ``decode_workers``); empty when all run in line
+        self._stages = StageLinks.start(self)
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
         self._deadlines.thread.start()
@@ -140,8 +140,9 @@ class DiffusionEngine:
                 if rid in self._records or ids.count(rid) > 1:
                     raise ConfigError(f"request_id {rid!r} is already in use", field="request_id")
             limit = self.config.max_waiting_requests
-            if limit is not None and self.scheduler.num_waiting + len(requests) > limit:
-                raise QueueFullError(f"the engine has {self.scheduler.num_waiting} waiting requests "
+            waiting = self.scheduler.num_waiting + len(self._stages.encoding)
+            if limit is not None and waiting + len(requests) > limit:
+                raise QueueFullError(f"the engine has {waiting} waiting requests "
                                      f"(max_waiting_requests={limit}); retry later")
             handles = []
             now = time.monotonic()
@@ -152,17 +153,20 @@ class DiffusionEngine:
                     timeout = getattr(request.sampling_params, "timeout", None)
                     if timeout is not None:
                         self._deadlines.add(request.request_id, now + timeout)
-                    self.scheduler.add_request(request)
+                    if not self._stages.admit(request):  # queued now, or once the encode stage encoded it
+                        self.scheduler.add_request(request)
                     self._records[request.request_id] = record
                     handles.append(RequestHandle(request, record.stream, self.abort))
             except BaseException:  # all or none: nothing half-queued that no caller holds a handle for
                 for handle in handles:  # still waiting: the scheduler ends them now (the runner never saw them)
-                    self.scheduler.abort_request(handle.request_id)
+                    if self._stages.drop(handle.request_id) is None:
+                        self.scheduler.abort_request(handle.request_id)
                     del self._records[handle.request_id]
                     self._deadlines.discard(handle.request_id)
                 self._wake.notify()  # the loop's next round flushes them from the scheduler's finished list
                 raise
             self.counters["requests_added"] += len(handles)
+            self._stages.flush()
             self._wake.notify()
             self._steps.send_now()
         return handles
@@ -182,8 +186,8 @@ class DiffusionEngine:
     def _end(self, request_id: str) -> bool:
         """Have the scheduler end a request (lock held): a waiting one ends now; True for a running one, which
         ends at the next step boundary once the runner has let it go (request mode: ``mode.stop_running``). One
-        waiting for its decode ends now; the decode stage drops it."""
-        aborted = self._decode.drop(request_id) if self._decode is not None else None
+        waiting for its encode or decode ends now; the stage drops it."""
+        aborted = self._stages.drop(request_id)
         if aborted is not None:
             self._finalize(request_id, aborted)
             return False
@@ -227,7 +231,7 @@ class DiffusionEngine:
         has let them go (``_finalize_aborted``); a later request reusing an id is not one of them."""
         for rid in request_ids:
             record = self._records.get(rid)
-            if record is not None and not self._decoding(rid):  # a decoding one ended its denoise: not aborted
+            if record is not None and rid not in self._stages.decoding:  # a decoding one ended its denoise: not aborted
                 record.ending = True
 
     def _mark_started(self, sched: DiffusionSchedulerOutput) -> None:
@@ -273,16 +277,15 @@ class DiffusionEngine:
                     out.status, out.error = Status.FINISHED_ERROR, out.error or "request failed"
                 elif ended[rid] == Status.FINISHED_COMPLETED and self.mode.final_output_is_a_step:
                     record.step(record.last_step_preview(out))  # the finishing step counts like the others
-                if self._decode is not None and ended[rid] == Status.FINISHED_COMPLETED and pending_decode(out):
-                    self._decode.hold(rid, out)
+                if ended[rid] == Status.FINISHED_COMPLETED and pending_decode(out):
+                    self._stages.hold(rid, out)
                 else:
                     self._finalize(rid, out)
             elif not out.finished:
                 record.step(out)
-        if self._decode is not None:
-            self._decode.flush()
+        self._stages.flush()
         for rid in ended:  # ended without an output (lost by the runner)
-            if rid in self._records and not self._decoding(rid):
+            if rid in self._records and rid not in self._stages:
                 self._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR,
                                                     error="the runner returned no output for this request"))
         # counted before the lock is released, so whoever reads a delivered output sees its wave counted; a
@@ -321,8 +324,7 @@ class DiffusionEngine:
         if self._dead:
             return
         self._dead = reason
-        if self._decode is not None:
-            self._decode.waiting.clear()  # finalized below with the reason, as every record
+        self._stages.clear()  # finalized below with the reason, as every record
         self._deadlines.wake.notify_all()
         self.scheduler.fail_all(reason)
         self.scheduler.schedule()  # nothing will run again: drop the release list too
@@ -360,11 +362,7 @@ class DiffusionEngine:
                     "dead": self._dead, **self.counters, "timing": self.wave_timing(),
                     "requests_preempted": self.scheduler.num_preemptions, "model_bytes": self.executor.model_bytes(),
                     "embedding_cache": embedding_cache_summary(self.timing),
-                    **(self._decode.stats() if self._decode is not None else {})}
-
-    def _decoding(self, request_id: str) -> bool:
-        """Whether the request finished denoising and waits for the decode stage."""
-        return self._decode is not None and request_id in self._decode
+                    **self._stages.stats()}
 
     def close(self) -> None:
         """Stop the loop, abort what is left, shut the executor down. Safe to call twice."""
@@ -385,14 +383,12 @@ class DiffusionEngine:
             for rid in list(self._records):
                 self._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ABORTED,
                                                     error="the engine was closed"))
-            if self._decode is not None:
-                self._decode.waiting.clear()  # finalized just above (aborted); a late decode result finds none
+            self._stages.clear()  # finalized just above (aborted); a late stage result finds none
             self.scheduler.fail_all("the engine was closed")
             self.scheduler.schedule()  # flush finished ids
             self._runner_held = set()
         self.executor.shutdown()
-        if self._decode is not None:
-            self._decode.shutdown()
+        self._stages.shutdown()
         self._delivery.close()  # what finished before the close still arrives
 
 

@@ -36,6 +36,7 @@ from omni_core.forward_context import use_config, use_denoise_call
 from omni_core.pipelines.base import OmniPipeline
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
+from omni_core.pipelines.embedding_cache import carried_encodings
 from omni_core.pipelines.state import StepState, remember_flow_step
 from omni_core.pipelines.text_padding import pad_text
 from omni_core.pipelines.vae_convs import single_frame_causal_convs
@@ -157,12 +158,13 @@ class DiffusersStepPipeline(OmniPipeline):
                 "encode": tuple(n for n in names if n.startswith(("text_encoder", "tokenizer")))}
 
     @classmethod
-    def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any) -> dict:
-        """``from_pretrained`` keywords that load one side of the split: ``"denoise"`` without the decode
-        components' weights, ``"decode"`` with nothing else (``omni_core.worker.stages``)."""
+    def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any, apart: tuple = ("decode",)) -> dict:
+        """``from_pretrained`` keywords that load one side of the split: ``"denoise"`` without the weights of the
+        stages ``apart``, ``"encode"`` / ``"decode"`` with nothing else (``omni_core.worker.stages``)."""
         from omni_core.worker.stage_contract import diffusers_stage_kwargs
 
-        return diffusers_stage_kwargs(model_path, stage, cls.stage_components_for(model_path), dtype or torch.float32)
+        return diffusers_stage_kwargs(model_path, stage, cls.stage_components_for(model_path), dtype or torch.float32,
+                                      apart)
 
     # -- batched text encoding: while a wave is encoded, ``_text_memo`` holds its encodings by text key and a
     # subclass's prepare_encode reads them there (falling back to encoding alone: one request, or step mode)
@@ -177,7 +179,18 @@ class DiffusersStepPipeline(OmniPipeline):
 
         With the process's embedding cache (``embedding_cache``) every text of the wave, a lone request's too,
         comes from the cache or, missed, from its own :meth:`encode_prompts` call: what a request alone
-        computes, so a hit gives those bits and a request's encodings do not depend on its wave."""
+        computes, so a hit gives those bits and a request's encodings do not depend on its wave.
+
+        Requests the encode stage encoded (``request.text_encodings``, ``encode_workers``) carry their encodings,
+        computed there by this window with a cache: they are read as they are, and no text encoder runs here."""
+        carried = carried_encodings(states, self.device)
+        if carried is not None:
+            self._text_memo = carried
+            try:
+                yield carried
+            finally:
+                self._text_memo = None
+            return
         cache = self.embedding_cache
         scope = self.text_cache_scope() if cache is not None else None
         keys: list = []

@@ -202,6 +202,21 @@ def sum_embedding_caches(snapshots: Iterable[dict]) -> dict[str, int]:
     return total
 
 
+def carried_encodings(states: Iterable[Any], device: Any) -> dict | None:
+    """The encodings the encode stage computed for ``states`` (``request.text_encodings``, ``encode_workers``),
+    merged by text key and moved to ``device`` as copies of their own (a pipeline may work on them in place, and
+    a preempted request reads them again); None unless every state carries them (then the process encodes)."""
+    found = [getattr(getattr(s, "request", None), "text_encodings", None) for s in states]
+    if not found or any(f is None for f in found):
+        return None
+    memo: dict = {}
+    for encodings in found:
+        for key, value in encodings.items():
+            if key not in memo:
+                memo[key] = map_tensors(value, lambda t: t.to(device, copy=True))
+    return memo
+
+
 def text_encoders_have_adapters(modules: Iterable[Any]) -> bool:
     """Whether any of the text-encoder ``modules`` carries (peft) LoRA adapters: its outputs then depend on
     which adapters are active, which the cache's key does not hold, so the cache is bypassed."""
@@ -209,5 +224,6 @@ def text_encoders_have_adapters(modules: Iterable[Any]) -> bool:
                for m in modules if m is not None)
 
 
-__all__ = ["DEFAULT_EMBEDDING_CACHE_BYTES", "EmbeddingCache", "attach_embedding_cache", "embedding_cache_snapshot",
+__all__ = ["DEFAULT_EMBEDDING_CACHE_BYTES", "EmbeddingCache", "attach_embedding_cache", "carried_encodings",
+           "embedding_cache_snapshot",
            "map_tensors", "sum_embedding_caches", "text_encoders_have_adapters", "value_bytes"]

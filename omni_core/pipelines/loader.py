@@ -89,50 +89,63 @@ def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any,
     quantization, VAE options, compile, then place on ``device`` or install offload hooks. The read runs inside
     ``use_config`` so Attention layers see the config. In a worker this runs after ``init_parallel_state``.
     ``observe(step, pipeline)`` is called after each step (tests record where the weights are). ``stage``
-    ("denoise" or "decode", with ``decode_workers``) loads one side of the split (:func:`_stage_load`)."""
+    ("denoise", "encode" or "decode", with ``encode_workers`` / ``decode_workers``) loads one side of the split
+    (:func:`_stage_load`)."""
     from omni_core.optimize.plan import plan_load, run_plan
     from omni_core.pipelines.embedding_cache import attach_embedding_cache
+    from omni_core.worker.stage_contract import DENOISE, ENCODE, declared_stages, drop_stage_components, stages_apart
 
     steps = plan_load(config, device)
+    apart = stages_apart(config) if stage is not None else ()
     if stage is not None:
-        config, steps, bare = _stage_load(resolved, config, device, dtype, stage, steps)
+        config, steps, bare = _stage_load(resolved, config, device, dtype, stage, steps, apart)
         if bare is not None:
             return bare
     pipeline = run_plan(steps, resolved, config, device, dtype, observe=observe)
-    attach_embedding_cache(pipeline, config)  # the process's text-encoder output cache (embedding_cache_bytes)
+    cls = resolved.pipeline_cls()
+    if stage in (DENOISE, ENCODE) and getattr(cls, "stage_load_kwargs", None) is None:  # loaded whole: let go
+        from omni_core.optimize.components import components_of
+
+        declared = declared_stages(cls, resolved.model_path)
+        drop_stage_components(pipeline, [n for s in apart for n in declared.get(s, ())] if stage == DENOISE else
+                              [n for n in components_of(pipeline) if n not in declared.get(ENCODE, ())])
+    if stage is None or (stage == DENOISE and ENCODE not in apart):  # the encode stage keeps its own
+        attach_embedding_cache(pipeline, config)  # the process's text-encoder output cache (embedding_cache_bytes)
     return pipeline
 
 
-def _stage_load(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, stage: str, steps: list) -> tuple:
-    """(config, load steps, a ready pipeline or None) for one side of the split decode. A pipeline with
-    ``stage_load_kwargs`` (diffusers folders) reads its folder without the other side's weights; one whose
-    decode needs no components (``stage_components["decode"] == ()``, e.g. ``shapes``) loads whole on the
-    denoise side and, on the decode side, is an instance made without ``load`` (its decode reads only the
-    state). The decode side runs only the read, VAE-option and place steps."""
+def _stage_load(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, stage: str, steps: list,
+                apart: tuple[str, ...]) -> tuple:
+    """(config, load steps, a ready pipeline or None) for one side of the split. A pipeline with
+    ``stage_load_kwargs`` (diffusers folders) reads its folder without the other sides' weights; one without
+    loads whole (the model process then drops the split stages' components), except that a decode needing no
+    components (``stage_components["decode"] == ()``, e.g. ``shapes``) is, on the decode side, an instance made
+    without ``load`` (its decode reads only the state). A stage's side runs only the read and place steps (and
+    the decode's VAE options); the model process runs the VAE options only when it decodes."""
     import attrs as _attrs
 
-    from omni_core.worker.stage_contract import DECODE, declared_stages
+    from omni_core.worker.stage_contract import DECODE, DENOISE, declared_stages
 
     cls = resolved.pipeline_cls()
-    decode = declared_stages(cls, resolved.model_path).get(DECODE)
-    if stage == DECODE:
-        steps = [s for s in steps if s.action in ("read", "vae", "place")]
+    declared = declared_stages(cls, resolved.model_path)
+    if stage == DENOISE:
+        steps = [s for s in steps if not (s.action == "vae" and DECODE in apart)]
     else:
-        steps = [s for s in steps if s.action != "vae"]
+        steps = [s for s in steps if s.action in ("read", "place") or (s.action == "vae" and stage == DECODE)]
     kwargs_for = getattr(cls, "stage_load_kwargs", None)
     if kwargs_for is not None:
-        extra = kwargs_for(resolved.model_path, stage, dtype)
+        extra = kwargs_for(resolved.model_path, stage, dtype, apart=apart)
         return _attrs.evolve(config, model_kwargs={**config.model_kwargs, **extra}), steps, None
-    if decode == ():
-        if stage != DECODE:
-            return config, steps, None
+    if stage == DECODE and declared.get(DECODE) == ():
         import torch
 
         bare = cls.__new__(cls)
         bare.device, bare.dtype = torch.device(device), dtype
         return config, steps, bare
-    raise ConfigError(f"pipeline {cls.__name__} declares decode components {decode} but no stage_load_kwargs to "
-                      f"load them apart", field="decode_workers")
+    if stage == DECODE:
+        raise ConfigError(f"pipeline {cls.__name__} declares decode components {declared.get(DECODE)} but no "
+                          f"stage_load_kwargs to load them apart", field="decode_workers")
+    return config, steps, None
 
 
 __all__ = ["ResolvedModel", "UnknownComponentError", "check_parallel_support", "default_model_folder", "load_pipeline",

@@ -105,11 +105,14 @@ class ModelRunner(RankAgreement):
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
-        #: decode_workers: this process denoises only; finished requests go back as decode payloads
-        self.split_decode = bool(getattr(self.config, "decode_workers", 0))
+        from omni_core.worker.stage_contract import DECODE, stages_apart
+
+        #: the stages in processes of their own (encode_workers / decode_workers): this process loads the rest;
+        #: with the decode apart, finished requests go back as decode payloads
+        self.stages_apart = stages_apart(self.config)
         self.pipeline = load_pipeline(self.resolved, self.config, self.device, self.dtype,
-                                      stage="denoise" if self.split_decode else None)
-        if self.split_decode:
+                                      stage="denoise" if self.stages_apart else None)
+        if DECODE in self.stages_apart:
             from omni_core.worker.stage_contract import defer_decode
 
             defer_decode(self.pipeline)  # both modes: post_decode_batch hands back DecodePayloads
@@ -147,7 +150,7 @@ class ModelRunner(RankAgreement):
 
         #: {component: bytes} of this rank's model after quantization (``stats()["model_bytes"]``)
         self.model_bytes = model_bytes(self.pipeline)
-        if self.split_decode:  # the decode components' config-only stand-ins hold nothing
+        if self.stages_apart:  # the split stages' config-only stand-ins hold nothing
             from omni_core.worker.stage_contract import model_bytes_of_stage
 
             self.model_bytes = model_bytes_of_stage(self.pipeline)

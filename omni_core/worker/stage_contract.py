@@ -1,6 +1,7 @@
-"""The stage contract (``decode_workers``; :mod:`omni_core.worker.stages` runs the decode process): what each
-stage of a pipeline needs, how one side of the split is loaded, and the payload a finished request carries to
-the decode stage. Apart from the process machinery so the loader and the runner import it without a cycle."""
+"""The stage contract (``encode_workers`` / ``decode_workers``; :mod:`omni_core.worker.stages` runs the stage
+processes): what each stage of a pipeline needs, how one side of the split is loaded, and the payload a finished
+request carries to the decode stage. Apart from the process machinery so the loader and the runner import it
+without a cycle."""
 
 from __future__ import annotations
 
@@ -15,7 +16,21 @@ from omni_core.errors import ConfigError
 
 DECODE = "decode"
 ENCODE = "encode"
+#: the model process's side of a split: everything but the stages that run apart
+DENOISE = "denoise"
 STAGES = (ENCODE, DECODE)
+
+
+def stages_apart(config: Any) -> tuple[str, ...]:
+    """The stages ``config`` runs in processes of their own (``<stage>_workers``), in pipeline order."""
+    return tuple(s for s in STAGES if getattr(config, f"{s}_workers", 0))
+
+
+def stage_device(config: Any, stage: str) -> str:
+    """Where a stage's process runs (``<stage>_device``): "auto" (the model's first device), "cpu", or a device
+    index of the platform."""
+    where = str(getattr(config, f"{stage}_device", None) or "auto")
+    return where.rpartition(":")[2] if ":" in where else where  # "cuda:1" -> "1": the platform's device 1
 
 
 # ---------------------------------------------------------------------------------------------- the contract
@@ -28,27 +43,46 @@ def declared_stages(pipeline_cls: type, model_path: str | None) -> dict[str, tup
 
 
 def check_stage_config(config: Any, pipeline_cls: type, model_path: str | None) -> None:
-    """Refuse, by field, a ``decode_workers`` that cannot run: before any process starts."""
-    if not getattr(config, "decode_workers", 0):
-        return
-    why = None
-    if DECODE not in declared_stages(pipeline_cls, model_path):
-        why = (f"pipeline {pipeline_cls.__name__} declares no decode components (stage_components['decode']), so "
-               f"its decode cannot be loaded apart")
-    elif getattr(pipeline_cls, "image_input", None) is not None:
-        why = (f"pipeline {pipeline_cls.__name__} takes input images, which its denoise side encodes with the VAE "
-               f"(not split yet)")
-    elif config.world_size != 1:
-        why = ("several model ranks decode together (the parallel VAE decode splits the VAE across them); a "
-               "decode process apart is built for one model process")
-    elif getattr(config, "offload", None) not in (None, "none"):
-        why = ("offload moves the whole pipeline's components in turn on the model's device; with the decode "
-               "apart there is nothing of the VAE left to offload, and its own process would hold it whole")
-    elif getattr(config, "executor", None) not in (None, "uni", "mp"):
-        why = f"executor {config.executor!r} may run the model on another host; the decode process runs on this one"
-    if why is not None:
-        raise ConfigError(f"decode_workers={config.decode_workers} cannot run here: {why}. Use decode_workers=0",
-                          field="decode_workers")
+    """Refuse, by field, a stage split that cannot run: before any process starts."""
+    apart = stages_apart(config)
+    for stage in STAGES:
+        if stage not in apart and stage_device(config, stage) != "auto":
+            raise ConfigError(f"{stage}_device={stage_device(config, stage)!r} places the {stage} stage's own "
+                              f"process; set {stage}_workers=1 too (or leave {stage}_device 'auto')",
+                              field=f"{stage}_device")
+    for stage in apart:
+        why = _why_not(stage, config, pipeline_cls, model_path)
+        if why is not None:
+            n = getattr(config, f"{stage}_workers")
+            raise ConfigError(f"{stage}_workers={n} cannot run here: {why}. Use {stage}_workers=0",
+                              field=f"{stage}_workers")
+
+
+def _why_not(stage: str, config: Any, pipeline_cls: type, model_path: str | None) -> str | None:
+    name = pipeline_cls.__name__
+    if stage not in declared_stages(pipeline_cls, model_path):
+        return (f"pipeline {name} declares no {stage} components (stage_components[{stage!r}]), so its {stage} "
+                f"cannot be loaded apart")
+    if getattr(pipeline_cls, "image_input", None) is not None:
+        return (f"pipeline {name} takes input images, which its denoise side encodes with the VAE (and an edit "
+                f"model's text encoder reads) (not split yet)")
+    if getattr(config, "offload", None) not in (None, "none"):
+        return ("offload moves the whole pipeline's components in turn on the model's device; with a stage apart "
+                "its own process would hold that stage's components whole")
+    if stage == ENCODE:
+        if getattr(config, "loras", None):
+            return "LoRA adapters (loras) may carry text-encoder weights, which the encode process does not load"
+        quantized = tuple(getattr(config, "quantize_components", ()) or ())
+        if (getattr(config, "quantization", None) not in (None, "none")
+                and any(c.startswith("text_encoder") for c in quantized)):
+            return "quantize_components names a text encoder, which the encode process loads unquantized"
+        return None
+    if config.world_size != 1:
+        return ("several model ranks decode together (the parallel VAE decode splits the VAE across them); a "
+                "decode process apart is built for one model process")
+    if getattr(config, "executor", None) not in (None, "uni", "mp"):
+        return f"executor {config.executor!r} may run the model on another host; the decode process runs on this one"
+    return None
 
 
 def config_only_component(model_path: str, name: str, library: str, class_name: str, dtype: Any) -> Any:
@@ -83,34 +117,49 @@ def config_only_component(model_path: str, name: str, library: str, class_name: 
     return obj
 
 
-def diffusers_stage_kwargs(model_path: str, stage: str, components: dict[str, tuple[str, ...]], dtype: Any
-                           ) -> dict[str, Any]:
-    """``from_pretrained`` keyword arguments of a diffusers folder for one side of the split: ``"denoise"``
-    loads everything but the decode components (config-only stand-ins), ``"decode"`` only them."""
-    with open(os.path.join(model_path, "model_index.json")) as f:
-        index = json.load(f)
-    names = {k: tuple(v) for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2
-             and v[0] is not None}
-    decode = set(components.get(DECODE, ()))
-    if stage != DECODE:
-        return {n: config_only_component(model_path, n, *names[n], dtype) for n in decode if n in names}
-    # the decode side: the other weights stay unread. A diffusers model (a denoiser) becomes a config-only
-    # stand-in, since pipelines read their config at construction (Wan: the expert's in_channels); another
-    # library's model (a text encoder) is left out; what holds no weights (scheduler, tokenizer) loads as usual
+def diffusers_stage_kwargs(model_path: str, stage: str, components: dict[str, tuple[str, ...]], dtype: Any,
+                           apart: tuple[str, ...] = (DECODE,)) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments of a diffusers folder for one side of the split: ``"denoise"`` loads
+    everything but the components of the stages ``apart``, ``"encode"`` / ``"decode"`` only that stage's.
+
+    What is not loaded: a diffusers model (a denoiser, a VAE) becomes a config-only stand-in, since pipelines read
+    their config at construction (Wan: the expert's in_channels, the VAE's scale factors); another library's model
+    (a text encoder) is left out (None); what holds no weights (scheduler, tokenizer) loads as usual."""
     import importlib
 
     import torch
 
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        index = json.load(f)
+    names = {k: tuple(v) for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2
+             and v[0] is not None}
+    if stage == DENOISE:
+        skip = {n for s in apart for n in components.get(s, ())}
+    else:
+        skip = set(names) - set(components.get(stage, ()))
     kwargs: dict[str, Any] = {}
-    for name, (library, class_name) in names.items():
-        if name in decode:
-            continue
+    for name in sorted(skip & set(names)):
+        library, class_name = names[name]
         klass = getattr(importlib.import_module(library), class_name, None)
         if not (isinstance(klass, type) and issubclass(klass, torch.nn.Module)):
             continue
         kwargs[name] = (config_only_component(model_path, name, library, class_name, dtype)
                         if library == "diffusers" and hasattr(klass, "load_config") else None)
     return kwargs
+
+
+def drop_stage_components(pipeline: Any, names: Any) -> list[str]:
+    """Set the model components ``names`` of a pipeline loaded whole to None (the model process of a pipeline
+    without ``stage_load_kwargs``, e.g. ``shapes``: its text encoder lives in the encode process). Returns the
+    names dropped."""
+    import torch
+
+    dropped = []
+    for name in names:
+        if isinstance(getattr(pipeline, name, None), torch.nn.Module):
+            setattr(pipeline, name, None)
+            dropped.append(name)
+    return dropped
 
 
 def model_bytes_of_stage(pipeline: Any) -> dict[str, int]:
@@ -149,7 +198,10 @@ class DecodePayload:
     @classmethod
     def of(cls, state: Any, group: str, group_size: int) -> DecodePayload:
         latents = state.latents.detach().to("cpu") if state.latents is not None else None
-        return cls(request=state.request, latents=latents, step_index=state.step_index, num_steps=state.num_steps,
+        request = state.request
+        if getattr(request, "text_encodings", None) is not None:  # the decode process does not need them
+            request = attrs.evolve(request, text_encodings=None)
+        return cls(request=request, latents=latents, step_index=state.step_index, num_steps=state.num_steps,
                    extra={k: v for k, v in state.extra.items() if _plain(v)}, group=group, group_size=group_size)
 
     def state(self, device: Any) -> Any:
@@ -180,5 +232,6 @@ def pending_decode(out: Any) -> bool:
     return isinstance(getattr(out, "tensor", None), DecodePayload)
 
 
-__all__ = ["DECODE", "ENCODE", "STAGES", "DecodePayload", "check_stage_config", "config_only_component",
-           "declared_stages", "defer_decode", "diffusers_stage_kwargs", "model_bytes_of_stage", "pending_decode"]
+__all__ = ["DECODE", "DENOISE", "ENCODE", "STAGES", "DecodePayload", "check_stage_config", "config_only_component",
+           "declared_stages", "defer_decode", "diffusers_stage_kwargs", "drop_stage_components", "model_bytes_of_stage",
+           "pending_decode", "stage_device", "stages_apart"]

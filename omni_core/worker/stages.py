@@ -1,18 +1,29 @@
-"""Pipeline stages apart from the denoiser: the VAE decode in a process of its own (``decode_workers=1``).
+"""Pipeline stages apart from the denoiser: the text encoders (``encode_workers=1``) and the VAE decode
+(``decode_workers=1``) each in a process of its own, on a device of its own (``encode_device`` /
+``decode_device``: the model's first device, the CPU, or another device index).
 
-Why: in line, the denoiser waits while a finished request is decoded, and the VAE's weights sit next to the
-denoiser's. Split, the model process loads the pipeline without its decode components (a config-only stand-in
-keeps what the pipeline derives from them: ``vae_scale_factor``, the preview's VAE config), and when a request
-finishes denoising it hands back a :class:`DecodePayload` (its final latents and the state fields decode reads)
-instead of pixels; the engine sends it to the decode process, which loaded only the decode components, and
-delivers what that process returns. The denoiser's next wave runs meanwhile.
+Why: in line, the denoiser waits while a finished request is decoded and while a new one's prompt is encoded,
+and the text encoder's and the VAE's weights sit next to the denoiser's. Split, the model process loads the
+pipeline without the split stages' components (config-only stand-ins keep what the pipeline derives from a
+diffusers model: ``vae_scale_factor``, the preview's VAE config; a text encoder is left out) and:
+
+* **encode**: the engine sends each admitted request to the encode process first, which runs the pipeline's own
+  ``encoded_prompts`` window on it (every text through the stage's embedding cache, each text alone: what the
+  in-line pipeline computes with its cache) and sends back ``{text key: encoding}``; the engine attaches them to
+  the request (``request.text_encodings``) and only then queues it, so the encoder works on the next requests
+  while the denoiser runs the current wave, and the pipeline's ``encoded_prompts`` in the model process reads
+  the carried encodings instead of a text encoder. The encodings ride in the request through whatever executor
+  carries requests (``mp``'s queues, Ray's object transfer across hosts).
+* **decode**: a request that finishes denoising comes back as a :class:`DecodePayload` (its final latents and the
+  state fields decode reads) instead of pixels; the engine sends it to the decode process, which decodes it with
+  the pipeline's own ``post_decode_batch`` exactly as in line (one call per call the runner made, so outputs are
+  bit-equal) and the engine delivers what comes back. The denoiser's next wave runs meanwhile.
 
 The contract a model meets (docs/runtime.md "Stages"; :mod:`omni_core.worker.stage_contract`):
-``stage_components`` says which components each stage needs (``{"decode": ("vae",), "encode": (...)}``; a ``DiffusersStepPipeline`` derives it from its folder's
-``model_index.json``), and the pipeline's own ``post_decode_batch`` / ``post_decode`` read only the decode
-components, ``state.latents``, ``state.request`` and plain (scalar) ``state.extra`` entries such as height and
-width. A wave's finished requests are decoded together in the decode process exactly as they would have been in
-line (one ``post_decode_batch`` call per call the runner made), so outputs are bit-equal.
+``stage_components`` says which components each stage needs (a ``DiffusersStepPipeline`` derives it from its
+folder's ``model_index.json``); ``encoded_prompts`` yields every text the states' ``prepare_encode`` reads when an
+embedding cache is attached, and reads ``state.request.text_encodings`` when they are carried; ``post_decode_batch``
+reads only the decode components, ``state.latents``, ``state.request`` and plain ``state.extra`` entries.
 """
 
 from __future__ import annotations
@@ -25,14 +36,15 @@ import time
 from typing import Any, Callable
 
 from omni_core.errors import EngineDeadError
-from omni_core.worker.stage_contract import DECODE, DecodePayload, model_bytes_of_stage
+from omni_core.worker.stage_contract import DECODE, ENCODE, DecodePayload, model_bytes_of_stage, stage_device
 
 logger = logging.getLogger("omni_core.worker")
 
 
 # ---------------------------------------------------------------------------------------------- the process
-def decode_main(config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int) -> None:
-    """The decode process: load the decode components only, then decode each group it is sent."""
+def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int) -> None:
+    """A stage's process: load that stage's components only, then run each batch of work it is sent (what
+    waits in its inbox is taken together; the encode stage takes it by priority, then arrival)."""
     from omni_core.worker.parent_watch import die_with_parent
 
     die_with_parent(parent_pid)  # first of all: never outlive the engine
@@ -44,37 +56,102 @@ def decode_main(config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: i
     sender = BackgroundSender(out_q)
     try:
         from omni_core.pipelines.loader import load_pipeline
-        from omni_core.platforms import platform_for
         from omni_core.platforms.threads import apply_thread_policy
         from omni_core.utils.dtypes import torch_dtype
 
-        platform = platform_for(config)
-        apply_thread_policy(config, processes=config.world_size)  # the in-line decode's threads: the same sums
-        device = platform.get_torch_device(0)
-        platform.set_device(device)
-        pipeline = load_pipeline(resolved, config, device, torch_dtype(config, platform), stage=DECODE)
-        sender.put(("ready", model_bytes_of_stage(pipeline)))
+        platform, device = _place(config, stage)
+        apply_thread_policy(config, processes=config.world_size)  # the in-line stage's threads: the same sums
+        pipeline = load_pipeline(resolved, config, device, torch_dtype(config, platform), stage=stage)
+        if stage == ENCODE:  # always a cache: it makes the window encode every text, each alone (see above)
+            from omni_core.pipelines.embedding_cache import EmbeddingCache
+
+            pipeline.embedding_cache = EmbeddingCache(getattr(config, "embedding_cache_bytes", 0))
+        sender.put(("ready", {"model_bytes": model_bytes_of_stage(pipeline), "device": str(device)}))
     except BaseException:  # noqa: BLE001 - reported to the engine
         sender.put(("fatal", _traceback()))
         sender.close()
         return
     dropped: set[str] = set()
     while True:
-        msg = in_q.get()
-        if msg[0] == "shutdown":
+        msgs = [in_q.get()]
+        while not in_q.empty():  # what else waits is taken together
+            msgs.append(in_q.get())
+        work: list[list] = []
+        for msg in msgs:
+            if msg[0] == "abort":
+                dropped.update(msg[1])
+            elif msg[0] == "work":
+                work.append(msg[1])
+        for items in work:
+            ids = [_item_id(x) for x in items]
+            items[:] = [x for x, rid in zip(items, ids) if rid not in dropped]
+            dropped.difference_update(ids)
+        if stage == ENCODE:
+            requests = sorted((r for items in work for r in items),
+                              key=lambda r: (r.sampling_params.priority, r.arrival_time))
+            if requests:
+                sender.put(("done", _encode(pipeline, requests)))
+        else:
+            for payloads in work:
+                if payloads:
+                    sender.put(("done", _decode(pipeline, platform, device, payloads)))
+        if any(m[0] == "shutdown" for m in msgs):
             break
-        if msg[0] == "abort":
-            dropped.update(msg[1])
-            continue
-        payloads = [p for p in msg[1] if p.request_id not in dropped]
-        dropped.difference_update(p.request_id for p in msg[1])
-        if payloads:
-            sender.put(("done", _decode(pipeline, platform, device, payloads)))
     sender.close()
     from multiprocessing import util
 
     util._exit_function()  # multiprocessing's own exit work (semaphores such as tqdm's lock), as the model workers
     os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded), as the model workers do
+
+
+def _item_id(item: Any) -> str:
+    return item.request_id
+
+
+def _place(config: Any, stage: str) -> tuple[Any, Any]:
+    """(platform, torch device) of a stage's process: ``<stage>_device`` "auto" is the model's first device,
+    "cpu" the host (the CPU platform's memory figures), an index that device of the platform."""
+    import torch
+
+    from omni_core.errors import ConfigError
+    from omni_core.platforms import platform_for
+
+    platform = platform_for(config)
+    where = stage_device(config, stage)
+    if where == "cpu":
+        from omni_core.platforms.cpu import CpuPlatform
+
+        return (platform if platform.device_type == "cpu" else CpuPlatform()), torch.device("cpu")
+    index = 0 if where == "auto" else int(where)
+    if index >= max(1, platform.device_count()):
+        raise ConfigError(f"{stage}_device={where!r}: platform {platform.name} has {platform.device_count()} "
+                          f"device(s) (allowed: auto, cpu, 0..{platform.device_count() - 1})", field=f"{stage}_device")
+    device = platform.get_torch_device(index)
+    platform.set_device(device)
+    return platform, device
+
+
+def _encode(pipeline: Any, requests: list) -> dict:
+    """``{"results": {request id: ("ok", {text key: encoding on the host}) or ("error", message)}, "cache":
+    the stage's embedding-cache stats}``: each request's texts through the pipeline's own window, as the model
+    process would have encoded them with its cache."""
+    import torch
+
+    from omni_core.pipelines.embedding_cache import map_tensors
+    from omni_core.pipelines.state import StepState
+
+    results: dict = {}
+    t0 = time.perf_counter()
+    for request in requests:
+        try:
+            with torch.inference_mode(), pipeline.encoded_prompts([StepState(request=request)]) as memo:
+                results[request.request_id] = ("ok", {k: map_tensors(v, lambda t: t.detach().to("cpu"))
+                                                      for k, v in dict(memo or {}).items()})
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            results[request.request_id] = ("error", f"encode stage: {type(exc).__name__}: {exc}")
+    cache = getattr(pipeline, "embedding_cache", None)
+    return {"results": results, "cache": cache.stats() if cache is not None else None,
+            "encode_time_s": time.perf_counter() - t0}
 
 
 def _decode(pipeline: Any, platform: Any, device: Any, payloads: list[DecodePayload]) -> Any:
@@ -116,20 +193,23 @@ def _decode(pipeline: Any, platform: Any, device: Any, payloads: list[DecodePayl
 
 
 # ---------------------------------------------------------------------------------------------- the engine's end
-class DecodeStage:
-    """The engine's handle on its decode process: ``submit`` groups, results reach ``on_done(outputs)`` from a
-    reader thread; the process's death (not at shutdown) reaches ``on_dead(reason)`` once, the reason naming
-    the stage. The process is started from the monitor thread, which lives until it exits, so it dies with the
-    engine's process (``parent_watch``: the death signal follows the starting thread)."""
+class StageProcess:
+    """The engine's handle on one stage's process: ``submit`` work (decode payloads of one group, or requests to
+    encode), results reach ``on_done(result)`` from a reader thread (decode: ``{request id: DiffusionOutput}``;
+    encode: :func:`_encode`'s dict); the process's death (not at shutdown) reaches ``on_dead(reason)`` once, the
+    reason naming the stage. The process is started from the monitor thread, which lives until it exits, so it
+    dies with the engine's process (``parent_watch``: the death signal follows the starting thread)."""
 
-    def __init__(self, config: Any, resolved: Any, on_done: Callable[[dict], None],
+    def __init__(self, stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
                  on_dead: Callable[[str], None]) -> None:
-        self.config, self.resolved = config, resolved
+        self.stage, self.config, self.resolved = stage, config, resolved
         self.on_done, self.on_dead = on_done, on_dead
         self.model_bytes: dict[str, int] = {}
+        self.device: str | None = None
         self.dead: str | None = None
         self._closing = False
-        self.decoded = 0
+        #: requests this stage has finished (decoded, or encoded)
+        self.done = 0
 
     def start(self) -> None:
         import torch.multiprocessing as tmp
@@ -138,11 +218,11 @@ class DecodeStage:
 
         ctx = tmp.get_context("spawn")
         self._in, self._out = ctx.SimpleQueue(), ctx.SimpleQueue()
-        self.proc = ctx.Process(target=decode_main, name="omni-decode-stage", daemon=True,
-                                args=(self.config, self.resolved, self._in, self._out, os.getpid()))
+        self.proc = ctx.Process(target=stage_main, name=f"omni-{self.stage}-stage", daemon=True,
+                                args=(self.stage, self.config, self.resolved, self._in, self._out, os.getpid()))
         self._sender = BackgroundSender(self._in)  # a put never blocks the engine's thread
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._monitor = threading.Thread(target=self._start_and_watch, name="omni-decode-monitor", daemon=True)
+        self._monitor = threading.Thread(target=self._start_and_watch, name=f"omni-{self.stage}-monitor", daemon=True)
         self._monitor.start()
         try:
             kind, value = self._ready.get(timeout=self.config.worker_start_timeout)
@@ -150,10 +230,10 @@ class DecodeStage:
             kind, value = "fatal", f"it did not load within {self.config.worker_start_timeout} s"
         if kind != "ready":
             self.shutdown()
-            raise EngineDeadError(f"the decode stage's process failed to start: {value} (see its traceback above; "
+            raise EngineDeadError(f"the {self.stage} stage's process failed to start: {value} (see its traceback above; "
                                   f"processes are started with spawn: a script that creates the engine at module "
                                   f"level must guard it with `if __name__ == '__main__':`)")
-        self.model_bytes = value
+        self.model_bytes, self.device = value["model_bytes"], value["device"]
 
     def _start_and_watch(self) -> None:
         import multiprocessing.connection
@@ -163,11 +243,11 @@ class DecodeStage:
         except BaseException as exc:  # noqa: BLE001 - handed to start()
             self._ready.put(("fatal", repr(exc)))
             return
-        reader = threading.Thread(target=self._read, name="omni-decode-reader", daemon=True)
+        reader = threading.Thread(target=self._read, name=f"omni-{self.stage}-reader", daemon=True)
         reader.start()
         multiprocessing.connection.wait([self.proc.sentinel])
         self.proc.join(1)
-        reason = (f"the decode stage's process (pid {self.proc.pid}) exited with code {self.proc.exitcode}")
+        reason = f"the {self.stage} stage's process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
         self._ready.put(("fatal", reason))  # read only while starting
         if not self._closing and self.dead is None:
             self.dead = reason
@@ -187,15 +267,16 @@ class DecodeStage:
             elif msg[0] == "fatal":
                 self._ready.put(("fatal", msg[1]))
             elif msg[0] == "done":
-                outputs = unpack_outputs(msg[1]).outputs
-                self.decoded += len(outputs)
+                result = unpack_outputs(msg[1]).outputs if self.stage == DECODE else msg[1]
+                self.done += len(result if self.stage == DECODE else result["results"])
                 try:
-                    self.on_done(outputs)
+                    self.on_done(result)
                 except Exception:  # noqa: BLE001 - a delivery bug must not stop the reader
-                    logger.exception("delivering decoded outputs failed")
+                    logger.exception("delivering the %s stage's results failed", self.stage)
 
-    def submit(self, payloads: list[DecodePayload]) -> None:
-        self._sender.put(("decode", payloads))
+    def submit(self, items: list) -> None:
+        """Work for the process: one decode group's payloads, or requests to encode."""
+        self._sender.put(("work", items))
 
     def abort(self, request_ids: list[str]) -> None:
         self._sender.put(("abort", list(request_ids)))
@@ -223,14 +304,14 @@ class DecodeStage:
         self._monitor.join(5)
 
 
-def start_decode_stage(config: Any, resolved: Any, on_done: Callable[[dict], None],
-                       on_dead: Callable[[str], None]) -> DecodeStage | None:
-    """The decode stage of ``config`` started (None with ``decode_workers=0``)."""
-    if not getattr(config, "decode_workers", 0):
+def start_stage(stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
+                on_dead: Callable[[str], None]) -> StageProcess | None:
+    """Stage ``stage``'s process of ``config``, started (None when the stage runs in line)."""
+    if not getattr(config, f"{stage}_workers", 0):
         return None
-    stage = DecodeStage(config, resolved, on_done, on_dead)
-    stage.start()
-    return stage
+    process = StageProcess(stage, config, resolved, on_done, on_dead)
+    process.start()
+    return process
 
 
-__all__ = ["DecodeStage", "decode_main", "start_decode_stage"]
+__all__ = ["StageProcess", "stage_main", "start_stage"]

@@ -61,7 +61,7 @@ def run(model: str, step: bool, decode_workers: int, params: dict, n: int = 3):
 def test_shapes_outputs_equal_in_line(step):
     split, stats = run("shapes", step, 1, SHAPES)
     inline, _ = run("shapes", step, 0, SHAPES)
-    assert stats["stages"]["decode"]["decoded"] == 3 and stats["stages"]["decode"]["model_bytes"] == {}
+    assert stats["stages"]["decode"]["done"] == 3 and stats["stages"]["decode"]["model_bytes"] == {}
     for a, b in zip(split, inline):
         assert torch.equal(a.tensor, b.tensor)
         assert a.metrics["decode_batch_size"] >= 1 and "peak_memory_mb" in a.metrics

@@ -24,7 +24,7 @@ from omni_core.pipelines import OmniPipeline, StepState
 from omni_core.pipelines.base import read_model_index
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_json, refuse_pickled_weights
-from omni_core.pipelines.embedding_cache import text_encoders_have_adapters
+from omni_core.pipelines.embedding_cache import carried_encodings, text_encoders_have_adapters
 from omni_core.pipelines.state import flow_clean_estimate, remember_flow_step
 from omni_core.request import OmniDiffusionRequest
 from omni_model_shapes.models import ShapesTextEncoder, ShapesTransformer2DModel, velocity
@@ -230,7 +230,16 @@ class ShapesPipeline(OmniPipeline):
 
         With the process's embedding cache (``embedding_cache``) every text, a lone request's too, is read from
         it; the misses are encoded in one call per ``max_sequence_length`` (batch-invariant, so the cache holds
-        the bits of each text alone) and kept."""
+        the bits of each text alone) and kept. Requests the encode stage encoded (``encode_workers``) carry
+        their encodings (``request.text_encodings``): read as they are, no text encoder runs here."""
+        carried = carried_encodings(states, self.device)
+        if carried is not None:
+            token = _TEXT_MEMO.set(carried)
+            try:
+                yield carried
+            finally:
+                _TEXT_MEMO.reset(token)
+            return
         groups: dict[int | None, list[str]] = {}
         for state in states:
             for text, max_length in self._texts_of(state):

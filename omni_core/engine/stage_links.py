@@ -1,0 +1,158 @@
+"""The engine's side of the stages apart (``encode_workers`` / ``decode_workers``, :mod:`omni_core.worker.stages`).
+
+A request waiting for its encode (before it is queued) or its decode (after it finished denoising) waits here,
+its record still in the engine's table so abort, deadlines and close find it. Encoded requests are queued as
+if they had just arrived (their arrival time is kept, so the scheduler's order is unchanged); decoded outputs
+are delivered as the in-line decode's would be. Kept apart from the engine so that the engine stays one loop
+and one table, whatever stages there are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_core.outputs import DiffusionOutput
+from omni_core.sched.interface import DiffusionRequestStatus as Status
+from omni_core.worker.stage_contract import DECODE, ENCODE
+
+
+class StageLinks:
+    """Requests waiting for a stage process, and the processes' results on their way to the engine."""
+
+    def __init__(self, engine: Any) -> None:
+        from omni_core.worker.stages import start_stage
+
+        self.engine = engine
+        #: request id -> the request, until its encodings come back
+        self.encoding: dict[str, Any] = {}
+        self._to_encode: list = []
+        #: request id -> the runner's output (its tensor a DecodePayload), until the decode comes back
+        self.decoding: dict[str, DiffusionOutput] = {}
+        self._groups: dict[Any, list] = {}
+        self.encode = self.decode = None
+        try:
+            self.encode = start_stage(ENCODE, engine.config, engine.resolved, self._on_encoded, self._on_dead)
+            self.decode = start_stage(DECODE, engine.config, engine.resolved, self._on_decoded, self._on_dead)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    def start(cls, engine: Any) -> StageLinks:
+        """The links for ``engine``'s config; a stage that fails to start shuts the model processes down too."""
+        try:
+            return cls(engine)
+        except BaseException:
+            engine.executor.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ encode
+    def admit(self, request: Any) -> bool:
+        """Hold a new request for the encode stage (engine lock held); False without one (queue it now). Sent
+        by :meth:`flush`, all of one ``submit`` together."""
+        if self.encode is None:
+            return False
+        self.encoding[request.request_id] = request
+        self._to_encode.append(request)
+        return True
+
+    def _on_encoded(self, result: dict) -> None:
+        """The encode stage's results (its reader thread): each request queued with its encodings, or failed."""
+        engine = self.engine
+        with engine._lock:
+            if result.get("cache") is not None:  # stats()["embedding_cache"] sums it with the model processes'
+                snap = result["cache"]
+                engine.timing.setdefault("embedding_caches", {})[snap["source"]] = snap
+            for rid, (kind, value) in result["results"].items():
+                request = self.encoding.pop(rid, None)
+                if request is None or rid not in engine._records:
+                    continue  # aborted (or timed out) while it waited
+                if kind == "ok":
+                    request.text_encodings = value
+                    engine.scheduler.add_request(request)
+                else:
+                    engine._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR, error=value))
+            engine._wake.notify()
+            engine._steps.send_now()
+
+    # ------------------------------------------------------------------ decode
+    def hold(self, request_id: str, out: DiffusionOutput) -> None:
+        """A request that finished denoising (engine lock held); sent by :meth:`flush` after the wave, one message
+        per group the runner's decode call made."""
+        self.decoding[request_id] = out
+        self._groups.setdefault(out.tensor.group, []).append(out.tensor)
+
+    def _on_decoded(self, outputs: dict[str, DiffusionOutput]) -> None:
+        """The decode stage's outputs (its reader thread): its metrics the runner's plus the decode's
+        (``peak_memory_mb``: the higher of the two processes)."""
+        engine = self.engine
+        with engine._lock:
+            for rid, out in outputs.items():
+                pending = self.decoding.pop(rid, None)
+                if pending is None or rid not in engine._records:
+                    continue  # aborted (or timed out) while it waited
+                peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
+                out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
+                out.preview = pending.preview
+                engine._finalize(rid, out)
+
+    # ------------------------------------------------------------------ both
+    def flush(self) -> None:
+        """Send what was held since the last flush (engine lock held)."""
+        if self._to_encode:
+            self.encode.submit(self._to_encode)
+            self._to_encode = []
+        for payloads in self._groups.values():
+            self.decode.submit(payloads)
+        self._groups = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.encoding or request_id in self.decoding
+
+    def drop(self, request_id: str) -> DiffusionOutput | None:
+        """End a request waiting for a stage (engine lock held): the stage forgets it; its aborted output (None
+        when it waits for none)."""
+        if request_id in self.encoding:
+            request = self.encoding.pop(request_id)
+            if request in self._to_encode:
+                self._to_encode.remove(request)
+            else:
+                self.encode.abort([request_id])
+            return DiffusionOutput(request_id=request_id, status=Status.FINISHED_ABORTED)
+        pending = self.decoding.pop(request_id, None)
+        if pending is None:
+            return None
+        self.decode.abort([request_id])
+        return DiffusionOutput(request_id=request_id, status=Status.FINISHED_ABORTED, step_index=pending.step_index,
+                               num_steps=pending.num_steps, metrics=dict(pending.metrics))
+
+    def clear(self) -> None:
+        """Forget every waiting request (their records are finalized by the caller: death or close)."""
+        self.encoding.clear()
+        self._to_encode = []
+        self.decoding.clear()
+        self._groups = {}
+
+    def _on_dead(self, reason: str) -> None:
+        """A stage's process died: the engine dies with a reason naming the stage, failing every request."""
+        engine = self.engine
+        with engine._lock:
+            engine._die(f"the engine is dead: {reason}")
+            engine._wake.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        """``stats()["stages"]``: each stage process, what it holds and does (nothing when all run in line)."""
+        stages = {}
+        for name, process, waiting in ((ENCODE, self.encode, self.encoding), (DECODE, self.decode, self.decoding)):
+            if process is not None:
+                stages[name] = {"pid": process.pid(), "device": process.device, "model_bytes": dict(process.model_bytes),
+                                "waiting": len(waiting), "done": process.done, "dead": process.dead}
+        return {"stages": stages} if stages else {}
+
+    def shutdown(self) -> None:
+        for process in (self.encode, self.decode):
+            if process is not None:
+                process.shutdown()
+
+
+__all__ = ["StageLinks"]
