@@ -1,10 +1,12 @@
-"""The decode stage in a process of its own (issue #40, ``decode_workers=1``).
+"""The encode and decode stages in processes of their own (issue #40, ``encode_workers=1``, ``decode_workers=1``).
 
-Outputs equal the in-line decode's bit for bit (shapes and a tiny Qwen-Image, request and step mode; threads
-fixed at one per process so both decodes sum in the same order); the model process holds no VAE weights and the
-decode process only them (``stats()["model_bytes"]`` / ``stats()["stages"]``); a request waiting for its decode
-is aborted at once; a killed decode process fails its requests with an error naming the stage and the engine
-reports it; no decode process outlives its engine, closed or killed; what cannot work is refused by name."""
+Outputs equal the in-line pipeline's bit for bit (shapes, a tiny Qwen-Image and a tiny Wan 2.2, request and step
+mode; threads fixed at one per process so every process sums in the same order); the model process holds no
+text-encoder or VAE weights and each stage process only its own (``stats()["model_bytes"]`` /
+``stats()["stages"]``); a request waiting for its encode or decode is aborted at once and times out at its
+deadline; priorities still order requests that were encoded together; a killed stage process fails its requests
+with an error naming the stage and the engine reports it; no stage process outlives its engine, closed or
+killed; what cannot work is refused by name."""
 
 from __future__ import annotations
 
@@ -45,35 +47,55 @@ def alive(pid: int) -> bool:
         return False
 
 
-def run(model: str, step: bool, decode_workers: int, params: dict, n: int = 3):
-    with Omni(model, warmup=False, step_execution=step, decode_workers=decode_workers, cpu_threads=1,
-              max_num_seqs=4) as omni:
-        outs = omni.generate(["a red circle in the top left"] * n, [SamplingParams(seed=s, **params) for s in range(n)],
-                             use_tqdm=False)
+BOTH = {"encode_workers": 1, "decode_workers": 1}
+IN_LINE: dict = {}
+
+
+_IN_LINE_RUNS: dict = {}
+
+
+def in_line(model: str, step: bool, params: dict, **kwargs):
+    """``run`` with every stage in line, once per module for each setting (several tests compare against it)."""
+    key = (model, step, repr(params), repr(kwargs))
+    if key not in _IN_LINE_RUNS:
+        _IN_LINE_RUNS[key] = run(model, step, IN_LINE, params, **kwargs)
+    return _IN_LINE_RUNS[key]
+
+
+def run(model: str, step: bool, stages: dict, params: dict, n: int = 3, **kwargs):
+    with Omni(model, warmup=False, step_execution=step, cpu_threads=1, max_num_seqs=4, **stages, **kwargs) as omni:
+        outs = omni.generate(["a red circle in the top left"] * (n - 1) + ["a blue square"],
+                             [SamplingParams(seed=s, **params) for s in range(n)], use_tqdm=False)
         stats = omni.engine.stats()
-        pid = stats.get("stages", {}).get("decode", {}).get("pid")
-    if pid is not None:
-        assert not alive(pid)  # closed with its engine
+    for stage in stats.get("stages", {}).values():
+        assert not alive(stage["pid"])  # closed with its engine
     return outs, stats
 
 
-@pytest.mark.parametrize("step", MODES)
-def test_shapes_outputs_equal_in_line(step):
-    split, stats = run("shapes", step, 1, SHAPES)
-    inline, _ = run("shapes", step, 0, SHAPES)
-    assert stats["stages"]["decode"]["done"] == 3 and stats["stages"]["decode"]["model_bytes"] == {}
+@pytest.mark.parametrize("step, stages", [pytest.param(False, BOTH, id="request-encode+decode"),
+                                          pytest.param(True, BOTH, id="step-encode+decode"),
+                                          pytest.param(True, {"encode_workers": 1}, id="step-encode")])
+def test_shapes_outputs_equal_in_line(step, stages):
+    split, stats = run("shapes", step, stages, SHAPES)
+    inline, inline_stats = in_line("shapes", step, SHAPES)
+    assert stats["stages"]["encode"]["done"] == 3
+    assert stats["stages"]["encode"]["model_bytes"] == {"text_encoder": inline_stats["model_bytes"]["text_encoder"]}
+    assert set(stats["model_bytes"]) == {"transformer"}  # the model process: no text encoder
+    if "decode_workers" in stages:
+        assert stats["stages"]["decode"]["done"] == 3 and stats["stages"]["decode"]["model_bytes"] == {}
     for a, b in zip(split, inline):
         assert torch.equal(a.tensor, b.tensor)
-        assert a.metrics["decode_batch_size"] >= 1 and "peak_memory_mb" in a.metrics
+        assert a.metrics.get("decode_batch_size", 1) >= 1 and "peak_memory_mb" in a.metrics
 
 
 @pytest.mark.parametrize("step", MODES)
-def test_qwen_image_outputs_equal_in_line_and_no_vae_in_the_model_process(qwen_dir, step):
-    split, stats = run(qwen_dir, step, 1, QWEN)
-    inline, inline_stats = run(qwen_dir, step, 0, QWEN)
-    assert inline_stats["model_bytes"]["vae"] > 0
-    assert "vae" not in stats["model_bytes"] and stats["model_bytes"]["transformer"] > 0
+def test_qwen_image_outputs_equal_in_line_and_the_model_process_holds_the_denoiser_only(qwen_dir, step):
+    split, stats = run(qwen_dir, step, BOTH, QWEN)
+    inline, inline_stats = in_line(qwen_dir, step, QWEN)
+    assert inline_stats["model_bytes"]["vae"] > 0 and inline_stats["model_bytes"]["text_encoder"] > 0
+    assert set(stats["model_bytes"]) == {"transformer"} and stats["model_bytes"]["transformer"] > 0
     assert stats["stages"]["decode"]["model_bytes"] == {"vae": inline_stats["model_bytes"]["vae"]}
+    assert stats["stages"]["encode"]["model_bytes"] == {"text_encoder": inline_stats["model_bytes"]["text_encoder"]}
     for a, b in zip(split, inline):
         assert a.status == "completed" and torch.equal(a.tensor, b.tensor)
 
@@ -109,11 +131,11 @@ def test_abort_while_waiting_for_decode_ends_at_once():
         assert out.status == "completed" and out.tensor is not None
 
 
-def _request(seed: int):
+def _request(seed: int, **params):
     from omni_core.request import OmniDiffusionRequest
 
-    return OmniDiffusionRequest(prompt="a red circle in the top left", sampling_params=SamplingParams(seed=seed,
-                                                                                                   **SHAPES))
+    return OmniDiffusionRequest(prompt="a red circle in the top left",
+                                sampling_params=SamplingParams(seed=seed, **SHAPES, **params))
 
 
 def test_a_killed_decode_process_fails_its_requests_naming_the_stage():
@@ -169,6 +191,19 @@ def test_what_cannot_split_is_refused_by_name():
     with pytest.raises(ConfigError, match="input images") as err:
         check_stage_config(OmniDiffusionConfig(model="shapes", decode_workers=1), WanImageToVideoPipeline, None)
     assert err.value.field == "decode_workers"
+    with pytest.raises(ConfigError, match="input images") as err:
+        check_stage_config(OmniDiffusionConfig(model="shapes", encode_workers=1), WanImageToVideoPipeline, None)
+    assert err.value.field == "encode_workers"
+    from omni_model_shapes.pipeline import ShapesPipeline
+
+    with pytest.raises(ConfigError, match="text-encoder weights") as err:
+        check_stage_config(OmniDiffusionConfig(model="shapes", encode_workers=1, loras={"a": "a.safetensors"}),
+                           ShapesPipeline, None)
+    assert err.value.field == "encode_workers"
+    with pytest.raises(ConfigError, match="quantize_components names a text encoder") as err:
+        Omni("shapes", warmup=False, encode_workers=1, quantization="int8",
+             quantize_components=("denoiser", "text_encoder"))
+    assert err.value.field == "encode_workers"
 
 
 def test_the_cli_flag_reaches_the_config():
@@ -178,8 +213,11 @@ def test_the_cli_flag_reaches_the_config():
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
-    assert engine_options(parser.parse_args(["--decode-workers", "1"]))["decode_workers"] == 1
-    assert "decode_workers" not in engine_options(parser.parse_args([]))
+    opts = engine_options(parser.parse_args(["--decode-workers", "1", "--encode-workers", "1", "--encode-device",
+                                             "cpu", "--decode-device", "0"]))
+    assert (opts["decode_workers"], opts["encode_workers"], opts["encode_device"], opts["decode_device"]) == (
+        1, 1, "cpu", "0")
+    assert not {"decode_workers", "encode_workers", "encode_device"} & set(engine_options(parser.parse_args([])))
 
 
 @pytest.mark.parametrize("step", MODES)
@@ -188,8 +226,8 @@ def test_previews_stream_before_the_decoded_output(qwen_dir, step):
     in-line decode gives."""
     outputs = {}
     for workers in (1, 0):
-        with Omni(qwen_dir, warmup=False, step_execution=step, streaming_output=True, decode_workers=workers,
-                  cpu_threads=1) as omni:
+        stages = BOTH if workers else IN_LINE
+        with Omni(qwen_dir, warmup=False, step_execution=step, streaming_output=True, cpu_threads=1, **stages) as omni:
             from omni_core.request import OmniDiffusionRequest
 
             handle, = omni.engine.submit([OmniDiffusionRequest(prompt="a red circle", sampling_params=SamplingParams(
@@ -205,23 +243,122 @@ def test_previews_stream_before_the_decoded_output(qwen_dir, step):
     assert split[-1].metrics["decode_batch_size"] == 1
 
 
-def test_wan_through_the_mp_executor_equals_in_line(tmp_path_factory):
-    """The payload crosses from an ``mp`` worker to the engine, then to the decode process (a video VAE)."""
+@pytest.mark.parametrize("step", [pytest.param(False, id="request-uni"), pytest.param(True, id="step-mp")])
+def test_wan22_equals_in_line(tmp_path_factory, step):
+    """Wan 2.2 (two experts, true CFG: a prompt and a negative prompt per request) through both stages; in step
+    mode through an ``mp`` worker, so the encodings cross engine -> worker and the payload worker -> engine ->
+    decode process (a video VAE)."""
     from omni_model_wan.testing import build_tiny_wan
 
-    folder = build_tiny_wan(tmp_path_factory.mktemp("wan-stages"))
-    params = {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 1.0,
+    folder = build_tiny_wan(tmp_path_factory.mktemp("wan-stages"), two_experts=True)
+    params = {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 3.0,
               "max_sequence_length": 32}
     runs = {}
-    for workers in (1, 0):
-        with Omni(folder, warmup=False, step_execution=True, executor="mp", decode_workers=workers, cpu_threads=1,
-                  max_num_seqs=2) as omni:
-            outs = omni.generate(["a red circle"] * 3, [SamplingParams(seed=s, **params) for s in range(3)],
-                                 use_tqdm=False)
-            runs[workers] = ([o.tensor for o in outs], omni.engine.stats())
-    (split, stats), (inline, inline_stats) = runs[1], runs[0]
-    assert "vae" not in stats["model_bytes"] and stats["stages"]["decode"]["model_bytes"] == {
-        "vae": inline_stats["model_bytes"]["vae"]}
-    assert all(t.shape == (1, 5, 3, 16, 16) for t in split)
+    for name, stages in (("split", BOTH), ("in line", IN_LINE)):
+        runs[name] = run(folder, step, stages, params, executor="mp" if step else "uni")
+    (split, stats), (inline, inline_stats) = runs["split"], runs["in line"]
+    assert set(stats["model_bytes"]) == {"transformer", "transformer_2"}
+    assert stats["stages"]["decode"]["model_bytes"] == {"vae": inline_stats["model_bytes"]["vae"]}
+    assert stats["stages"]["encode"]["model_bytes"] == {"text_encoder": inline_stats["model_bytes"]["text_encoder"]}
+    assert all(o.tensor.shape == (1, 5, 3, 16, 16) for o in split)
     for a, b in zip(split, inline):
-        assert torch.equal(a, b)
+        assert torch.equal(a.tensor, b.tensor)
+
+
+def encode_pid(omni: Omni) -> int:
+    return omni.engine.stats()["stages"]["encode"]["pid"]
+
+
+def test_abort_and_deadline_while_waiting_for_the_encode():
+    with Omni("shapes", warmup=False, step_execution=True, **BOTH, max_num_seqs=4) as omni:
+        pid = encode_pid(omni)
+        os.kill(pid, signal.SIGSTOP)  # the encode process holds every request that reaches it
+        try:
+            handle, = omni.engine.submit([omni.engine.prepare_request(_request(0))])
+            timed, = omni.engine.submit([omni.engine.prepare_request(_request(1, timeout=0.5))])
+            wait_for(lambda: omni.engine.stats()["stages"]["encode"]["waiting"] == 2)
+            t0 = time.monotonic()
+            omni.engine.abort(handle.request_id)
+            out = handle.result(timeout=5)
+            assert out.status == "aborted" and time.monotonic() - t0 < 1.0
+            out = timed.result(timeout=5)  # its deadline passes while the encode process is stopped
+            assert out.status == "error" and "timeout" in out.error.lower(), out.error
+            stats = omni.engine.stats()
+            assert stats["stages"]["encode"]["waiting"] == 0 and not stats["tracked_requests"]
+            assert stats["requests_timed_out"] == 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # the dropped encodes do not surface; the engine goes on
+        out, = omni.generate(["a red circle in the top left"], SamplingParams(seed=1, **SHAPES), use_tqdm=False)
+        assert out.status == "completed" and out.tensor is not None
+
+
+def test_priorities_order_requests_encoded_together():
+    """Requests the encode stage returns together are queued together: the scheduler runs the urgent one first."""
+    started: list[str] = []
+
+    def on_progress(request_id: str, step: int, total: int) -> None:
+        if request_id not in started:
+            started.append(request_id)
+
+    with Omni("shapes", warmup=False, step_execution=True, encode_workers=1, max_num_seqs=1) as omni:
+        pid = encode_pid(omni)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            late = omni.engine.submit([omni.engine.prepare_request(_request(s, priority=5)) for s in range(3)],
+                                      on_progress=on_progress)
+            urgent, = omni.engine.submit([omni.engine.prepare_request(_request(9, priority=-1))],
+                                         on_progress=on_progress)
+            wait_for(lambda: omni.engine.stats()["stages"]["encode"]["waiting"] == 4)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert all(h.result(timeout=60).status == "completed" for h in [urgent, *late])
+    assert started[0] == urgent.request_id, started
+
+
+def test_the_embedding_cache_lives_in_the_encode_stage():
+    """16 requests, one prompt, 16 seeds: the encode stage runs its text encoder on the prompt once (and once on
+    the empty negative prompt), gives the in-line images, and stats() reports its cache."""
+    outs = {}
+    for name, stages in (("split", BOTH), ("in line", IN_LINE)):
+        with Omni("shapes", warmup=False, step_execution=True, cpu_threads=1, max_num_seqs=4, **stages) as omni:
+            outs[name] = omni.generate(["a red circle in the top left"] * 16,
+                                       [SamplingParams(seed=s, **SHAPES) for s in range(16)], use_tqdm=False)
+            stats = omni.engine.stats()
+            if name == "split":
+                cache = stats["embedding_cache"]
+                assert cache["misses"] == 2 and cache["hits"] == 30 and cache["entries"] == 2, cache
+    for a, b in zip(outs["split"], outs["in line"]):
+        assert torch.equal(a.tensor, b.tensor)
+
+
+def test_a_killed_encode_process_fails_its_requests_naming_the_stage():
+    with Omni("shapes", warmup=False, step_execution=True, encode_workers=1, max_num_seqs=4) as omni:
+        pid = encode_pid(omni)
+        os.kill(pid, signal.SIGSTOP)
+        handles = omni.engine.submit([omni.engine.prepare_request(_request(s)) for s in range(2)])
+        wait_for(lambda: omni.engine.stats()["stages"]["encode"]["waiting"] == 2)
+        os.kill(pid, signal.SIGKILL)
+        outs = [h.result(timeout=10) for h in handles]
+        assert all(o.status == "error" and "encode stage" in o.error for o in outs), [o.error for o in outs]
+        assert omni.engine.is_dead and "encode stage" in omni.engine.stats()["stages"]["encode"]["dead"]
+
+
+def test_stage_devices():
+    """``encode_device`` / ``decode_device`` place the stage processes; a device the platform lacks is refused
+    naming the field and the allowed values, and so is a device without its stage's process."""
+    with Omni("shapes", warmup=False, encode_workers=1, encode_device="cpu", decode_workers=1) as omni:
+        stages = omni.engine.stats()["stages"]
+        assert stages["encode"]["device"] == "cpu" and stages["decode"]["device"] == "cpu"
+        out, = omni.generate(["a red circle"], SamplingParams(seed=0, **SHAPES), use_tqdm=False)
+        assert out.status == "completed"
+    from omni_core.errors import EngineDeadError
+
+    with pytest.raises(EngineDeadError, match=r"decode_device='3'.*allowed: auto, cpu, 0\.\.0"):
+        Omni("shapes", warmup=False, decode_workers=1, decode_device=3)
+    with pytest.raises(ConfigError, match="encode_workers=1") as err:
+        Omni("shapes", warmup=False, encode_device="cpu")
+    assert err.value.field == "encode_device"
+    with pytest.raises(ConfigError, match="'auto'.*'cpu'") as err:
+        Omni("shapes", warmup=False, decode_workers=1, decode_device="gpu")
+    assert err.value.field == "decode_device"
