@@ -97,6 +97,18 @@ def test_ray_matches_uni_and_places_ranks(request, ray_cluster, references, ours
     assert ours_left() == ([], [])
 
 
+def test_encode_stage_feeds_replicas_on_two_nodes(ray_cluster, references, ours_left):
+    """``encode_workers=1`` with Ray (issue #40): the encode process runs next to the engine, each request's
+    encodings ride in it to the actor that runs it, on either node; the images are ``uni``'s in-line ones."""
+    reference = references("shapes")
+    ray_cluster.wait_idle()
+    got = run("shapes", SHAPES_REQUESTS, executor="ray", parallel_config=CONFIGS["dp2"], encode_workers=1)
+    for i, (image, ref) in enumerate(zip(got["images"], reference["images"])):
+        assert float((image - ref).abs().max()) <= TOL, (i, float((image - ref).abs().max()))
+    assert {p["node_id"] for p in got["placement"]} == {ray_cluster.head, ray_cluster.node_b}
+    assert ours_left() == ([], [])
+
+
 def _abort_within_steps(omni, handle, steps: list) -> None:
     """Abort a running request: it ends "aborted" within a few steps of the engine (not its 1000)."""
     at = len(steps)
