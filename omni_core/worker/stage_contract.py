@@ -77,11 +77,10 @@ def _why_not(stage: str, config: Any, pipeline_cls: type, model_path: str | None
                 and any(c.startswith("text_encoder") for c in quantized)):
             return "quantize_components names a text encoder, which the encode process loads unquantized"
         return None
-    if config.world_size != 1:
+    parallel = getattr(config, "parallel_config", None)
+    if config.world_size // max(1, getattr(parallel, "data_parallel_size", 1)) != 1:
         return ("several model ranks decode together (the parallel VAE decode splits the VAE across them); a "
-                "decode process apart is built for one model process")
-    if getattr(config, "executor", None) not in (None, "uni", "mp"):
-        return f"executor {config.executor!r} may run the model on another host; the decode process runs on this one"
+                "decode process apart serves replicas of one model process each (data parallelism)")
     return None
 
 

@@ -58,9 +58,10 @@ def run(model: str, requests: list[dict], **kwargs) -> dict:
             finals.append(out)
         placement = getattr(omni.engine.executor, "placement", list)()
         model_bytes = omni.stats()["model_bytes"]
+        stages = omni.stats().get("stages", {})
     assert model_bytes and all(n > 0 for n in model_bytes.values()), model_bytes  # rank 0's, as with mp
     assert not [o.error for o in finals if o.status == "error"]
-    return {"images": [torch.stack(list(o.images)).float() for o in finals], "placement": placement}
+    return {"images": [torch.stack(list(o.images)).float() for o in finals], "placement": placement, "stages": stages}
 
 
 @pytest.fixture(scope="module")
@@ -97,15 +98,18 @@ def test_ray_matches_uni_and_places_ranks(request, ray_cluster, references, ours
     assert ours_left() == ([], [])
 
 
-def test_encode_stage_feeds_replicas_on_two_nodes(ray_cluster, references, ours_left):
-    """``encode_workers=1`` with Ray (issue #40): the encode process runs next to the engine, each request's
-    encodings ride in it to the actor that runs it, on either node; the images are ``uni``'s in-line ones."""
+def test_stages_serve_replicas_on_two_nodes(ray_cluster, references, ours_left):
+    """``encode_workers=1`` and ``decode_workers=1`` with Ray (issue #40): both stage processes run next to the
+    engine; each request's encodings ride in it to the actor that runs it, on either node, and its final latents
+    come back through Ray to the decode process; the images are ``uni``'s in-line ones."""
     reference = references("shapes")
     ray_cluster.wait_idle()
-    got = run("shapes", SHAPES_REQUESTS, executor="ray", parallel_config=CONFIGS["dp2"], encode_workers=1)
+    got = run("shapes", SHAPES_REQUESTS, executor="ray", parallel_config=CONFIGS["dp2"], encode_workers=1,
+              decode_workers=1)
     for i, (image, ref) in enumerate(zip(got["images"], reference["images"])):
         assert float((image - ref).abs().max()) <= TOL, (i, float((image - ref).abs().max()))
     assert {p["node_id"] for p in got["placement"]} == {ray_cluster.head, ray_cluster.node_b}
+    assert got["stages"]["encode"]["done"] == got["stages"]["decode"]["done"] == len(SHAPES_REQUESTS)
     assert ours_left() == ([], [])
 
 
