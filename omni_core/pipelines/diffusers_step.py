@@ -36,9 +36,9 @@ from omni_core.forward_context import use_config, use_denoise_call
 from omni_core.pipelines.base import OmniPipeline
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
-from omni_core.pipelines.embedding_cache import carried_encodings
 from omni_core.pipelines.state import StepState, remember_flow_step
 from omni_core.pipelines.text_padding import pad_text
+from omni_core.pipelines.text_window import TextEncodingWindow
 from omni_core.pipelines.vae_convs import single_frame_causal_convs
 
 
@@ -61,7 +61,7 @@ def folder_config(model_path: str | None, component: str) -> dict | None:
     return read_json(os.path.join(model_path, component, "config.json")) if model_path else None
 
 
-class DiffusersStepPipeline(OmniPipeline):
+class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
     """Step-wise Omni pipeline around a diffusers pipeline object (see the module docstring).
 
     A subclass's ``prepare_encode`` sets ``state.extra["do_cfg"]`` (whether the request runs the uncond
@@ -166,84 +166,12 @@ class DiffusersStepPipeline(OmniPipeline):
         return diffusers_stage_kwargs(model_path, stage, cls.stage_components_for(model_path), dtype or torch.float32,
                                       apart)
 
-    # -- batched text encoding: while a wave is encoded, ``_text_memo`` holds its encodings by text key and a
-    # subclass's prepare_encode reads them there (falling back to encoding alone: one request, or step mode)
-    #: per-call state on the instance, so these pipelines leave ``concurrent_calls_safe`` False (no CPU lanes)
-    _text_memo: dict | None = None
-
-    @contextlib.contextmanager
-    def encoded_prompts(self, states: list[StepState]):
-        """While active, ``_text_memo`` holds one batched :meth:`encode_prompts` over the wave's distinct
-        texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as diffusers does
-        (a batch of prompts of different lengths is padded and masked).
-
-        With the process's embedding cache (``embedding_cache``) every text of the wave, a lone request's too,
-        comes from the cache or, missed, from its own :meth:`encode_prompts` call: what a request alone
-        computes, so a hit gives those bits and a request's encodings do not depend on its wave.
-
-        Requests the encode stage encoded (``request.text_encodings``, ``encode_workers``) carry their encodings,
-        computed there by this window with a cache: they are read as they are, and no text encoder runs here."""
-        carried = carried_encodings(states, self.device)
-        if carried is not None:
-            self._text_memo = carried
-            try:
-                yield carried
-            finally:
-                self._text_memo = None
-            return
-        cache = self.embedding_cache
-        scope = self.text_cache_scope() if cache is not None else None
-        keys: list = []
-        for s in states if len(states) > 1 or (cache is not None and scope is not None) else []:
-            for key in self.text_keys(s):
-                if key not in keys:
-                    keys.append(key)
-        if cache is not None and scope is not None:
-            memo = self._cached_encodings(cache, scope, keys)
-        else:
-            memo = self.encode_prompts(keys) if len(keys) > 1 else {}
-        self._text_memo = memo
-        try:
-            yield memo
-        finally:
-            self._text_memo = None
-
-    def _cached_encodings(self, cache: Any, scope: Any, keys: list) -> dict:
-        """``{key: encoding}`` for ``keys`` through ``cache``: misses encoded one key per call (a padded batch
-        may differ from the text alone in the last bits, and the cache must hold what a request alone gets)."""
-        by_cache_key = {(scope, self.text_cache_key(k)): k for k in keys}
-
-        def encode(missing: list) -> dict:
-            return {ck: self.encode_prompts([by_cache_key[ck]])[by_cache_key[ck]] for ck in missing}
-
-        got = cache.get_or_encode(list(by_cache_key), encode)
-        return {key: got[ck] for ck, key in by_cache_key.items()}
-
-    def text_keys(self, state: StepState) -> list:
-        """The hashable texts ``prepare_encode`` will encode for ``state`` (none: no batched encoding). Each key
-        holds everything its encoding depends on besides the encoder (the text, ``max_sequence_length``, ...):
-        the embedding cache keys by it."""
-        return []
-
-    def text_cache_key(self, key: Any) -> Any:
-        """What the embedding cache keeps ``key`` (one of :meth:`text_keys`) as: the key itself, or a lighter
-        equal-deciding form (an edit model's key without its images)."""
-        return key
-
     def text_cache_scope(self) -> Any:
-        """The text encoder's identity in the embedding cache: its components and the model folder; None (the
-        cache is bypassed) while a text encoder carries LoRA adapters, whose outputs the key cannot tell apart."""
-        from omni_core.pipelines.embedding_cache import text_encoders_have_adapters
-
-        names = tuple(n for n in getattr(self.pipe, "components", {}) if n.startswith("text_encoder"))
-        if text_encoders_have_adapters(getattr(self.pipe, n, None) for n in names):
-            return None
-        folder = getattr(self, "omni_model_path", None) or getattr(self.pipe, "name_or_path", None)
-        return (type(self).__name__, folder, names)
-
-    def encode_prompts(self, keys: list) -> dict:
-        """``{key: encoding}`` for the keys of :meth:`text_keys`, in as few text-encoder calls as possible."""
-        return {}
+        """As :meth:`TextEncodingWindow.text_cache_scope`, the folder falling back to diffusers' ``name_or_path``."""
+        scope = super().text_cache_scope()
+        if scope is not None and scope[1] is None:
+            scope = (scope[0], getattr(self.pipe, "name_or_path", None), scope[2])
+        return scope
 
     def post_decode(self, state: StepState) -> DiffusionOutput:
         return self.post_decode_batch([state])[0]

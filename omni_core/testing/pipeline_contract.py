@@ -58,6 +58,9 @@ class PipelineContract:
     fields_model_fixture: ClassVar[str | None] = None
     #: ``Omni(...)`` keyword arguments of every engine the suite starts
     engine_kwargs: ClassVar[dict[str, Any]] = {"warmup": False}
+    #: check the stages the model declares in processes of their own (``encode_workers`` / ``decode_workers``);
+    #: a plugin whose own tests cover them may turn it off to save the two engine starts
+    stages_check: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ fixtures
     @pytest.fixture(scope="class")
@@ -99,6 +102,34 @@ class PipelineContract:
             assert out.status == "completed"
             images.append(out.images[0])
         self._same(images[0], images[1], "request mode vs step mode, same seed")
+
+    def test_stages_apart_equal_in_line(self, contract_model_path: str) -> None:
+        """The stages the model declares (``stage_components``), each in a process of its own, give the in-line
+        pipeline's images bit for bit (one torch thread per process: the same sums), and the model process then
+        holds none of their components."""
+        from omni_core.pipelines import resolve_model
+        from omni_core.pipelines.text_window import declares_text_keys
+        from omni_core.worker.stage_contract import declared_stages
+
+        resolved = resolve_model(contract_model_path)
+        cls = resolved.pipeline_cls()
+        declared = declared_stages(cls, resolved.model_path)
+        stages = {f"{s}_workers": 1 for s in declared if getattr(cls, "image_input", None) is None
+                  and (s != "encode" or declares_text_keys(cls))}
+        if not self.stages_check or not stages:
+            pytest.skip("no stage to run apart (stage_components / text_keys), or stages_check is off")
+        prompts = self._prompts(cls)[:2]
+        runs = []
+        for kwargs in ({}, stages):
+            with self._omni(contract_model_path, step_execution=True, cpu_threads=1, **kwargs) as omni:
+                outs = omni.generate(prompts, seed=11, output_type="pt", use_tqdm=False, **self.sampling)
+                runs.append((outs, omni.engine.stats()))
+        (inline, _), (split, stats) = runs
+        apart = {n for s in stages for n in declared[s.removesuffix("_workers")]}
+        assert not apart & set(stats["model_bytes"]), f"the model process still holds {apart & set(stats['model_bytes'])}"
+        for i, (a, b) in enumerate(zip(inline, split)):
+            assert b.status == "completed", b.error
+            assert torch_equal(a.images[0], b.images[0]), f"prompt {i}: {sorted(stages)} differ from in line"
 
     def test_alone_equals_batched_equals_staggered(self, contract_pipeline: Any) -> None:
         p = contract_pipeline
@@ -408,6 +439,12 @@ def omni_layers(pipeline: Any) -> list[Any]:
     for spec in denoisers_of(pipeline):
         seen.update((id(m), m) for m in spec.module.modules() if isinstance(m, Attention))
     return list(seen.values())
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def load_model_cls(model: str) -> type:

@@ -70,6 +70,11 @@ def _why_not(stage: str, config: Any, pipeline_cls: type, model_path: str | None
         return ("offload moves the whole pipeline's components in turn on the model's device; with a stage apart "
                 "its own process would hold that stage's components whole")
     if stage == ENCODE:
+        from omni_core.pipelines.text_window import declares_text_keys
+
+        if not declares_text_keys(pipeline_cls):
+            return (f"pipeline {name} has no text keys to encode apart (TextEncodingWindow's text_keys / "
+                    f"encode_prompts, or an encoded_prompts window of its own)")
         if getattr(config, "loras", None):
             return "LoRA adapters (loras) may carry text-encoder weights, which the encode process does not load"
         quantized = tuple(getattr(config, "quantize_components", ()) or ())

@@ -21,6 +21,7 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines import OmniPipeline, StepState
 from omni_core.pipelines.base import read_model_index
 from omni_core.pipelines.denoiser import DenoiserSpec
+from omni_core.pipelines.text_window import TextEncodingWindow
 from omni_model_toy.model import ToyDiT, ToyTextEncoder
 
 #: prompts are cut or padded to this many words
@@ -30,8 +31,11 @@ MAX_WORDS = 16
 TEA_CACHE = {"coefficients": (1.0, 0.0), "rel_l1_thresh": 0.1, "warmup_steps": 2}
 
 
-class ToyPipeline(OmniPipeline):
+class ToyPipeline(TextEncodingWindow, OmniPipeline):
     supported_parallel = ("tensor", "ulysses", "ring")
+    # what each stage needs, so `encode_workers=1` / `decode_workers=1` can load them apart; the decode is
+    # arithmetic on the latents (no component)
+    stage_components = {"encode": ("text_encoder",), "decode": ()}
     size_multiple = 2  # the patch size
     default_height = default_width = 16
     default_num_inference_steps = 20
@@ -96,6 +100,19 @@ class ToyPipeline(OmniPipeline):
         ids = torch.tensor([ids + [0] * (MAX_WORDS - len(ids))], device=self.device)
         return self.text_encoder(ids), ids != 0
 
+    # the texts a request encodes and how: the window (TextEncodingWindow) runs them through the embedding cache,
+    # or reads what the encode stage computed, and prepare_encode finds them in self._text_memo
+    def text_keys(self, state: StepState) -> list:
+        guided = state.sampling_params.guidance_scale > 1
+        return [state.request.prompt] + ([state.request.negative_prompt or ""] if guided else [])
+
+    def encode_prompts(self, keys: list) -> dict:
+        return {text: self.encode(text) for text in keys}
+
+    def _encoded(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        memo = self._text_memo
+        return memo[text] if memo is not None and text in memo else self.encode(text)
+
     def prepare_encode(self, state: StepState) -> StepState:
         sp = state.sampling_params
         if state.generator is None:
@@ -105,10 +122,11 @@ class ToyPipeline(OmniPipeline):
         state.scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
         state.scheduler.set_timesteps(sp.num_inference_steps, device=self.device)
         state.timesteps, state.num_steps, state.step_index = state.scheduler.timesteps, sp.num_inference_steps, 0
-        state.prompt_embeds, state.prompt_mask = self.encode(state.request.prompt)
+        state.prompt_embeds, state.prompt_mask = self._encoded(state.request.prompt)
         state.extra["scale"] = sp.guidance_scale
         if sp.guidance_scale > 1:
-            state.negative_prompt_embeds, state.negative_prompt_mask = self.encode(state.request.negative_prompt or "")
+            negative = self._encoded(state.request.negative_prompt or "")
+            state.negative_prompt_embeds, state.negative_prompt_mask = negative
         return state
 
     @torch.no_grad()

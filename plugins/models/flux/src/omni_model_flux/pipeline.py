@@ -218,7 +218,9 @@ class FluxPipeline(DiffusersStepPipeline):
         if self.transformer.config.guidance_embeds:
             guidance = torch.tensor([s.sampling_params.guidance_scale for s in states], device=self.device,
                                     dtype=torch.float32).repeat_interleave(rows)
-        txt_ids = torch.zeros(text.shape[1], 3, device=self.device, dtype=self.pipe.text_encoder.dtype)
+        encoder = self.pipe.text_encoder  # None in the model process when the encode stage runs apart
+        dtype = encoder.dtype if encoder is not None else self.pipe.transformer.dtype  # diffusers' encode_prompt rule
+        txt_ids = torch.zeros(text.shape[1], 3, device=self.device, dtype=dtype)
         return self.call_denoiser(expert, segments, None, hidden_states=latents,
                                   timestep=timestep.to(latents.dtype) / 1000, guidance=guidance,
                                   pooled_projections=pooled, encoder_hidden_states=text, txt_ids=txt_ids,
