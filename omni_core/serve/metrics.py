@@ -160,6 +160,17 @@ class ServerMetrics:
                                                                   cache.get("capacity_bytes", 0))])
         metric("omni_embedding_cache_evictions_total", "counter", "Text encodings the embedding cache evicted "
                "(least recently used first) to stay within its bytes.", [(m, cache.get("evictions", 0))])
+        stages = stats.get("stages") or {}  # encode_workers / decode_workers: the stage processes
+        metric("omni_stage_requests_waiting", "gauge", "Requests waiting for a stage process (encode: before they "
+               "are queued; decode: after they finished denoising).",
+               [({**m, "stage": k}, v.get("waiting", 0)) for k, v in sorted(stages.items())])
+        metric("omni_stage_requests_done_total", "counter", "Requests a stage process encoded or decoded.",
+               [({**m, "stage": k}, v.get("done", 0)) for k, v in sorted(stages.items())])
+        metric("omni_stage_model_bytes", "gauge", "Bytes of each component a stage process holds.",
+               [({**m, "stage": k, "component": c}, b) for k, v in sorted(stages.items())
+                for c, b in sorted((v.get("model_bytes") or {}).items())])
+        metric("omni_stage_dead", "gauge", "1 when a stage process died (the engine dies with it).",
+               [({**m, "stage": k}, 1 if v.get("dead") else 0) for k, v in sorted(stages.items())])
         metric("omni_video_jobs", "gauge", "Video jobs in the job table by status.",
                [({"status": s}, n) for s, n in sorted(video_jobs.items())])
         return "\n".join(lines) + "\n"

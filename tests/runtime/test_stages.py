@@ -352,6 +352,12 @@ def test_stage_devices():
         assert stages["encode"]["device"] == "cpu" and stages["decode"]["device"] == "cpu"
         out, = omni.generate(["a red circle"], SamplingParams(seed=0, **SHAPES), use_tqdm=False)
         assert out.status == "completed"
+        from omni_core.serve.metrics import ServerMetrics
+
+        text = ServerMetrics().render(omni.engine.stats(), model="shapes", video_jobs={})
+        assert 'omni_stage_requests_done_total{model="shapes",stage="encode"} 1' in text
+        assert 'omni_stage_requests_waiting{model="shapes",stage="decode"} 0' in text
+        assert 'omni_stage_model_bytes{model="shapes",stage="encode",component="text_encoder"}' in text
     from omni_core.errors import EngineDeadError
 
     with pytest.raises(EngineDeadError, match=r"decode_device='3'.*allowed: auto, cpu, 0\.\.0"):
