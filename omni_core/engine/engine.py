@@ -307,6 +307,7 @@ class DiffusionEngine:
     def _finalize(self, request_id: str, out: DiffusionOutput) -> None:
         """Deliver the final output and forget the request (lock held)."""
         record = self._records.pop(request_id)
+        record.request.text_encodings = None  # the encode stage's tensors: a caller's handle keeps the request
         self._deadlines.discard(request_id)
         self._steps.forget(request_id)
         status = close_output(record, out)
