@@ -1,16 +1,19 @@
-"""The decode stage apart (issue #40): in-line decode vs ``decode_workers=1`` on a decode-heavy tiny model.
+"""Stages apart (issue #40): the in-line pipeline vs ``encode_workers=1, decode_workers=1`` on a decode-heavy
+tiny video model.
 
-    .venv/bin/python bench/stages.py [--requests 16] [--rounds 3] [--vae-dim 32] [--size 64] [--frames 17]
-                                     [--steps 4] [--max-num-seqs 4] [--request-mode]
-                                     [--cpu-threads N]
+    .venv/bin/python bench/stages.py [--requests 16] [--rounds 3] [--vae-dim 32] [--size 64] [--frames 5]
+                                     [--steps 50] [--max-num-seqs 1] [--request-mode] [--cpu-threads N]
+                                     [--split encode_workers=1,decode_workers=1]
 
-The model is a tiny Wan 2.1 folder built here whose video VAE (``base_dim=--vae-dim``) is larger and slower
-than its transformer, as a real video model's decode is a large share of a request. Both engines are started
-once (step mode by default) and stay up; each round submits ``--requests`` concurrent requests (one prompt, one
-seed each) to one, then the other, the order alternating per round (paired rounds). Reported: requests per
-second of each and their ratio (median over rounds), the outputs' max |diff| split vs in line, the load average
-before and after, and the parameter bytes each process holds (``stats()["model_bytes"]`` and
-``stats()["stages"]["decode"]["model_bytes"]``).
+The model is a tiny Wan 2.1 folder built here whose video VAE (``base_dim=--vae-dim``, 12.9 MB) is larger and
+slower than its transformer (0.1 MB), as a real video model's decode is a large share of a request; by default
+the denoiser runs one request at a time (``max_num_seqs=1``, as a video model does on one device), so the
+denoise and the decode of a request take comparable time and pipelining them has something to overlap. Both
+engines are started once and stay up; each round submits ``--requests`` concurrent requests (one prompt, one seed
+each) to one, then the other, the order alternating per round (paired rounds). Reported: requests per second of
+each and their ratio (median over rounds), the outputs' max |diff| split vs in line, the load average before
+and after, and the parameter bytes each process holds (``stats()["model_bytes"]`` of the model process,
+``stats()["stages"][stage]["model_bytes"]`` of each stage process).
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ def build_folder(path: str, vae_dim: int) -> str:
 
 def run_round(omni, args) -> tuple[float, list]:
     from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
 
     params = dict(height=args.size, width=args.size, num_frames=args.frames, num_inference_steps=args.steps,
                   guidance_scale=1.0, max_sequence_length=32)
     engine = omni.engine
-    requests = [engine.prepare_request(_request(SamplingParams(seed=s, **params))) for s in range(args.requests)]
+    requests = [engine.prepare_request(OmniDiffusionRequest(prompt="a red circle moving right",
+                                                            sampling_params=SamplingParams(seed=s, **params)))
+                for s in range(args.requests)]
     t0 = time.perf_counter()
     handles = engine.submit(requests)
     outs = [h.result() for h in handles]
@@ -52,10 +58,13 @@ def run_round(omni, args) -> tuple[float, list]:
     return wall, [o.tensor for o in outs]
 
 
-def _request(params):
-    from omni_core.request import OmniDiffusionRequest
-
-    return OmniDiffusionRequest(prompt="a red circle moving right", sampling_params=params)
+def parse_split(text: str) -> dict:
+    """``encode_workers=1,decode_workers=1`` -> keyword arguments of the split engine."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return out
 
 
 def main() -> None:
@@ -64,22 +73,25 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--vae-dim", type=int, default=32)
     p.add_argument("--size", type=int, default=64)
-    p.add_argument("--frames", type=int, default=17)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--frames", type=int, default=5)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--request-mode", action="store_true")
+    p.add_argument("--split", default="encode_workers=1,decode_workers=1",
+                   help="the split engine's stage options (default: both stages apart)")
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads of every process (default: the engine's policy, which drops a contended "
-                        "model process to one thread: then the two runs' denoisers may sum differently)")
+                   help="torch threads of every process (default: the engine's policy, under which a contended "
+                        "model process runs a wave on one thread: then the two runs' decodes may sum differently)")
     args = p.parse_args()
     from omni_core import Omni
 
     folder = build_folder(tempfile.mkdtemp(prefix="omni-stages-"), args.vae_dim)
+    split = parse_split(args.split)
+    label = ", ".join(f"{k}={v}" for k, v in split.items())
     load_before = os.getloadavg()
     common = dict(warmup=False, step_execution=not args.request_mode, max_num_seqs=args.max_num_seqs,
                   cpu_threads=args.cpu_threads)
-    engines = {"in line": Omni(folder, decode_workers=0, **common), "decode_workers=1": Omni(folder, decode_workers=1,
-                                                                                             **common)}
+    engines = {"in line": Omni(folder, **common), label: Omni(folder, **split, **common)}
     try:
         for omni in engines.values():  # one untimed round each: first-call costs out of the way
             run_round(omni, argparse.Namespace(**{**vars(args), "requests": 2}))
@@ -99,21 +111,22 @@ def main() -> None:
             omni.close()
     mode = "request" if args.request_mode else "step"
     print(f"tiny Wan, VAE base_dim={args.vae_dim}, {args.size}x{args.size}x{args.frames} frames, {args.steps} steps, "
-          f"{mode} mode, max_num_seqs={args.max_num_seqs}, cpu_threads={args.cpu_threads}; {args.requests} concurrent requests x {args.rounds} "
-          f"paired rounds; {os.cpu_count()} CPUs")
+          f"{mode} mode, max_num_seqs={args.max_num_seqs}, cpu_threads={args.cpu_threads}; {args.requests} "
+          f"concurrent requests x {args.rounds} paired rounds; {os.cpu_count()} CPUs")
     rates = {k: statistics.median(args.requests / w for w in ws) for k, ws in walls.items()}
     for name, rate in rates.items():
-        print(f"  {name:18s} {rate:7.2f} req/s   (walls: {', '.join(f'{w:.2f}' for w in walls[name])} s)")
-    ratios = [a / b for a, b in zip(walls["in line"], walls["decode_workers=1"])]
-    print(f"  throughput ratio decode_workers=1 / in line: {statistics.median(ratios):.2f}x "
+        print(f"  {name:38s} {rate:7.2f} req/s   (walls: {', '.join(f'{w:.2f}' for w in walls[name])} s)")
+    ratios = [a / b for a, b in zip(walls["in line"], walls[label])]
+    print(f"  throughput ratio split / in line: {statistics.median(ratios):.2f}x "
           f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})")
     print(f"  max |diff| of the outputs: {max(diffs):.2e}")
     print(f"  load average before: {' '.join(f'{x:.2f}' for x in load_before)}; after: "
           f"{' '.join(f'{x:.2f}' for x in load_after)}")
     print("  parameter bytes per process:")
     print(f"    in line, model process:   {stats['in line']['model_bytes']}")
-    print(f"    split, model process:     {stats['decode_workers=1']['model_bytes']}")
-    print(f"    split, decode process:    {stats['decode_workers=1']['stages']['decode']['model_bytes']}")
+    print(f"    split, model process:     {stats[label]['model_bytes']}")
+    for stage, info in stats[label].get("stages", {}).items():
+        print(f"    split, {stage} process:    {info['model_bytes']}")
 
 
 if __name__ == "__main__":
