@@ -59,9 +59,6 @@ class DiffusionEngine:
         self.scheduler = scheduler or plan.scheduler_cls(plan.capacity)
         if scheduler is None:  # the policy knobs (docs/scheduling.md)
             self.scheduler.configure(plan.config)
-        self.executor = executor or plan.executor_cls(plan.config, plan.resolved, on_progress=self._on_progress)
-        self.executor.start()
-
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         #: every admitted request that has not ended, by id: the engine's only per-request table
@@ -78,14 +75,16 @@ class DiffusionEngine:
                          "denoise_steps": 0, "requests_timed_out": 0, "step_waves_replaced": 0}
         #: where the busy loop's time went, summed over waves (see ``wave_timing``)
         self.timing = new_timing()
-        self._delivery = OutputDelivery()
         #: inside ``_apply`` (a listener that aborts there must not schedule in the middle of it)
         self._applying = False
+        self.executor = executor or plan.executor_cls(plan.config, plan.resolved, on_progress=self._on_progress)
+        #: the stage processes' links (``encode_workers`` / ``decode_workers``), launched to load while the model does
+        self._stages = StageLinks(self)
         #: the busy loop's step function, chosen once (plain, or pipelined over an executor that queues waves)
         self._steps = steps_for(self)
         self._deadlines = DeadlineWatcher(self)
-        #: the stage processes' links (``encode_workers`` / ``decode_workers``); empty when all run in line
-        self._stages = StageLinks.start(self)
+        self._stages.start_with(self.executor)
+        self._delivery = OutputDelivery()
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
         self._deadlines.thread.start()

@@ -20,7 +20,7 @@ class StageLinks:
     """Requests waiting for a stage process, and the processes' results on their way to the engine."""
 
     def __init__(self, engine: Any) -> None:
-        from omni_core.worker.stages import start_stage
+        from omni_core.worker.stages import launch_stage
 
         self.engine = engine
         #: request id -> the request, until its encodings come back
@@ -30,20 +30,28 @@ class StageLinks:
         self.decoding: dict[str, DiffusionOutput] = {}
         self._groups: dict[Any, list] = {}
         self.encode = self.decode = None
-        try:
-            self.encode = start_stage(ENCODE, engine.config, engine.resolved, self._on_encoded, self._on_dead)
-            self.decode = start_stage(DECODE, engine.config, engine.resolved, self._on_decoded, self._on_dead)
+        try:  # launched together: each loads while the others and the model do
+            self.encode = launch_stage(ENCODE, engine.config, engine.resolved, self._on_encoded, self._on_dead)
+            self.decode = launch_stage(DECODE, engine.config, engine.resolved, self._on_decoded, self._on_dead)
         except BaseException:
             self.shutdown()
             raise
 
-    @classmethod
-    def start(cls, engine: Any) -> StageLinks:
-        """The links for ``engine``'s config; a stage that fails to start shuts the model processes down too."""
+    def start_with(self, executor: Any) -> None:
+        """Start ``executor`` (the model loads) while the stage processes load, then wait for them; whatever fails,
+        what was started is shut down, and a stage's failure raises naming the stage."""
         try:
-            return cls(engine)
+            executor.start()
         except BaseException:
-            engine.executor.shutdown()
+            self.shutdown()
+            raise
+        try:
+            for process in (self.encode, self.decode):
+                if process is not None:
+                    process.wait_ready()
+        except BaseException:
+            self.shutdown()
+            executor.shutdown()
             raise
 
     # ------------------------------------------------------------------ encode

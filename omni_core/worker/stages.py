@@ -210,8 +210,16 @@ class StageProcess:
         self._closing = False
         #: requests this stage has finished (decoded, or encoded)
         self.done = 0
+        #: a death before ``wait_ready`` saw the process ready is its failure to start, not ``on_dead``'s
+        self._ready_seen = False
+        self._state_lock = threading.Lock()
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to load (the engine loads its model meanwhile)."""
         import torch.multiprocessing as tmp
 
         from omni_core.worker.mp_worker import BackgroundSender
@@ -224,10 +232,18 @@ class StageProcess:
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._monitor = threading.Thread(target=self._start_and_watch, name=f"omni-{self.stage}-monitor", daemon=True)
         self._monitor.start()
+
+    def wait_ready(self) -> None:
+        """Wait for the launched process to load; a failure shuts it down and raises naming the stage."""
         try:
             kind, value = self._ready.get(timeout=self.config.worker_start_timeout)
         except queue.Empty:
             kind, value = "fatal", f"it did not load within {self.config.worker_start_timeout} s"
+        if kind == "ready":
+            with self._state_lock:
+                self._ready_seen = True
+                if self.dead is not None:  # it died right after saying so
+                    kind, value = "fatal", self.dead
         if kind != "ready":
             self.shutdown()
             raise EngineDeadError(f"the {self.stage} stage's process failed to start: {value} (see its traceback above; "
@@ -238,6 +254,9 @@ class StageProcess:
     def _start_and_watch(self) -> None:
         import multiprocessing.connection
 
+        if self._closing:  # shut down before it was started
+            self._ready.put(("fatal", "the engine shut it down before it started"))
+            return
         try:
             self.proc.start()
         except BaseException as exc:  # noqa: BLE001 - handed to start()
@@ -249,8 +268,12 @@ class StageProcess:
         self.proc.join(1)
         reason = f"the {self.stage} stage's process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
         self._ready.put(("fatal", reason))  # read only while starting
-        if not self._closing and self.dead is None:
+        with self._state_lock:
+            if self._closing or self.dead is not None:
+                return
             self.dead = reason
+            report = self._ready_seen
+        if report:
             logger.error("%s", reason)
             self.on_dead(reason)
 
@@ -304,14 +327,14 @@ class StageProcess:
         self._monitor.join(5)
 
 
-def start_stage(stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
-                on_dead: Callable[[str], None]) -> StageProcess | None:
-    """Stage ``stage``'s process of ``config``, started (None when the stage runs in line)."""
+def launch_stage(stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
+                 on_dead: Callable[[str], None]) -> StageProcess | None:
+    """Stage ``stage``'s process of ``config``, launched (None when the stage runs in line); ``wait_ready`` it."""
     if not getattr(config, f"{stage}_workers", 0):
         return None
     process = StageProcess(stage, config, resolved, on_done, on_dead)
-    process.start()
+    process.launch()
     return process
 
 
-__all__ = ["StageProcess", "stage_main", "start_stage"]
+__all__ = ["StageProcess", "launch_stage", "stage_main"]

@@ -361,7 +361,11 @@ def test_stage_devices():
     from omni_core.errors import EngineDeadError
 
     with pytest.raises(EngineDeadError, match=r"decode_device='3'.*allowed: auto, cpu, 0\.\.0"):
-        Omni("shapes", warmup=False, decode_workers=1, decode_device=3)
+        Omni("shapes", warmup=False, encode_workers=1, decode_workers=1, decode_device=3, executor="mp")
+    import multiprocessing
+
+    # the stages and the model worker load together; one failing shuts the others down
+    wait_for(lambda: not [p for p in multiprocessing.active_children() if p.name.startswith("omni-")], timeout=15)
     with pytest.raises(ConfigError, match="encode_workers=1") as err:
         Omni("shapes", warmup=False, encode_device="cpu")
     assert err.value.field == "encode_device"
