@@ -44,7 +44,8 @@ logger = logging.getLogger("omni_core.worker")
 # ---------------------------------------------------------------------------------------------- the process
 def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int) -> None:
     """A stage's process: load that stage's components only, then run each batch of work it is sent (what
-    waits in its inbox is taken together; the encode stage takes it by priority, then arrival)."""
+    waits in its inbox is taken together; the encode stage takes it by priority, then arrival, and sends each
+    request back as soon as it is encoded)."""
     from omni_core.worker.parent_watch import die_with_parent
 
     die_with_parent(parent_pid)  # first of all: never outlive the engine
@@ -89,8 +90,8 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
         if stage == ENCODE:
             requests = sorted((r for items in work for r in items),
                               key=lambda r: (r.sampling_params.priority, r.arrival_time))
-            if requests:
-                sender.put(("done", _encode(pipeline, requests)))
+            for request in requests:  # each sent as soon as it is encoded: the denoiser may start on it
+                sender.put(("done", _encode(pipeline, [request])))
         else:
             for payloads in work:
                 if payloads:

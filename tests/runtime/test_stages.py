@@ -4,7 +4,7 @@ Outputs equal the in-line pipeline's bit for bit (shapes, a tiny Qwen-Image and 
 mode; threads fixed at one per process so every process sums in the same order); the model process holds no
 text-encoder or VAE weights and each stage process only its own (``stats()["model_bytes"]`` /
 ``stats()["stages"]``); a request waiting for its encode or decode is aborted at once and times out at its
-deadline; priorities still order requests that were encoded together; a killed stage process fails its requests
+deadline; priorities order the requests waiting for their encode; a killed stage process fails its requests
 with an error naming the stage and the engine reports it; no stage process outlives its engine, closed or
 killed; what cannot work is refused by name."""
 
@@ -293,8 +293,9 @@ def test_abort_and_deadline_while_waiting_for_the_encode():
         assert out.status == "completed" and out.tensor is not None
 
 
-def test_priorities_order_requests_encoded_together():
-    """Requests the encode stage returns together are queued together: the scheduler runs the urgent one first."""
+def test_priorities_order_requests_waiting_for_the_encode():
+    """The encode process takes what waits in its inbox by priority and queues each request as soon as it is
+    encoded: the urgent one, submitted last, runs first."""
     started: list[str] = []
 
     def on_progress(request_id: str, step: int, total: int) -> None:
