@@ -146,7 +146,8 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
     def stage_components_for(cls, model_path: str | None) -> dict[str, tuple[str, ...]]:
         """``{stage: components}`` for loading the decode (and encode) apart (``omni_core.worker.stages``): the
         class's ``stage_components`` if it declares them, else from the folder's model_index.json: the ``vae*``
-        components decode, the ``text_encoder*`` / ``tokenizer*`` ones encode."""
+        components decode, the ``text_encoder*`` / ``tokenizer*`` ones encode; a pipeline that takes input
+        images keeps its VAE on the denoise side too (``"denoise"``: it encodes the images)."""
         declared = getattr(cls, "stage_components", None)
         if declared is not None:
             return dict(declared)
@@ -154,8 +155,11 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
 
         index = (read_model_index(model_path) if model_path else None) or {}
         names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None]
-        return {"decode": tuple(n for n in names if n.startswith("vae")),
-                "encode": tuple(n for n in names if n.startswith(("text_encoder", "tokenizer")))}
+        stages = {"decode": tuple(n for n in names if n.startswith("vae")),
+                  "encode": tuple(n for n in names if n.startswith(("text_encoder", "tokenizer")))}
+        if getattr(cls, "image_input", None) is not None:  # the denoise side VAE-encodes the input images too
+            stages["denoise"] = stages["decode"]
+        return stages
 
     @classmethod
     def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any, apart: tuple = ("decode",)) -> dict:

@@ -107,7 +107,8 @@ def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any,
         from omni_core.optimize.components import components_of
 
         declared = declared_stages(cls, resolved.model_path)
-        drop_stage_components(pipeline, [n for s in apart for n in declared.get(s, ())] if stage == DENOISE else
+        drop_stage_components(pipeline, [n for s in apart for n in declared.get(s, ()) if n not in
+                                          declared.get(DENOISE, ())] if stage == DENOISE else
                               [n for n in components_of(pipeline) if n not in declared.get(ENCODE, ())])
     if stage is None or (stage == DENOISE and ENCODE not in apart):  # the encode stage keeps its own
         attach_embedding_cache(pipeline, config)  # the process's text-encoder output cache (embedding_cache_bytes)
@@ -128,8 +129,8 @@ def _stage_load(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, s
 
     cls = resolved.pipeline_cls()
     declared = declared_stages(cls, resolved.model_path)
-    if stage == DENOISE:
-        steps = [s for s in steps if not (s.action == "vae" and DECODE in apart)]
+    if stage == DENOISE:  # the VAE options go where the VAE runs (an image model's denoise side encodes with it)
+        steps = [s for s in steps if not (s.action == "vae" and DECODE in apart and not declared.get(DENOISE))]
     else:
         steps = [s for s in steps if s.action in ("read", "place") or (s.action == "vae" and stage == DECODE)]
     kwargs_for = getattr(cls, "stage_load_kwargs", None)

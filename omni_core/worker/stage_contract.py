@@ -63,9 +63,6 @@ def _why_not(stage: str, config: Any, pipeline_cls: type, model_path: str | None
     if stage not in declared_stages(pipeline_cls, model_path):
         return (f"pipeline {name} declares no {stage} components (stage_components[{stage!r}]), so its {stage} "
                 f"cannot be loaded apart")
-    if getattr(pipeline_cls, "image_input", None) is not None:
-        return (f"pipeline {name} takes input images, which its denoise side encodes with the VAE (and an edit "
-                f"model's text encoder reads) (not split yet)")
     if getattr(config, "offload", None) not in (None, "none"):
         return ("offload moves the whole pipeline's components in turn on the model's device; with a stage apart "
                 "its own process would hold that stage's components whole")
@@ -137,8 +134,8 @@ def diffusers_stage_kwargs(model_path: str, stage: str, components: dict[str, tu
         index = json.load(f)
     names = {k: tuple(v) for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2
              and v[0] is not None}
-    if stage == DENOISE:
-        skip = {n for s in apart for n in components.get(s, ())}
+    if stage == DENOISE:  # what the denoise side needs as well ("denoise": an image model's VAE) stays
+        skip = {n for s in apart for n in components.get(s, ())} - set(components.get(DENOISE, ()))
     else:
         skip = set(names) - set(components.get(stage, ()))
     kwargs: dict[str, Any] = {}

@@ -45,7 +45,7 @@ logger = logging.getLogger("omni_core.worker")
 def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int) -> None:
     """A stage's process: load that stage's components only, then run each batch of work it is sent (what
     waits in its inbox is taken together; the encode stage takes it by priority, then arrival, and sends each
-    request back as soon as it is encoded)."""
+    submit's requests back together as soon as they are encoded)."""
     from omni_core.worker.parent_watch import die_with_parent
 
     die_with_parent(parent_pid)  # first of all: never outlive the engine
@@ -88,10 +88,13 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
             items[:] = [x for x, rid in zip(items, ids) if rid not in dropped]
             dropped.difference_update(ids)
         if stage == ENCODE:
-            requests = sorted((r for items in work for r in items),
-                              key=lambda r: (r.sampling_params.priority, r.arrival_time))
-            for request in requests:  # each sent as soon as it is encoded: the denoiser may start on it
-                sender.put(("done", _encode(pipeline, [request])))
+            # one submit's requests come back together (the engine queues them at once, so they may share a
+            # wave, as submit promises), each submit as soon as it is encoded, the most urgent first
+            def rank(r: Any) -> tuple:
+                return r.sampling_params.priority, r.arrival_time
+
+            for group in sorted((sorted(items, key=rank) for items in work if items), key=lambda g: rank(g[0])):
+                sender.put(("done", _encode(pipeline, group)))
         else:
             for payloads in work:
                 if payloads:

@@ -186,14 +186,7 @@ def test_what_cannot_split_is_refused_by_name():
         Omni("shapes", warmup=False, decode_workers=2)
     from omni_core.config import OmniDiffusionConfig
     from omni_core.worker.stage_contract import check_stage_config
-    from omni_model_wan.i2v import WanImageToVideoPipeline
 
-    with pytest.raises(ConfigError, match="input images") as err:
-        check_stage_config(OmniDiffusionConfig(model="shapes", decode_workers=1), WanImageToVideoPipeline, None)
-    assert err.value.field == "decode_workers"
-    with pytest.raises(ConfigError, match="input images") as err:
-        check_stage_config(OmniDiffusionConfig(model="shapes", encode_workers=1), WanImageToVideoPipeline, None)
-    assert err.value.field == "encode_workers"
     from omni_model_shapes.pipeline import ShapesPipeline
 
     with pytest.raises(ConfigError, match="text-encoder weights") as err:
@@ -265,6 +258,29 @@ def test_wan22_equals_in_line(tmp_path_factory, step):
         assert torch.equal(a.tensor, b.tensor)
 
 
+def test_input_image_models_keep_their_vae_for_the_images(tmp_path_factory):
+    """Qwen-Image-Edit: the encode process runs the VL text encoder on the request's images, the model process
+    keeps the VAE (it encodes the input images) and the decode process decodes; bit-equal to in line."""
+    import numpy as np
+    from omni_model_qwen_image.testing import build_tiny_qwen_image_edit
+    from PIL import Image
+
+    folder = build_tiny_qwen_image_edit(tmp_path_factory.mktemp("edit-stages"))
+    images = [Image.fromarray(np.random.default_rng(s).integers(0, 256, (32, 32, 3), dtype=np.uint8)) for s in (0, 1)]
+    runs = []
+    for stages in (BOTH, IN_LINE):
+        with Omni(folder, warmup=False, step_execution=True, cpu_threads=1, **stages) as omni:
+            outs = omni.generate([{"prompt": "make it red", "image": [im]} for im in images], seed=3, use_tqdm=False,
+                                 output_type="pt", height=32, width=32, num_inference_steps=2)
+            runs.append((outs, omni.engine.stats()))
+    (split, stats), (inline, inline_stats) = runs
+    assert set(stats["model_bytes"]) == {"transformer", "vae"}
+    assert stats["stages"]["encode"]["model_bytes"] == {"text_encoder": inline_stats["model_bytes"]["text_encoder"]}
+    assert stats["stages"]["decode"]["model_bytes"] == {"vae": inline_stats["model_bytes"]["vae"]}
+    for a, b in zip(split, inline):
+        assert a.status == "completed" and torch.equal(a.images[0], b.images[0])
+
+
 def encode_pid(omni: Omni) -> int:
     return omni.engine.stats()["stages"]["encode"]["pid"]
 
@@ -294,8 +310,8 @@ def test_abort_and_deadline_while_waiting_for_the_encode():
 
 
 def test_priorities_order_requests_waiting_for_the_encode():
-    """The encode process takes what waits in its inbox by priority and queues each request as soon as it is
-    encoded: the urgent one, submitted last, runs first."""
+    """The encode process takes what waits in its inbox by priority and sends each submit's requests back as soon
+    as they are encoded: the urgent one, submitted last, runs first."""
     started: list[str] = []
 
     def on_progress(request_id: str, step: int, total: int) -> None:
