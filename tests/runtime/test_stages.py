@@ -138,18 +138,19 @@ def _request(seed: int, **params):
                                 sampling_params=SamplingParams(seed=seed, **SHAPES, **params))
 
 
-def test_a_killed_decode_process_fails_its_requests_naming_the_stage():
-    with Omni("shapes", warmup=False, step_execution=True, decode_workers=1, max_num_seqs=4) as omni:
-        pid = decode_pid(omni)
-        os.kill(pid, signal.SIGSTOP)
+@pytest.mark.parametrize("stage", ["decode", "encode"])
+def test_a_killed_stage_process_fails_its_requests_naming_the_stage(stage):
+    with Omni("shapes", warmup=False, step_execution=True, max_num_seqs=4, **{f"{stage}_workers": 1}) as omni:
+        pid = omni.engine.stats()["stages"][stage]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # every request waits for it
         handles = omni.engine.submit([omni.engine.prepare_request(_request(s)) for s in range(2)])
-        wait_for(lambda: omni.engine.stats()["stages"]["decode"]["waiting"] == 2)
+        wait_for(lambda: omni.engine.stats()["stages"][stage]["waiting"] == 2)
         os.kill(pid, signal.SIGKILL)
         outs = [h.result(timeout=10) for h in handles]
-        assert all(o.status == "error" and "decode stage" in o.error for o in outs), [o.error for o in outs]
-        assert omni.engine.is_dead and "decode stage" in omni.engine.dead_reason
-        assert "decode stage" in omni.engine.stats()["dead"]
-        assert "decode stage" in omni.engine.stats()["stages"]["decode"]["dead"]
+        what = f"{stage} stage"
+        assert all(o.status == "error" and what in o.error for o in outs), [o.error for o in outs]
+        assert omni.engine.is_dead and what in omni.engine.dead_reason
+        assert what in omni.engine.stats()["dead"] and what in omni.engine.stats()["stages"][stage]["dead"]
 
 
 SCRIPT = """
@@ -347,18 +348,6 @@ def test_the_embedding_cache_lives_in_the_encode_stage():
                 assert cache["misses"] == 2 and cache["hits"] == 30 and cache["entries"] == 2, cache
     for a, b in zip(outs["split"], outs["in line"]):
         assert torch.equal(a.tensor, b.tensor)
-
-
-def test_a_killed_encode_process_fails_its_requests_naming_the_stage():
-    with Omni("shapes", warmup=False, step_execution=True, encode_workers=1, max_num_seqs=4) as omni:
-        pid = encode_pid(omni)
-        os.kill(pid, signal.SIGSTOP)
-        handles = omni.engine.submit([omni.engine.prepare_request(_request(s)) for s in range(2)])
-        wait_for(lambda: omni.engine.stats()["stages"]["encode"]["waiting"] == 2)
-        os.kill(pid, signal.SIGKILL)
-        outs = [h.result(timeout=10) for h in handles]
-        assert all(o.status == "error" and "encode stage" in o.error for o in outs), [o.error for o in outs]
-        assert omni.engine.is_dead and "encode stage" in omni.engine.stats()["stages"]["encode"]["dead"]
 
 
 def test_stage_devices():
