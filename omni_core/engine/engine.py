@@ -80,10 +80,11 @@ class DiffusionEngine:
         self.executor = executor or plan.executor_cls(plan.config, plan.resolved, on_progress=self._on_progress)
         #: the stage processes' links (``encode_workers`` / ``decode_workers``), launched to load while the model does
         self._stages = StageLinks(self)
-        #: the busy loop's step function, chosen once (plain, or pipelined over an executor that queues waves)
-        self._steps = steps_for(self)
         self._deadlines = DeadlineWatcher(self)
         self._stages.start_with(self.executor)
+        #: the busy loop's step function, chosen once (plain, or pipelined over an executor that queues waves, which
+        #: it says once started)
+        self._steps = steps_for(self)
         self._delivery = OutputDelivery()
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
