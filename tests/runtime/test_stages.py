@@ -100,35 +100,11 @@ def test_qwen_image_outputs_equal_in_line_and_the_model_process_holds_the_denois
         assert a.status == "completed" and torch.equal(a.tensor, b.tensor)
 
 
-def decode_pid(omni: Omni) -> int:
-    return omni.engine.stats()["stages"]["decode"]["pid"]
-
-
 def wait_for(cond, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
-
-
-def test_abort_while_waiting_for_decode_ends_at_once():
-    with Omni("shapes", warmup=False, step_execution=True, decode_workers=1, max_num_seqs=4) as omni:
-        pid = decode_pid(omni)
-        os.kill(pid, signal.SIGSTOP)  # the decode process holds every request that reaches it
-        try:
-            handle, = omni.engine.submit([omni.engine.prepare_request(_request(0))])
-            wait_for(lambda: omni.engine.stats()["stages"]["decode"]["waiting"] == 1)
-            t0 = time.monotonic()
-            omni.engine.abort(handle.request_id)
-            out = handle.result(timeout=5)
-            assert out.status == "aborted" and time.monotonic() - t0 < 1.0
-            assert omni.engine.stats()["stages"]["decode"]["waiting"] == 0
-            assert handle.request_id not in omni.engine.stats()["tracked_requests"]
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        # the dropped decode does not surface; the engine goes on
-        out, = omni.generate(["a red circle in the top left"], SamplingParams(seed=1, **SHAPES), use_tqdm=False)
-        assert out.status == "completed" and out.tensor is not None
 
 
 def _request(seed: int, **params):
@@ -214,7 +190,7 @@ def test_the_cli_flag_reaches_the_config():
     assert not {"decode_workers", "encode_workers", "encode_device"} & set(engine_options(parser.parse_args([])))
 
 
-@pytest.mark.parametrize("step", MODES)
+@pytest.mark.parametrize("step", [pytest.param(True, id="step")])
 def test_previews_stream_before_the_decoded_output(qwen_dir, step):
     """Streaming previews: one per step, the last step's before the final output, which carries the image the
     in-line decode gives."""
@@ -247,9 +223,8 @@ def test_wan22_equals_in_line(tmp_path_factory, step):
     folder = build_tiny_wan(tmp_path_factory.mktemp("wan-stages"), two_experts=True)
     params = {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 3.0,
               "max_sequence_length": 32}
-    runs = {}
-    for name, stages in (("split", BOTH), ("in line", IN_LINE)):
-        runs[name] = run(folder, step, stages, params, executor="mp" if step else "uni")
+    runs = {"split": run(folder, step, BOTH, params, executor="mp" if step else "uni"),
+            "in line": run(folder, step, IN_LINE, params)}  # uni: the same bits as mp, one process less
     (split, stats), (inline, inline_stats) = runs["split"], runs["in line"]
     assert set(stats["model_bytes"]) == {"transformer", "transformer_2"}
     assert stats["stages"]["decode"]["model_bytes"] == {"vae": inline_stats["model_bytes"]["vae"]}
@@ -282,63 +257,71 @@ def test_input_image_models_keep_their_vae_for_the_images(tmp_path_factory):
         assert a.status == "completed" and torch.equal(a.images[0], b.images[0])
 
 
-def encode_pid(omni: Omni) -> int:
-    return omni.engine.stats()["stages"]["encode"]["pid"]
+def stopped(pid: int):
+    """SIGSTOP a stage process for the ``with`` block: every request that reaches it waits."""
+    import contextlib
 
-
-def test_abort_and_deadline_while_waiting_for_the_encode():
-    with Omni("shapes", warmup=False, step_execution=True, **BOTH, max_num_seqs=4) as omni:
-        pid = encode_pid(omni)
-        os.kill(pid, signal.SIGSTOP)  # the encode process holds every request that reaches it
+    @contextlib.contextmanager
+    def block():
+        os.kill(pid, signal.SIGSTOP)
         try:
-            handle, = omni.engine.submit([omni.engine.prepare_request(_request(0))])
-            timed, = omni.engine.submit([omni.engine.prepare_request(_request(1, timeout=0.5))])
-            wait_for(lambda: omni.engine.stats()["stages"]["encode"]["waiting"] == 2)
-            t0 = time.monotonic()
-            omni.engine.abort(handle.request_id)
-            out = handle.result(timeout=5)
-            assert out.status == "aborted" and time.monotonic() - t0 < 1.0
-            out = timed.result(timeout=5)  # its deadline passes while the encode process is stopped
-            assert out.status == "error" and "timeout" in out.error.lower(), out.error
-            stats = omni.engine.stats()
-            assert stats["stages"]["encode"]["waiting"] == 0 and not stats["tracked_requests"]
-            assert stats["requests_timed_out"] == 1
+            yield
         finally:
             os.kill(pid, signal.SIGCONT)
-        # the dropped encodes do not surface; the engine goes on
-        out, = omni.generate(["a red circle in the top left"], SamplingParams(seed=1, **SHAPES), use_tqdm=False)
-        assert out.status == "completed" and out.tensor is not None
+
+    return block()
 
 
-def test_priorities_order_requests_waiting_for_the_encode():
-    """The encode process takes what waits in its inbox by priority and sends each submit's requests back as soon
-    as they are encoded: the urgent one, submitted last, runs first."""
+def test_abort_deadline_and_priorities_while_waiting_for_a_stage():
+    """One engine with both stages (``max_num_seqs=1``): a request waiting for its decode, or for its encode, is
+    aborted at once; one past its deadline while waiting for its encode times out; the encode process takes what
+    waits by priority and sends each submit's requests back as soon as they are encoded (the urgent one,
+    submitted last, runs first); the dropped ones never surface and the engine goes on."""
     started: list[str] = []
 
     def on_progress(request_id: str, step: int, total: int) -> None:
         if request_id not in started:
             started.append(request_id)
 
-    with Omni("shapes", warmup=False, step_execution=True, encode_workers=1, max_num_seqs=1) as omni:
-        pid = encode_pid(omni)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            late = omni.engine.submit([omni.engine.prepare_request(_request(s, priority=5)) for s in range(3)],
-                                      on_progress=on_progress)
-            urgent, = omni.engine.submit([omni.engine.prepare_request(_request(9, priority=-1))],
-                                         on_progress=on_progress)
-            wait_for(lambda: omni.engine.stats()["stages"]["encode"]["waiting"] == 4)
-        finally:
-            os.kill(pid, signal.SIGCONT)
+    with Omni("shapes", warmup=False, step_execution=True, max_num_seqs=1, **BOTH) as omni:
+        engine, pids = omni.engine, {k: v["pid"] for k, v in omni.engine.stats()["stages"].items()}
+
+        def abort_at_once(handle) -> None:
+            t0 = time.monotonic()
+            engine.abort(handle.request_id)
+            out = handle.result(timeout=5)
+            assert out.status == "aborted" and time.monotonic() - t0 < 1.0
+
+        with stopped(pids["decode"]):
+            handle, = engine.submit([engine.prepare_request(_request(0))])
+            wait_for(lambda: engine.stats()["stages"]["decode"]["waiting"] == 1)
+            abort_at_once(handle)
+            assert engine.stats()["stages"]["decode"]["waiting"] == 0
+        with stopped(pids["encode"]):
+            handle, = engine.submit([engine.prepare_request(_request(0))])
+            timed, = engine.submit([engine.prepare_request(_request(1, timeout=0.5))])
+            wait_for(lambda: engine.stats()["stages"]["encode"]["waiting"] == 2)
+            abort_at_once(handle)
+            out = timed.result(timeout=5)  # its deadline passes while the encode process is stopped
+            assert out.status == "error" and "timeout" in out.error.lower(), out.error
+            stats = engine.stats()
+            assert stats["stages"]["encode"]["waiting"] == 0 and not stats["tracked_requests"]
+            assert stats["requests_timed_out"] == 1
+        with stopped(pids["encode"]):
+            late = engine.submit([engine.prepare_request(_request(s, priority=5)) for s in range(3)],
+                                 on_progress=on_progress)
+            urgent, = engine.submit([engine.prepare_request(_request(9, priority=-1))], on_progress=on_progress)
+            wait_for(lambda: engine.stats()["stages"]["encode"]["waiting"] == 4)
         assert all(h.result(timeout=60).status == "completed" for h in [urgent, *late])
-    assert started[0] == urgent.request_id, started
+        assert started[0] == urgent.request_id, started
+        assert engine.stats()["requests_completed"] == 4  # the aborted and timed-out ones never surfaced
 
 
 def test_the_embedding_cache_lives_in_the_encode_stage():
     """16 requests, one prompt, 16 seeds: the encode stage runs its text encoder on the prompt once (and once on
     the empty negative prompt), gives the in-line images, and stats() reports its cache."""
     outs = {}
-    for name, stages in (("split", BOTH), ("in line", IN_LINE)):
+    for name, stages in (("split", {**BOTH, "encode_device": "cpu"}), ("in line", IN_LINE)):
         with Omni("shapes", warmup=False, step_execution=True, cpu_threads=1, max_num_seqs=4, **stages) as omni:
             outs[name] = omni.generate(["a red circle in the top left"] * 16,
                                        [SamplingParams(seed=s, **SHAPES) for s in range(16)], use_tqdm=False)
@@ -346,24 +329,21 @@ def test_the_embedding_cache_lives_in_the_encode_stage():
             if name == "split":
                 cache = stats["embedding_cache"]
                 assert cache["misses"] == 2 and cache["hits"] == 30 and cache["entries"] == 2, cache
+                # encode_device places the process; /metrics reports the stages
+                assert stats["stages"]["encode"]["device"] == "cpu" and stats["stages"]["decode"]["device"] == "cpu"
+                from omni_core.serve.metrics import ServerMetrics
+
+                text = ServerMetrics().render(stats, model="shapes", video_jobs={})
+                assert 'omni_stage_requests_done_total{model="shapes",stage="encode"} 16' in text
+                assert 'omni_stage_requests_waiting{model="shapes",stage="decode"} 0' in text
+                assert 'omni_stage_model_bytes{model="shapes",stage="encode",component="text_encoder"}' in text
     for a, b in zip(outs["split"], outs["in line"]):
         assert torch.equal(a.tensor, b.tensor)
 
 
-def test_stage_devices():
-    """``encode_device`` / ``decode_device`` place the stage processes; a device the platform lacks is refused
-    naming the field and the allowed values, and so is a device without its stage's process."""
-    with Omni("shapes", warmup=False, encode_workers=1, encode_device="cpu", decode_workers=1) as omni:
-        stages = omni.engine.stats()["stages"]
-        assert stages["encode"]["device"] == "cpu" and stages["decode"]["device"] == "cpu"
-        out, = omni.generate(["a red circle"], SamplingParams(seed=0, **SHAPES), use_tqdm=False)
-        assert out.status == "completed"
-        from omni_core.serve.metrics import ServerMetrics
-
-        text = ServerMetrics().render(omni.engine.stats(), model="shapes", video_jobs={})
-        assert 'omni_stage_requests_done_total{model="shapes",stage="encode"} 1' in text
-        assert 'omni_stage_requests_waiting{model="shapes",stage="decode"} 0' in text
-        assert 'omni_stage_model_bytes{model="shapes",stage="encode",component="text_encoder"}' in text
+def test_bad_stage_devices_are_refused():
+    """A device the platform lacks is refused naming the field and the allowed values (and the model worker and
+    the other stage, loading meanwhile, are shut down), and so is a device without its stage's process."""
     from omni_core.errors import EngineDeadError
 
     with pytest.raises(EngineDeadError, match=r"decode_device='3'.*allowed: auto, cpu, 0\.\.0"):
