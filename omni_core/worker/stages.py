@@ -72,21 +72,14 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
         sender.put(("fatal", _traceback()))
         sender.close()
         return
-    dropped: set[str] = set()
     while True:
         msgs = [in_q.get()]
         while not in_q.empty():  # what else waits is taken together
             msgs.append(in_q.get())
-        work: list[list] = []
-        for msg in msgs:
-            if msg[0] == "abort":
-                dropped.update(msg[1])
-            elif msg[0] == "work":
-                work.append(msg[1])
-        for items in work:
-            ids = [_item_id(x) for x in items]
-            items[:] = [x for x, rid in zip(items, ids) if rid not in dropped]
-            dropped.difference_update(ids)
+        # an abort always follows its request's work (one queue, the engine's lock): one that finds no work in
+        # this batch came after the work was done, and is moot
+        dropped = {rid for msg in msgs if msg[0] == "abort" for rid in msg[1]}
+        work = [[x for x in msg[1] if x.request_id not in dropped] for msg in msgs if msg[0] == "work"]
         if stage == ENCODE:
             # one submit's requests come back together (the engine queues them at once, so they may share a
             # wave, as submit promises), each submit as soon as it is encoded, the most urgent first
@@ -106,10 +99,6 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
 
     util._exit_function()  # multiprocessing's own exit work (semaphores such as tqdm's lock), as the model workers
     os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded), as the model workers do
-
-
-def _item_id(item: Any) -> str:
-    return item.request_id
 
 
 def _place(config: Any, stage: str) -> tuple[Any, Any]:
