@@ -58,6 +58,22 @@ def run_round(omni, args) -> tuple[float, list]:
     return wall, [o.tensor for o in outs]
 
 
+def cpu_busy(seconds: float = 2.0) -> float | None:
+    """Cores busy over ``seconds`` (``/proc/stat``) before the engines start: what other work leaves the bench.
+    Pipelining the stages gains only while a core would idle in line; on two cores another process keeps busy,
+    there is little for the second process to fill."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    try:
+        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
+
+
 def parse_split(text: str) -> dict:
     """``encode_workers=1,decode_workers=1`` -> keyword arguments of the split engine."""
     out = {}
@@ -78,7 +94,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--request-mode", action="store_true")
     p.add_argument("--split", default="encode_workers=1,decode_workers=1",
-                   help="the split engine's stage options (default: both stages apart)")
+                   help="the split engine's options, over the common ones (default: both stages apart; e.g. "
+                        "'decode_workers=1,cpu_threads=1')")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads of every process (default: the engine's policy, under which a contended "
                         "model process runs a wave on one thread: then the two runs' decodes may sum differently)")
@@ -88,10 +105,10 @@ def main() -> None:
     folder = build_folder(tempfile.mkdtemp(prefix="omni-stages-"), args.vae_dim)
     split = parse_split(args.split)
     label = ", ".join(f"{k}={v}" for k, v in split.items())
-    load_before = os.getloadavg()
+    load_before, busy_before = os.getloadavg(), cpu_busy()
     common = dict(warmup=False, step_execution=not args.request_mode, max_num_seqs=args.max_num_seqs,
                   cpu_threads=args.cpu_threads)
-    engines = {"in line": Omni(folder, **common), label: Omni(folder, **split, **common)}
+    engines = {"in line": Omni(folder, **common), label: Omni(folder, **{**common, **split})}
     try:
         for omni in engines.values():  # one untimed round each: first-call costs out of the way
             run_round(omni, argparse.Namespace(**{**vars(args), "requests": 2}))
@@ -120,6 +137,8 @@ def main() -> None:
     print(f"  throughput ratio split / in line: {statistics.median(ratios):.2f}x "
           f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})")
     print(f"  max |diff| of the outputs: {max(diffs):.2e}")
+    if busy_before is not None:
+        print(f"  cores busy before the engines started (/proc/stat, 2 s): {busy_before:.2f} of {os.cpu_count()}")
     print(f"  load average before: {' '.join(f'{x:.2f}' for x in load_before)}; after: "
           f"{' '.join(f'{x:.2f}' for x in load_after)}")
     print("  parameter bytes per process:")

@@ -56,12 +56,22 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
 
     sender = BackgroundSender(out_q)
     try:
+        import torch
+
         from omni_core.pipelines.loader import load_pipeline
         from omni_core.platforms.threads import apply_thread_policy
         from omni_core.utils.dtypes import torch_dtype
 
         platform, device = _place(config, stage)
-        apply_thread_policy(config, processes=config.world_size)  # the in-line stage's threads: the same sums
+        budget = apply_thread_policy(config, processes=config.world_size)  # the in-line stage's threads
+        # on the CPU, like the model process: one thread while the cores are contended (a 2-thread op waits at
+        # the barrier for a descheduled thread: decode rounds 4-8x slower under load, bench/stages.py), unless
+        # the user fixed the count (cpu_threads: then the same sums as in line, always)
+        gauge = None
+        if getattr(config, "cpu_threads", None) is None and device.type == "cpu":
+            from omni_core.platforms.threads import ContentionGauge
+
+            gauge = ContentionGauge()
         pipeline = load_pipeline(resolved, config, device, torch_dtype(config, platform), stage=stage)
         if stage == ENCODE:  # always a cache: it makes the window encode every text, each alone (see above)
             from omni_core.pipelines.embedding_cache import EmbeddingCache
@@ -80,6 +90,8 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
         # this batch came after the work was done, and is moot
         dropped = {rid for msg in msgs if msg[0] == "abort" for rid in msg[1]}
         work = [[x for x in msg[1] if x.request_id not in dropped] for msg in msgs if msg[0] == "work"]
+        if gauge is not None and torch.get_num_threads() != (n := gauge.threads(budget)):
+            torch.set_num_threads(n)  # only when it changes: it also empties oneDNN's primitive cache
         if stage == ENCODE:
             # one submit's requests come back together (the engine queues them at once, so they may share a
             # wave, as submit promises), each submit as soon as it is encoded, the most urgent first
