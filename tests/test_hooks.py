@@ -106,6 +106,19 @@ def test_removal_restores_the_module_exactly():
         remove_hook(m, "mul")
 
 
+def test_removing_a_hook_undoes_what_its_initialisation_did():
+    """A hook whose ``initialize_hook`` changes the module (the model-offload hook makes itself the module's
+    ``_hf_hook``, which diffusers' ``vae.decode`` calls) is taken off by ``remove``: nothing of it stays behind."""
+    from omni_core.optimize.model_offload import MODEL_OFFLOAD_HOOK, ModelOffload, OffloadRing
+
+    m = lin()
+    before = dict(m.__dict__)
+    hook = add_hook(m, MODEL_OFFLOAD_HOOK, ModelOffload(OffloadRing("cpu")))
+    assert m._hf_hook is hook
+    assert remove_hook(m, MODEL_OFFLOAD_HOOK) is hook
+    assert "_hf_hook" not in m.__dict__ and m.__dict__ == before
+
+
 def test_an_instance_forward_set_before_is_kept_and_put_back():
     x = torch.randn(2, 3)
     m = lin()

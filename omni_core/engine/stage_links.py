@@ -100,8 +100,8 @@ class StageLinks:
                 if pending is None or rid not in engine._records:
                     continue  # aborted (or timed out) while it waited
                 peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
+                # no preview to carry over: step mode delivers a request's previews before it waits for its decode
                 out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
-                out.preview = pending.preview
                 engine._finalize(rid, out)
 
     # ------------------------------------------------------------------ both

@@ -58,14 +58,24 @@ def test_model_offload_brings_components_in_turn_in_a_ring(qwen_dir):
         seen.append(("vae.decode", ring.current is vae))
         return out
     type(modules["vae"]).decode = spy
+    moves = []  # (component, where to) of every .to() call: on CPU the moves change nothing, so they are recorded
+    for name, module in modules.items():
+        module.to = lambda *a, _to=module.to, _name=name, **k: (moves.append((_name, str(a[0]))), _to(*a, **k))[1]
     try:
         run_qwen(pipe)
     finally:
         type(modules["vae"]).decode = decode
+        for module in modules.values():
+            del module.to
     names = [n for n, _ in seen if n != "vae"]  # the VAE's own forward is not what a pipeline calls
     assert all(current for _, current in seen), seen  # every component ran while current
     assert names[0] == "text_encoder" and names[-1] == "vae.decode" and "transformer" in names, names
     assert ring.current is modules["vae"]
+    # each component that comes in sends the one before it home first (a ring, not three resident components):
+    # in, then each next one in after the one before it went home: (text encoder in), (text encoder out, transformer
+    # in), (transformer out, VAE in); without the eviction all three would stay on the device
+    assert [name for name, _ in moves] == ["text_encoder", "text_encoder", "transformer", "transformer", "vae"], moves
+    assert {to for _, to in moves} == {"cpu"}
     modules["text_encoder"](torch.ones(1, 3, dtype=torch.long))
     assert ring.current is modules["text_encoder"]
 

@@ -43,7 +43,10 @@ def text_encoder(omni: Omni) -> torch.nn.Module:
 def run(model: str, step: bool, cache_bytes: int, params: dict, prompts: list, *, repeat: int = 1):
     """Outputs' tensors of ``prompts`` (one seed each) per repeat, the rows of every text-encoder call, and
     ``stats()["embedding_cache"]``."""
-    with Omni(model, warmup=False, step_execution=step, embedding_cache_bytes=cache_bytes, max_num_seqs=8) as omni:
+    # cpu_threads fixed: outputs are compared bit for bit, and the engine's default thread policy drops a contended
+    # wave to one thread (a sum over another thread count differs in the last bits: flaky under load)
+    with Omni(model, warmup=False, step_execution=step, embedding_cache_bytes=cache_bytes, max_num_seqs=8,
+              cpu_threads=1) as omni:
         calls: list[int] = []
         hook = text_encoder(omni).register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
         try:

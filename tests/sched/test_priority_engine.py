@@ -222,11 +222,12 @@ def test_the_earliest_deadline_fires_first_whatever_the_order_they_were_set(engi
     ev.wait_steps("long", 1)
     (short,) = ev.submit(engine, short=req("short", 5, 200, 2, timeout=0.3))
     out = short.result(timeout=60)
-    assert out.status == "error" and out.metrics["timed_out"] is True
-    # at the latest 1.5 s after its submit, 1.2 s (well over a loaded machine's delay) before the long deadline
-    assert 0.3 <= out.metrics["e2e_latency_s"] <= 1.5, out.metrics
     long_one.abort()
+    # the order, whatever the machine's speed: the short one timed out while the long one still ran (a watcher
+    # sleeping until the latest deadline fires both at 3 s, and the long one then times out instead)
     assert long_one.result(timeout=60).status == "aborted"  # its own deadline had not passed
+    assert out.status == "error" and out.metrics["timed_out"] is True
+    assert 0.3 <= out.metrics["e2e_latency_s"] < 3.0, out.metrics
     assert_nothing_left(engine)
 
 
