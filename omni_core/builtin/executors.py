@@ -10,5 +10,6 @@ def omni_register_executors():
         ExecutorSpec(name="uni", impl="omni_core.executor.uni:UniProcExecutor",
                      description="runs the model in the engine's process"),
         ExecutorSpec(name="mp", impl="omni_core.executor.mp:MultiProcExecutor",
-                     description="worker processes over torch.distributed, tensors through shared memory"),
+                     description="worker processes over torch.distributed, tensors through shared memory",
+                     local_processes=True),
     ]

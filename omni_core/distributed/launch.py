@@ -1,6 +1,6 @@
 """Run a function on N local processes joined by ``torch.distributed`` (tests, benchmarks, demos).
 
-``spawn_workers("path/to/file.py:fn", 4)`` starts 4 spawned processes, joins them into a process group
+``spawn_workers("path/to/file.py:fn", 4)`` starts 4 processes (Omni's start method: :mod:`omni_core.worker.processes`), joins them into a process group
 (gloo by default) on a free localhost port, calls ``fn(rank, world_size, *args)`` in each, and returns the
 per-rank return values (which must pickle). A failing rank ends the others and the parent raises with every
 failed rank's traceback (the first rank noticed may only be a victim of another's failure); a run that
@@ -46,7 +46,10 @@ def _resolve(target: str | Callable) -> Callable:
 
 
 def _child(rank: int, world_size: int, port: int, target: Any, args: tuple, result_dir: str, backend: str,
-           threads: int, timeout: float) -> None:
+           threads: int, timeout: float, environment: dict[str, str]) -> None:
+    from omni_core.worker.processes import child_setup
+
+    child_setup(None, environment)
     import torch
     import torch.distributed as dist
 
@@ -81,10 +84,13 @@ def spawn_workers(target: str | Callable, world_size: int, args: tuple = (), *, 
     """
     import torch.multiprocessing as mp
 
+    from omni_core.worker.processes import child_environment, process_context, start_method
+
+    process_context()  # the fork server's preload, when that is the start method
     with tempfile.TemporaryDirectory(prefix="omni_spawn_") as result_dir:
         ctx = mp.start_processes(_child, args=(world_size, free_port(), target, tuple(args), result_dir, backend,
-                                               threads, timeout),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                               threads, timeout, child_environment()),
+                                 nprocs=world_size, join=False, start_method=start_method())
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=0.2):

@@ -68,6 +68,7 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
     from omni_core.plugins.manager import get_plugin_manager
 
     pm = get_plugin_manager()
+    _start_process_server(config, pm)  # loads the libraries for the model processes while the checks below run
     resolved = resolved if resolved is not None else resolve_model(config.model, pm)
     check_parallel_support(resolved, config.parallel_config)
     pipeline_cls = resolved.pipeline_cls()
@@ -105,6 +106,19 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
     return EnginePlan(config=config, resolved=resolved, pipeline_cls=pipeline_cls, limits=limits,
                       performance=performance, mode=mode, capacity=capacity, scheduler_cls=scheduler_cls,
                       executor_cls=executor_cls)
+
+
+def _start_process_server(config: OmniDiffusionConfig, pm: Any) -> None:
+    """Start Omni's fork server now (in the background) when this engine will start processes on this host (an
+    executor that declares ``local_processes``, or a stage apart); a plan that fails leaves only the idle server."""
+    try:
+        local = pm.get_component("executor", config.executor_name).local_processes
+    except Exception:  # noqa: BLE001 - an unknown executor is refused below, with its message
+        local = False
+    if local or config.encode_workers or config.decode_workers:
+        from omni_core.worker.processes import start_server_soon
+
+        start_server_soon()
 
 
 __all__ = ["EnginePlan", "plan_engine"]

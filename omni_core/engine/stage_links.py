@@ -154,7 +154,8 @@ class StageLinks:
         for name, process, waiting in ((ENCODE, self.encode, self.encoding), (DECODE, self.decode, self.decoding)):
             if process is not None:
                 stages[name] = {"pid": process.pid(), "device": process.device, "model_bytes": dict(process.model_bytes),
-                                "waiting": len(waiting), "done": process.done, "dead": process.dead}
+                                "waiting": len(waiting), "unsent": process.unsent, "done": process.done,
+                                "dead": process.dead}
         return {"stages": stages} if stages else {}
 
     def shutdown(self) -> None:

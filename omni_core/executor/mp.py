@@ -1,4 +1,5 @@
-"""``mp``: one worker process per rank, started with spawn, over ``torch.distributed``.
+"""``mp``: one worker process per rank, started from Omni's fork server (:mod:`omni_core.worker.processes`), over
+``torch.distributed``.
 
 Waves go to every rank once through per-rank queues; results come from rank 0. Tensors travel through
 shared memory (``torch.multiprocessing`` queues move tensor storage to shared memory instead of pickling
@@ -49,9 +50,8 @@ def _kill_all(procs: list) -> None:
 
 class MultiProcExecutor(DiffusionExecutor):
     def start(self) -> None:
-        import torch.multiprocessing as tmp
-
         from omni_core.worker.mp_worker import worker_main
+        from omni_core.worker.processes import child_environment, process_context
 
         from omni_core.distributed.parallel_state import RankLayout
 
@@ -60,7 +60,7 @@ class MultiProcExecutor(DiffusionExecutor):
         self.replicas = RankLayout.from_config(self.config.parallel_config).replicas()
         self._replica_of_rank = {r: i for i, ranks in enumerate(self.replicas) for r in ranks}
         self._assigned: dict[str, int] = {}
-        ctx = tmp.get_context("spawn")
+        ctx = process_context()
         self._closing = False
         self._dead: str | None = None
         # SimpleQueues: a put pickles and writes at once, where a Queue hands the message to a feeder thread
@@ -75,7 +75,8 @@ class MultiProcExecutor(DiffusionExecutor):
         port = free_port()
         self.procs = [ctx.Process(target=worker_main, name=f"omni-worker-{rank}", daemon=True,
                                   args=(rank, self.world_size, self.config, self.resolved, port, self.task_qs[rank],
-                                        self.result_q, self.abort_qs[self._replica_of_rank[rank]], os.getpid()))
+                                        self.result_q, self.abort_qs[self._replica_of_rank[rank]], os.getpid(),
+                                        child_environment()))
                       for rank in range(self.world_size)]
         # Workers die with their parent *thread* (PR_SET_PDEATHSIG), so the monitor, which lives until every
         # worker has exited, starts them -- not the caller's thread, which may end first (a thread pool's).
@@ -107,8 +108,8 @@ class MultiProcExecutor(DiffusionExecutor):
                 if dead:
                     raise EngineDeadError(
                         f"worker {dead[0].name} exited with code {dead[0].exitcode} during start-up (see its "
-                        f"traceback above). Workers are started with spawn: a script that creates the engine at "
-                        f"module level must guard it with `if __name__ == '__main__':`")
+                        f"traceback above). Workers import the caller's main module as spawn does: a script that "
+                        f"creates the engine at module level must guard it with `if __name__ == '__main__':`")
                 continue
             if msg[0] == "ready":
                 ready.add(msg[1])

@@ -54,11 +54,21 @@ class BackgroundSender:
 
         self._out = result_q
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        #: messages put and not yet written (``unsent``); only ``put`` adds and only the writer takes away
+        self._unsent = 0
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="omni-result-sender", daemon=True)
         self._thread.start()
 
     def put(self, msg: Any) -> None:
+        with self._count_lock:
+            self._unsent += 1
         self._pending.put(msg)
+
+    @property
+    def unsent(self) -> int:
+        """Messages put and not yet written to the other process."""
+        return self._unsent
 
     def _run(self) -> None:
         while (msg := self._pending.get()) is not None:
@@ -67,6 +77,8 @@ class BackgroundSender:
             except Exception:  # noqa: BLE001 - the engine's end of the pipe is gone
                 traceback.print_exc()
                 return
+            with self._count_lock:
+                self._unsent -= 1
 
     def close(self, timeout: float = 60.0) -> None:
         self._pending.put(None)
@@ -157,14 +169,11 @@ def _replica_group(config: Any, rank: int, world_size: int) -> tuple[int, list[i
 
 
 def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_port: int, task_q: Any,
-                result_q: Any, abort_q: Any, parent_pid: int | None = None) -> None:
-    if parent_pid is not None:  # first of all: a worker must never outlive the engine's process
-        from omni_core.worker.parent_watch import die_with_parent
+                result_q: Any, abort_q: Any, parent_pid: int | None = None,
+                environment: dict[str, str] | None = None) -> None:
+    from omni_core.worker.processes import child_setup
 
-        die_with_parent(parent_pid)
-    from omni_core.utils.quiet import quiet_optional_libraries
-
-    quiet_optional_libraries()  # before torch/diffusers load (OMNI_LIBRARY_WARNINGS=1 keeps them)
+    child_setup(parent_pid, environment)  # first of all: a worker must never outlive the engine's process
     if not run_worker(rank, world_size, config, resolved, master_port, task_q, result_q, abort_q):
         return
     # Skip the interpreter's teardown: with torch and diffusers loaded it takes seconds per worker (measured

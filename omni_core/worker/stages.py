@@ -42,16 +42,14 @@ logger = logging.getLogger("omni_core.worker")
 
 
 # ---------------------------------------------------------------------------------------------- the process
-def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int) -> None:
+def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int,
+               environment: dict[str, str] | None = None) -> None:
     """A stage's process: load that stage's components only, then run each batch of work it is sent (what
     waits in its inbox is taken together; the encode stage takes it by priority, then arrival, and sends each
     submit's requests back together as soon as they are encoded)."""
-    from omni_core.worker.parent_watch import die_with_parent
+    from omni_core.worker.processes import child_setup
 
-    die_with_parent(parent_pid)  # first of all: never outlive the engine
-    from omni_core.utils.quiet import quiet_optional_libraries
-
-    quiet_optional_libraries()
+    child_setup(parent_pid, environment)  # first of all: never outlive the engine
     from omni_core.worker.mp_worker import BackgroundSender, _traceback
 
     sender = BackgroundSender(out_q)
@@ -225,14 +223,14 @@ class StageProcess:
 
     def launch(self) -> None:
         """Start the process without waiting for it to load (the engine loads its model meanwhile)."""
-        import torch.multiprocessing as tmp
-
         from omni_core.worker.mp_worker import BackgroundSender
+        from omni_core.worker.processes import child_environment, process_context
 
-        ctx = tmp.get_context("spawn")
+        ctx = process_context()
         self._in, self._out = ctx.SimpleQueue(), ctx.SimpleQueue()
         self.proc = ctx.Process(target=stage_main, name=f"omni-{self.stage}-stage", daemon=True,
-                                args=(self.stage, self.config, self.resolved, self._in, self._out, os.getpid()))
+                                args=(self.stage, self.config, self.resolved, self._in, self._out, os.getpid(),
+                                      child_environment()))
         self._sender = BackgroundSender(self._in)  # a put never blocks the engine's thread
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._monitor = threading.Thread(target=self._start_and_watch, name=f"omni-{self.stage}-monitor", daemon=True)
@@ -252,7 +250,7 @@ class StageProcess:
         if kind != "ready":
             self.shutdown()
             raise EngineDeadError(f"the {self.stage} stage's process failed to start: {value} (see its traceback above; "
-                                  f"processes are started with spawn: a script that creates the engine at module "
+                                  f"processes import the caller's main module as spawn does: a script that creates the engine at module "
                                   f"level must guard it with `if __name__ == '__main__':`)")
         self.model_bytes, self.device = value["model_bytes"], value["device"]
 
@@ -308,6 +306,12 @@ class StageProcess:
 
     def abort(self, request_ids: list[str]) -> None:
         self._sender.put(("abort", list(request_ids)))
+
+    @property
+    def unsent(self) -> int:
+        """Messages for the process that are not yet in its pipe (``stats()["stages"][stage]["unsent"]``)."""
+        sender = getattr(self, "_sender", None)
+        return sender.unsent if sender is not None else 0
 
     def pid(self) -> int | None:
         proc = getattr(self, "proc", None)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from omni_core.testing.processes import alive, descendants
+
 pytestmark = pytest.mark.dist
 
 #: a killed parent's workers must be gone within this (the parent watch polls every second)
@@ -44,20 +46,6 @@ OWNER = textwrap.dedent("""
 """)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def read_line(proc: subprocess.Popen, pattern: str, timeout: float = 180.0) -> re.Match:
     """The first stdout line of ``proc`` matching ``pattern``; fails the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -73,27 +61,6 @@ def read_line(proc: subprocess.Popen, pattern: str, timeout: float = 180.0) -> r
             m = re.search(pattern, line)
             if m:
                 return m
-
-
-def children(pid: int) -> list[int]:
-    """PIDs whose parent is ``pid`` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def kill_parent_and_wait_for(proc: subprocess.Popen, pids: list[int]) -> None:
@@ -125,8 +92,8 @@ def test_workers_of_a_killed_omni_script_die(tiny_model, tmp_path, where):
                             stderr=subprocess.DEVNULL, text=True, env=env_without_omni_switches())
     try:
         pids = [int(p) for p in read_line(proc, r"^PIDS ([\d ]+)$").group(1).split()]
-        assert len(pids) == 2
-        kill_parent_and_wait_for(proc, pids)
+        assert len(pids) == 2 and set(pids) <= set(descendants(proc.pid))
+        kill_parent_and_wait_for(proc, descendants(proc.pid))  # the workers and every helper process
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -140,9 +107,9 @@ def test_workers_of_a_killed_omni_serve_die(tiny_model):
                             env=env_without_omni_switches())
     try:
         read_line(proc, r"on (http://\S+) ")
-        workers = [p for p in children(proc.pid) if "spawn_main" in cmdline(p)]
-        assert len(workers) == 1, [cmdline(p) for p in children(proc.pid)]
-        kill_parent_and_wait_for(proc, workers)
+        below = descendants(proc.pid)  # the worker, and what started it (the fork server, the resource tracker)
+        assert len(below) >= 2, below
+        kill_parent_and_wait_for(proc, below)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -150,8 +117,23 @@ def test_workers_of_a_killed_omni_serve_die(tiny_model):
 
 
 ORPHAN = textwrap.dedent("""
-    import os, subprocess, sys, time
-    if sys.argv[1] == "parent":  # start the child, then wait to be killed
+    import multiprocessing, os, subprocess, sys, time
+
+    def forked_child(armed):  # a fork-server child: its parent PID is the server's, its creator is the script
+        from omni_core.worker import parent_watch
+        creator = multiprocessing.parent_process()
+        parent_watch.watch_creator(creator.sentinel, creator.pid)
+        open(armed, "w").close()
+        time.sleep(600)
+
+    if __name__ != "__main__":
+        pass
+    elif sys.argv[1] == "parent" and sys.argv[2] == "creator-sentinel":
+        child = multiprocessing.get_context("forkserver").Process(target=forked_child, args=(sys.argv[3],))
+        child.start()
+        print("CHILD", child.pid, flush=True)
+        time.sleep(600)
+    elif sys.argv[1] == "parent":  # start the child, then wait to be killed
         child = subprocess.Popen([sys.executable, __file__, "child", sys.argv[2], sys.argv[3]])
         print("CHILD", child.pid, flush=True)
         time.sleep(600)
@@ -169,7 +151,7 @@ ORPHAN = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", [
     pytest.param("death-signal", marks=pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux")),
-    "parent-watch"])
+    "parent-watch", "creator-sentinel"])
 def test_each_mechanism_alone_ends_an_orphan(tmp_path, mode):
     script, armed = tmp_path / "orphan.py", tmp_path / "armed"
     script.write_text(ORPHAN)

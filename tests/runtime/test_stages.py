@@ -311,7 +311,9 @@ def test_abort_deadline_and_priorities_while_waiting_for_a_stage():
             late = engine.submit([engine.prepare_request(_request(s, priority=5)) for s in range(3)],
                                  on_progress=on_progress)
             urgent, = engine.submit([engine.prepare_request(_request(9, priority=-1))], on_progress=on_progress)
-            wait_for(lambda: engine.stats()["stages"]["encode"]["waiting"] == 4)
+            # all four in the stopped process's pipe (not only counted by the engine), so it finds them together
+            wait_for(lambda: engine.stats()["stages"]["encode"]["waiting"] == 4
+                     and engine.stats()["stages"]["encode"]["unsent"] == 0)
         assert all(h.result(timeout=60).status == "completed" for h in [urgent, *late])
         assert started[0] == urgent.request_id, started
         assert engine.stats()["requests_completed"] == 4  # the aborted and timed-out ones never surfaced

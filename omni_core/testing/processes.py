@@ -1,0 +1,57 @@
+"""The processes a test started, read from ``/proc`` (Linux): which are alive, and everything below a PID. A fault
+test checks "no process left" with these: a killed engine's workers, its fork server, its resource tracker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live PID below ``pid`` (children, their children, ...)."""
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            if alive(child):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+__all__ = ["alive", "children", "cmdline", "descendants"]
