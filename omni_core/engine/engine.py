@@ -72,7 +72,11 @@ class DiffusionEngine:
         #: ``requests_timed_out`` are also counted in ``requests_failed``; ``step_waves_replaced``: queued step waves
         #: whose step the worker skipped for a wave that replaced them (``PipelinedSteps``)
         self.counters = {"requests_added": 0, "requests_completed": 0, "requests_aborted": 0, "requests_failed": 0,
-                         "denoise_steps": 0, "requests_timed_out": 0, "step_waves_replaced": 0}
+                         "denoise_steps": 0, "requests_timed_out": 0, "step_waves_replaced": 0,
+                         "requests_out_of_memory": 0}
+        #: why the engine serves but not as it should (the last request to end ran out of memory), or None; a
+        #: completed request clears it (``stats()["degraded"]``, ``/health``)
+        self._degraded: str | None = None
         #: where the busy loop's time went, summed over waves (see ``wave_timing``)
         self.timing = new_timing()
         #: inside ``_apply`` (a listener that aborts there must not schedule in the middle of it)
@@ -314,6 +318,11 @@ class DiffusionEngine:
         if record.timed_out and status != Status.FINISHED_COMPLETED:
             self.counters["requests_timed_out"] += 1
         self.counters[status.counter] += 1
+        if out.metrics.get("out_of_memory"):
+            self.counters["requests_out_of_memory"] += 1
+            self._degraded = f"a request ran out of memory: {out.error}"
+        elif status == Status.FINISHED_COMPLETED:
+            self._degraded = None
         if status == Status.FINISHED_COMPLETED:  # post-processing runs on the delivery thread, not the busy loop
             request = record.request
             self._delivery.deliver(record.stream, out, lambda o: self.pipeline_cls.post_process(o, request))
@@ -360,7 +369,7 @@ class DiffusionEngine:
             tracked = set(self._records) | self.scheduler.tracked_ids() | self._runner_held
             return {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
                     "tracked_requests": sorted(tracked), "execution_mode": self.execution_mode.value,
-                    "dead": self._dead, **self.counters, "timing": self.wave_timing(),
+                    "dead": self._dead, "degraded": self._degraded, **self.counters, "timing": self.wave_timing(),
                     "requests_preempted": self.scheduler.num_preemptions, "model_bytes": self.executor.model_bytes(),
                     "embedding_cache": embedding_cache_summary(self.timing),
                     **self._stages.stats()}

@@ -86,8 +86,8 @@ def admission_error(exc: OmniError, retry_after_s: int) -> APIError:
 
 
 def generation_failed(out: Any, engine_is_dead: bool) -> APIError:
-    """A final output that did not complete: the engine died (503), it timed out (504), it was aborted (503), or it
-    failed (500)."""
+    """A final output that did not complete: the engine died (503), it timed out (504), it was aborted (503), it ran
+    out of memory (500, ``out_of_memory``), or it failed (500)."""
     if out.status == "error" and engine_is_dead:
         return engine_dead(out.error)
     if out.metrics.get("timed_out"):  # its deadline passed (the 'timeout' field, X-Request-Timeout)
@@ -95,6 +95,9 @@ def generation_failed(out: Any, engine_is_dead: bool) -> APIError:
     if out.status == "aborted":
         return APIError(503, f"the request was aborted: {out.error or 'the server is shutting down'}",
                         code="request_aborted", type="server_error")
+    if out.metrics.get("out_of_memory"):  # a smaller request (size, frames, batch) may fit: said by its own code
+        return APIError(500, f"generation failed: out of memory: {out.error}", code="out_of_memory",
+                        type="server_error")
     return APIError(500, f"generation failed: {out.error}", code="generation_failed", type="server_error")
 
 

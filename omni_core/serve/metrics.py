@@ -121,9 +121,13 @@ class ServerMetrics:
         metric("omni_num_requests_running", "gauge", "Requests the engine is running.",
                [(m, stats.get("running", 0))])
         metric("omni_engine_dead", "gauge", "1 when the engine's workers died.", [(m, 1 if stats.get("dead") else 0)])
+        metric("omni_engine_degraded", "gauge", "1 while the engine serves degraded (its last request to end ran out "
+               "of memory; a completed request clears it).", [(m, 1 if stats.get("degraded") else 0)])
         metric("omni_engine_requests_total", "counter", "Requests the engine admitted and how they ended.",
                [({**m, "outcome": k}, stats.get(f"requests_{k}", 0))
                 for k in ("added", "completed", "aborted", "failed")])
+        metric("omni_engine_requests_out_of_memory_total", "counter", "Requests that failed out of memory (also "
+               "counted as failed).", [(m, stats.get("requests_out_of_memory", 0))])
         metric("omni_denoise_steps_total", "counter", "Denoising steps run (one per request per step).",
                [(m, stats.get("denoise_steps", 0))])
         metric("omni_denoise_steps_per_second", "gauge",

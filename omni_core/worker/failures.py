@@ -23,17 +23,44 @@ def error_output(request_id: str, exc: BaseException | str, state: StepState | N
     frame = None if isinstance(exc, str) else innermost_frame(exc)
     if frame:
         out.metrics["error_frame"] = frame
+    if not isinstance(exc, str) and is_out_of_memory(exc):
+        out.metrics["out_of_memory"] = True  # the engine counts it; health says degraded until a request completes
     return out
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An out-of-memory error: torch's on any accelerator (``torch.OutOfMemoryError``, which
+    ``torch.cuda.OutOfMemoryError`` is), the host's ``MemoryError``, or a peer rank's (:class:`PeerFailure`)."""
+    return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+            or bool(getattr(exc, "out_of_memory", False)))
 
 
 class PeerFailure(RuntimeError):
     """Raised on every rank of a replica whose peer failed the same call: the ranks fail it together and stay
-    in step (the failing rank raises its own exception; its peers raise this one, naming it)."""
+    in step (the failing rank raises its own exception; its peers raise this one, naming it and, for an
+    out-of-memory error, the cause: what a client is told comes from the leader, which may be such a peer)."""
 
-    def __init__(self, rank: int) -> None:
-        super().__init__(f"rank {rank} of this replica failed the same call (its error is in that rank's log); "
+    def __init__(self, rank: int, out_of_memory: bool = False) -> None:
+        cause = "ran out of memory in" if out_of_memory else "failed"
+        super().__init__(f"rank {rank} of this replica {cause} the same call (its error is in that rank's log); "
                          f"every rank fails it together")
         self.rank = rank
+        self.out_of_memory = out_of_memory
+
+
+def failure_code(rank: int, failed: bool | BaseException, out_of_memory: bool = False) -> int:
+    """One integer per rank for an all-reduce MAX: 0 (no failure), else ``(rank + 1) * 2 + out_of_memory``, so
+    the highest failing rank wins and its cause travels with it (:func:`peer_failure` reads it back). ``failed``
+    may be the exception itself (its cause is read from it)."""
+    if failed is False or failed is None:
+        return 0
+    out_of_memory = out_of_memory or (isinstance(failed, BaseException) and is_out_of_memory(failed))
+    return (rank + 1) * 2 + int(out_of_memory)
+
+
+def peer_failure(code: int) -> PeerFailure | None:
+    """The failure an all-reduced :func:`failure_code` names, or None."""
+    return PeerFailure(code // 2 - 1, bool(code % 2)) if code else None
 
 
 class RankAgreement:
@@ -46,7 +73,7 @@ class RankAgreement:
         A step boundary is also a failure sync point: a peer that failed since the last one raises here."""
         peer = self.sync_failure(False)
         if peer is not None:
-            raise PeerFailure(peer)
+            raise peer
         if self.poll_aborts is not None:
             with self._poll_lock:  # lanes ask at once; one of them drains the queue
                 polled = self.poll_aborts()
@@ -70,23 +97,23 @@ class RankAgreement:
         dist.broadcast(t, src=src, group=group)
         return [bool(x) for x in t.tolist()]
 
-    def sync_failure(self, failed: bool) -> int | None:
-        """The highest rank of the replica that failed since the last sync point (this one if ``failed``), or
-        None: an all-reduce of a one-element flag where the replica has several ranks. Every rank meets the
+    def sync_failure(self, failed: bool | BaseException) -> PeerFailure | None:
+        """The failure of the highest rank of the replica that failed since the last sync point (this one if
+        ``failed``: True or its exception, whose cause is shared), or None: an all-reduce of one
+        :func:`failure_code` where the replica has several ranks. Every rank meets the
         same sync points -- each step boundary of the request path, the end of each forward or denoise attempt
         -- and a rank that fails goes straight to its next one, so its peers learn of the failure there instead
         of waiting in a collective it has left (for a timeout that tears every rank down)."""
         group, _, size = self.stop_group
         if size <= 1:
-            return self.rank if failed else None
+            return peer_failure(failure_code(self.rank, failed))
         import torch
         import torch.distributed as dist
 
         device = "cpu" if dist.get_backend(group) == "gloo" else self.device
-        t = torch.tensor([self.rank + 1 if failed else 0], dtype=torch.int32, device=device)
+        t = torch.tensor([failure_code(self.rank, failed)], dtype=torch.int32, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        value = int(t.item())
-        return value - 1 if value else None
+        return peer_failure(int(t.item()))
 
     def _agreed(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         """``fn(arg)``, failing on every rank of the replica if it fails on any (:meth:`sync_failure`)."""
@@ -100,7 +127,7 @@ class RankAgreement:
                     self._recover(exc)  # raises PeerFailure where a peer's failure aborted this rank's collective
                 else:
                     logger.error("rank %d failed; its peers fail the call with it", self.rank, exc_info=True)
-                    self.sync_failure(True)
+                    self.sync_failure(exc)
             raise
         try:
             peer = self.sync_failure(False)
@@ -110,7 +137,7 @@ class RankAgreement:
             self._recover(exc)  # a peer failed after this rank's last collective and aborted the groups
             raise
         if peer is not None:
-            raise PeerFailure(peer)
+            raise peer
         return out
 
     def _recover(self, exc: Exception) -> None:
@@ -127,9 +154,9 @@ class RankAgreement:
             logger.warning("rank %d: a peer failed this call and aborted the process groups (here: %s: %s)",
                            self.rank, type(exc).__name__, exc)
         self.recovery.recover(exc, own=own)
-        peer = self.sync_failure(own)
+        peer = self.sync_failure(exc if own else False)
         if not own:
-            raise PeerFailure(peer if peer is not None else -1) from None
+            raise (peer if peer is not None else PeerFailure(-1)) from None
 
     def _agree_failures(self, request_ids: list[str], outputs: dict[str, DiffusionOutput]) -> None:
         """Step path: a request that failed on any rank of the replica (in ``outputs`` as an error) fails on all
@@ -141,12 +168,14 @@ class RankAgreement:
         import torch.distributed as dist
 
         device = "cpu" if dist.get_backend(group) == "gloo" else self.device
-        mine = [self.rank + 1 if rid in outputs and outputs[rid].status == "error" else 0 for rid in request_ids]
+        failed = [outputs[rid] if rid in outputs and outputs[rid].status == "error" else None for rid in request_ids]
+        mine = [failure_code(self.rank, out is not None, out is not None and bool(out.metrics.get("out_of_memory")))
+                for out in failed]
         t = torch.tensor(mine, dtype=torch.int32, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         for rid, value, own in zip(request_ids, t.tolist(), mine):
             if value and not own:
-                outputs[rid] = error_output(rid, PeerFailure(value - 1), self.states.get(rid))
+                outputs[rid] = error_output(rid, peer_failure(value), self.states.get(rid))
                 self._forget(rid)
 
 

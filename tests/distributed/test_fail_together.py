@@ -97,7 +97,8 @@ def test_one_rank_raising_fails_the_wave_on_both_and_both_serve_the_next(path):
         seconds = rows.pop()[1]
         assert seconds < 30, f"rank {rank} took {seconds:.0f} s: something waited for a timeout"
         waves = {wave: (outs, held) for wave, outs, held in rows}
-        other = "CUDA out of memory" if rank == 1 else "rank 1 of this replica failed the same call"
+        # the peer names the failing rank and its cause (an out-of-memory error travels with the agreement)
+        other = "CUDA out of memory" if rank == 1 else "rank 1 of this replica ran out of memory in the same call"
         if path == "request":
             assert {k: v[0] for k, v in waves[1][0].items()} == {"a": "completed", "bad": "error", "b": "completed"}
             assert other in waves[1][0]["bad"][2], (rank, waves[1][0]["bad"])
@@ -218,7 +219,8 @@ def test_rank_raising_before_a_collective_its_peer_waits_in_aborts_and_rebuilds_
         # far below the timeout: a rebuild on gloo takes ~0.1 s; the bound leaves room for a loaded CI machine
         assert slowest < ABORT_TIMEOUT_S / 6, f"rank {rank}: a wave took {slowest:.1f} s (timeout {ABORT_TIMEOUT_S} s)"
         assert res["rebuilds"] >= 1 and res["rebuilds"] == res["generation"], (rank, res)
-        other = "CUDA out of memory" if rank == 1 else "rank 1 of this replica failed the same call"
+        # the peer names the failing rank and its cause (an out-of-memory error travels with the agreement)
+        other = "CUDA out of memory" if rank == 1 else "rank 1 of this replica ran out of memory in the same call"
         outs = {wave: w[0] for wave, w in waves.items()}
         if path == "request":
             assert {k: v[0] for k, v in outs[1].items()} == {"a": "completed", "bad": "error", "b": "completed"}

@@ -14,13 +14,17 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
 
 
 @router.api_route("/health", methods=["GET", "HEAD"], responses={
-    200: {"description": "the engine is alive"}, 503: error_doc("the engine is dead")})
+    200: {"description": "the engine is alive (status ok, or degraded: its last request ran out of memory)"},
+    503: error_doc("the engine is dead")})
 async def health(request: Request):
     server = current(request)
     stats = server.engine.stats()
     if stats["dead"]:
         return JSONResponse({"status": "dead", "reason": dead_message(stats["dead"])}, status_code=503)
-    return {"status": "ok", "model": server.model_name, "waiting": stats["waiting"], "running": stats["running"]}
+    state = {"model": server.model_name, "waiting": stats["waiting"], "running": stats["running"]}
+    if stats.get("degraded"):  # still serving (200: keep it in rotation); the next completed request clears it
+        return {"status": "degraded", "reason": stats["degraded"], **state}
+    return {"status": "ok", **state}
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses={
