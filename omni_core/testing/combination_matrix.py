@@ -1,6 +1,6 @@
 """The combination matrix's own table: each feature's options and tolerance, the runs that combine them on a
 tiny Qwen-Image, which pair each comparison covers, and the table ``docs/architecture.md`` shows (rendered
-by :func:`render_table`; ``scripts/combinations_table.py`` writes it, ``tests/combos/test_matrix.py`` checks the
+by :func:`render_table`; ``scripts/doc_tables.py`` writes it, ``tests/combos/test_matrix.py`` checks the
 doc equals it and runs every comparison). Refusals come from the core's :mod:`omni_core.combinations`.
 
 How a pair is checked: a *run* is an engine with a set of features on the same requests; a *comparison* is a

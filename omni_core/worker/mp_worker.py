@@ -173,7 +173,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
                 environment: dict[str, str] | None = None) -> None:
     from omni_core.worker.processes import child_setup
 
-    child_setup(parent_pid, environment)  # first of all: a worker must never outlive the engine's process
+    child_setup(parent_pid, environment, f"omni-worker-{rank}")  # first of all: never outlive the engine
     if not run_worker(rank, world_size, config, resolved, master_port, task_q, result_q, abort_q):
         return
     # Skip the interpreter's teardown: with torch and diffusers loaded it takes seconds per worker (measured

@@ -79,9 +79,13 @@ def child_environment() -> dict[str, str]:
     return dict(os.environ)
 
 
-def child_setup(parent_pid: int | None, environment: dict[str, str] | None) -> None:
+def child_setup(parent_pid: int | None, environment: dict[str, str] | None, name: str | None = None) -> None:
     """What every Omni child process does first: die with ``parent_pid`` (the engine's process), take the caller's
-    ``environment``, and keep the optional libraries' import noise down."""
+    ``environment``, keep the optional libraries' import noise down, and carry ``name`` as its process name (what
+    ``ps -o comm``, ``top`` and ``/proc/PID/comm`` show: ``omni-worker-0``, ``omni-encode``, ``omni-decode``;
+    fork-server children would all show the server's command line otherwise)."""
+    if name:
+        set_process_name(name)
     if parent_pid is not None:
         from omni_core.worker.parent_watch import die_with_parent
 
@@ -97,5 +101,18 @@ def child_setup(parent_pid: int | None, environment: dict[str, str] | None) -> N
     quiet_optional_libraries()
 
 
+def set_process_name(name: str) -> bool:
+    """This process's name (Linux ``PR_SET_NAME``: 15 bytes at most); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        return False
+
+
 __all__ = ["PRELOAD_MODULE", "START_METHOD_ENV", "child_environment", "child_setup", "process_context",
-           "start_method", "start_server_soon"]
+           "set_process_name", "start_method", "start_server_soon"]

@@ -49,7 +49,7 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
     submit's requests back together as soon as they are encoded)."""
     from omni_core.worker.processes import child_setup
 
-    child_setup(parent_pid, environment)  # first of all: never outlive the engine
+    child_setup(parent_pid, environment, f"omni-{stage}")  # first of all: never outlive the engine
     from omni_core.worker.mp_worker import BackgroundSender, _traceback
 
     sender = BackgroundSender(out_q)
