@@ -76,6 +76,9 @@ class ServeProcess:
                 if m:
                     self.url = m.group(1)
         self.port = int(self.url.rsplit(":", 1)[1])
+        #: every process ever seen below the server (a killed server's children are re-parented: ``close`` still
+        #: finds them)
+        self.seen: set[int] = set(descendants(self.proc.pid))
 
     # ------------------------------------------------------------------ reading it
     def stderr(self) -> str:
@@ -109,7 +112,11 @@ class ServeProcess:
 
     def processes(self) -> list[int]:
         """The server's process and every process below it (workers, stage processes, fork server, ...)."""
-        return [self.proc.pid, *descendants(self.proc.pid)] if self.proc.poll() is None else []
+        if self.proc.poll() is not None:
+            return []
+        below = descendants(self.proc.pid)
+        self.seen.update(below)
+        return [self.proc.pid, *below]
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and every process below it."""
@@ -147,7 +154,7 @@ class ServeProcess:
 
     def close(self) -> None:
         """SIGINT (the graceful path), then SIGKILL for the server and anything left below it."""
-        below = descendants(self.proc.pid)
+        below = self.seen | set(descendants(self.proc.pid))
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             if self.wait_exit(30) is None:
