@@ -68,7 +68,7 @@ class FaultCell:
         return PROMISES[self.fault]
 
 
-_RAY_TEST = "plugins/executors/ray/tests/test_ray_executor.py"
+_RAY_TEST = "plugins/executors/ray/tests/test_ray_executor.py::test_killed_actor_fails_every_caller_within_10s"
 CELLS: tuple[FaultCell, ...] = tuple(
     [FaultCell(layout, "kill-server", load) for layout in ("uni", "mp", "stages") for load in ("idle", "load")]
     + [FaultCell("mp", "kill-worker", load) for load in ("idle", "load")]

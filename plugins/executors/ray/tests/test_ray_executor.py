@@ -114,16 +114,33 @@ def _abort_within_steps(omni, handle, steps: list) -> None:
     assert len(steps) - at < 20, len(steps) - at
 
 
-def test_killed_actor_fails_in_flight_requests_within_10s(ray_cluster, ours_left):
+@pytest.mark.parametrize("load", ["idle", "load"])
+def test_killed_actor_fails_every_caller_within_10s(ray_cluster, ours_left, load):
+    """The fault matrix's Ray cells (``omni_core.testing.fault_matrix``): an actor SIGKILLed idle, or with
+    requests in flight, fails them with the engine-dead error naming the rank and its node within 10 s."""
     from omni_core import Omni
     from omni_core.config import SamplingParams
-    from omni_core.errors import EngineDeadError
+    from omni_core.errors import EngineDeadError, RequestFailedError
     from omni_core.request import OmniDiffusionRequest
 
     # request mode here (the first request runs alone: max_num_seqs=1, since batching is on by default), step
     # mode in the lost-node test: an abort lands in both
     omni = Omni("shapes", executor="ray", parallel_config={"ulysses_degree": 2}, warmup=False, cpu_threads=1,
                 limits={"max_steps": 1000}, max_num_seqs=1)
+    if load == "idle":
+        try:
+            victim = next(p for p in omni.engine.executor.placement() if p["rank"] == 1)
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            # refused at once once the death is seen, or admitted before and failed when it is
+            with pytest.raises((EngineDeadError, RequestFailedError), match="rank 1") as err:
+                omni.generate("after", SamplingParams(num_inference_steps=2, height=32, width=32), use_tqdm=False)
+            assert "engine is dead" in str(err.value) and victim["node_id"][:12] in str(err.value)
+            assert time.monotonic() - killed < 10
+        finally:
+            omni.close()
+        assert ours_left() == ([], [])
+        return
     try:
         stepped = []
         doomed, *streams = omni.engine.submit(
