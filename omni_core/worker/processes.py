@@ -63,15 +63,16 @@ def _preload() -> None:
 
 
 def start_server_soon() -> None:
-    """Start the fork server in a background thread (if it is the start method and not running yet), so that its
-    preload overlaps the caller's own work; the first process started waits for it (the server's own lock)."""
+    """Start the fork server now (if it is the start method and not running yet), so that its preload overlaps
+    the caller's own work. Returns at once (a fork and exec: ~5 ms): the server imports its preload by itself, and
+    the first process started waits for it then. The server is the process's, not an engine's: it stays, idle,
+    for the next engine (a refused plan leaves only it)."""
     if start_method() != "forkserver":
         return
-    import threading
     from multiprocessing import forkserver
 
     _preload()  # before the server starts
-    threading.Thread(target=forkserver.ensure_running, name="omni-forkserver-start", daemon=True).start()
+    forkserver.ensure_running()
 
 
 def child_environment() -> dict[str, str]:
