@@ -163,9 +163,18 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
 KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 
+def _group(run: str) -> str:
+    """The test-run group of a comparison (``pytest -n``: a group runs on one worker, sharing its runs): the
+    compile runs are most of this file's time, so they make groups of their own (parallel ones apart)."""
+    features = M.RUNS[run]
+    if "compile" not in features:
+        return "matrix"
+    return "matrix-compile-parallel" if M.world_size(features) > 1 else "matrix-compile"
+
+
 def _params():
     for run, ref in M.COMPARISONS:
-        marks = []
+        marks = [pytest.mark.xdist_group(_group(run))]
         if (run, ref) in KNOWN_BUGS:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[(run, ref)]))
         yield pytest.param(run, ref, marks=marks, id=f"{run}-vs-{ref}")
