@@ -47,6 +47,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def name(pid: int) -> str:
+    """The process's name (``/proc/PID/comm``: Omni's processes carry theirs, ``omni-worker-0``, ``omni-encode``)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def named(pid: int, prefix: str) -> list[int]:
+    """The processes below ``pid`` whose name starts with ``prefix`` (``named(server, "omni-worker-")``)."""
+    return [p for p in descendants(pid) if name(p).startswith(prefix)]
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -54,4 +67,4 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-__all__ = ["alive", "children", "cmdline", "descendants"]
+__all__ = ["alive", "children", "cmdline", "descendants", "name", "named"]

@@ -15,7 +15,7 @@ import pytest
 
 from omni_core.testing.fault_matrix import (ANSWER_WITHIN_S, CELLS, GONE_WITHIN_S, LOAD_CLIENTS, MEMORY_SLACK_BYTES,
                                             FaultCell, core_cells, render_table)
-from omni_core.testing.processes import alive, cmdline
+from omni_core.testing.processes import alive, cmdline, named
 from omni_core.testing.serve_process import ServeProcess, port_is_free, shm_entries
 from omni_core.testing import wait_for
 
@@ -54,16 +54,11 @@ def start(layout: str, tiny_model: str) -> ServeProcess:
     return ServeProcess("shapes" if layout == "stages" else tiny_model, *server_args(layout))
 
 
-def by_name(server: ServeProcess, name: str) -> int:
-    """The PID of the server's process called ``name`` (``/proc/PID/comm``: Omni names its processes)."""
-    for pid in server.processes():
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
-                return pid
-        except OSError:
-            pass
-    raise AssertionError(f"no process named {name!r} below the server: "
-                         f"{[(p, cmdline(p)) for p in server.processes()]}")
+def by_name(server: ServeProcess, process: str) -> int:
+    """The PID of the server's process called ``process`` (Omni names its processes)."""
+    found = named(server.proc.pid, process)
+    assert len(found) == 1, f"{process!r} below the server: {[(p, cmdline(p)) for p in server.processes()]}"
+    return found[0]
 
 
 def admitted(server: ServeProcess, n: int) -> None:

@@ -214,21 +214,11 @@ def test_no_auth_ignores_the_environment_key(tiny_model, cli_server):
 
 # ------------------------------------------------------------------------------------------ faults
 def _worker_pids(pid: int) -> list[int]:
-    """The spawned worker processes among ``pid``'s children (not multiprocessing's resource tracker)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"spawn_main" in cmdline:
-            out.append(int(entry))
-    return out
+    """The model worker processes below ``pid`` (by the name Omni gives them; not the fork server or the resource
+    tracker)."""
+    from omni_core.testing.processes import named
+
+    return named(pid, "omni-worker-")
 
 
 
