@@ -36,6 +36,27 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def shm_mapped() -> set[str]:
+    """Names in ``/dev/shm`` that a live process has mapped (``/proc/*/maps``; processes of other users that
+    cannot be read are skipped)."""
+    mapped = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/maps") as f:
+                    mapped.update(line.rsplit("/dev/shm/", 1)[1].strip() for line in f if "/dev/shm/" in line)
+            except OSError:
+                continue
+    return mapped
+
+
+def leaked_shm(before: set[str]) -> set[str]:
+    """Segments made since ``before`` that no live process maps: nobody will unlink them (a test running beside
+    this one, as under ``pytest -n``, maps its own)."""
+    new = shm_entries() - before
+    return new - shm_mapped() if new else set()
+
+
 def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -204,4 +225,4 @@ class Clients:
         return self.results
 
 
-__all__ = ["Clients", "ServeProcess", "omni_command", "port_is_free", "shm_entries"]
+__all__ = ["Clients", "ServeProcess", "leaked_shm", "omni_command", "port_is_free", "shm_entries", "shm_mapped"]

@@ -16,7 +16,7 @@ import pytest
 from omni_core.testing.fault_matrix import (ANSWER_WITHIN_S, CELLS, GONE_WITHIN_S, LOAD_CLIENTS, MEMORY_SLACK_BYTES,
                                             FaultCell, core_cells, render_table)
 from omni_core.testing.processes import alive, cmdline, named
-from omni_core.testing.serve_process import ServeProcess, port_is_free, shm_entries
+from omni_core.testing.serve_process import ServeProcess, leaked_shm, port_is_free, shm_entries
 from omni_core.testing import wait_for
 
 pytestmark = pytest.mark.dist
@@ -74,8 +74,9 @@ def assert_nothing_left(server: ServeProcess, below: list[int], shm_before: set[
         assert time.monotonic() < deadline, \
             f"processes {[(p, cmdline(p)) for p in below if alive(p)]} outlived their server by {GONE_WITHIN_S} s"
         time.sleep(0.1)
-    # another test running at the same time (pytest -n) may hold a segment for a moment: a leak is one that stays
-    wait_for(lambda: not shm_entries() - shm_before, "no shared-memory segment left in /dev/shm", timeout=5)
+    # a leak: a segment made since the server started that no live process maps (the resource tracker unlinks a
+    # dead process's segments as it exits; a test running beside this one under pytest -n maps its own)
+    wait_for(lambda: not leaked_shm(shm_before), "no shared-memory segment left in /dev/shm", timeout=5)
     assert port_is_free(server.port)
 
 
