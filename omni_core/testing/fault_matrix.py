@@ -1,7 +1,8 @@
 """The fault matrix: what Omni promises when a process dies or memory runs out, one cell per (layout, fault, load).
 
 The table here is the one the tests run (``tests/faults/test_fault_matrix.py`` runs every cell whose ``test`` is
-``core``; the Ray executor plugin's tests run the ``ray`` cells) and the one docs/faults.md shows
+``core``: the server's own death on a real ``omni serve``, the other faults on the same app over an engine in the
+test's process; the Ray executor plugin's tests run the ``ray`` cells) and the one docs/faults.md shows
 (:func:`render_table`, written by ``scripts/doc_tables.py``; a test fails when the doc is stale). A cell's promise
 is stated once, per fault, with the bound its test checks.
 """
@@ -29,8 +30,9 @@ LAYOUTS = {
 }
 
 _DEAD = ("every in-flight request is answered 503 `engine_dead` naming the {what} within {t:g} s; a later request "
-         "too (or its connection is refused once the server exited); `/health` says 503 `dead` while it still "
-         "answers; `omni serve` exits non-zero; no process, shared-memory segment or port is left")
+         "too; `/health` says 503 `dead` with the reason and `omni_engine_dead` is 1 (`omni serve` then exits with "
+         "code 3, for its supervisor to restart it: `tests/serve/test_cli_serve.py`); once closed, no process, "
+         "shared-memory segment or port is left")
 #: what the design promises, per fault
 PROMISES = {
     "kill-worker": _DEAD.format(what="worker and its exit code", t=ANSWER_WITHIN_S),

@@ -1,5 +1,6 @@
-"""``omni serve`` for real, in a subprocess, for tests that kill things: start it, find its URL, read its health and
-metrics, send many clients at once, kill it or one of its processes, and check what it left behind.
+"""A server for tests that kill things: ``omni serve`` for real in a subprocess (:class:`ServeProcess`), or the same
+app over an engine in this process (:class:`EmbeddedServer`: no interpreter to start, the fork server already warm).
+Both start, give their URL, health and metrics, send many clients at once, and say which processes are theirs.
 
     with ServeProcess("shapes", "--executor", "mp") as srv:
         answers = srv.clients([body] * 16)
@@ -36,25 +37,13 @@ def shm_entries() -> set[str]:
         return set()
 
 
-def shm_mapped() -> set[str]:
-    """Names in ``/dev/shm`` that a live process has mapped (``/proc/*/maps``; processes of other users that
-    cannot be read are skipped)."""
-    mapped = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/maps") as f:
-                    mapped.update(line.rsplit("/dev/shm/", 1)[1].strip() for line in f if "/dev/shm/" in line)
-            except OSError:
-                continue
-    return mapped
-
-
-def leaked_shm(before: set[str]) -> set[str]:
-    """Segments made since ``before`` that no live process maps: nobody will unlink them (a test running beside
-    this one, as under ``pytest -n``, maps its own)."""
-    new = shm_entries() - before
-    return new - shm_mapped() if new else set()
+def leaked_shm(pids: list[int]) -> set[str]:
+    """Shared-memory segments of these (dead) processes still in ``/dev/shm``: torch names its segments
+    ``torch_<pid>_...``. Named semaphores carry no PID: multiprocessing's resource tracker unlinks a dead process's
+    ones when it exits, so "the server's resource tracker exited" is their check (it is one of the processes that
+    must be gone)."""
+    prefixes = tuple(f"torch_{pid}_" for pid in pids)
+    return {n for n in shm_entries() if n.startswith(prefixes)} if prefixes else set()
 
 
 def port_is_free(port: int) -> bool:
@@ -67,7 +56,51 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-class ServeProcess:
+class _HTTP:
+    """What both servers share: requests to ``self.url``, health, metrics, client threads."""
+
+    url = ""
+
+    def get(self, path: str, timeout: float = 10.0) -> Any:
+        """``GET path`` (an ``httpx.Response``), or the connection error it raised."""
+        import httpx
+
+        try:
+            return httpx.get(self.url + path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            return exc
+
+    def health(self) -> tuple[int | None, dict]:
+        """(status code, body) of ``/health``; (None, {}) when nothing answers."""
+        r = self.get("/health")
+        return (None, {}) if isinstance(r, Exception) else (r.status_code, r.json())
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of ``/metrics`` (the first whose labels include ``labels``), or None."""
+        r = self.get("/metrics")
+        if isinstance(r, Exception):
+            return None
+        for line in r.text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def post(self, body: dict, timeout: float = 120.0, path: str = "/v1/images/generations") -> Any:
+        """``POST`` a generation: the ``httpx.Response``, or the exception the client got instead."""
+        import httpx
+
+        try:
+            return httpx.post(self.url + path, json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            return exc
+
+    def clients(self, bodies: list[dict], timeout: float = 120.0) -> "Clients":
+        """Every body sent at once, one client thread each (started; ``.answers()`` waits for them)."""
+        return Clients(self, bodies, timeout)
+
+
+class ServeProcess(_HTTP):
     """``omni serve MODEL ARGS...`` on a free port, its stderr kept in a file (a pipe nobody reads would block
     it); ``OMNI_*`` switches other than ``OMNI_STRICT_PLUGINS`` are not inherited."""
 
@@ -106,31 +139,6 @@ class ServeProcess:
         self.log.flush()
         return Path(self.log.name).read_text(errors="replace")
 
-    def get(self, path: str, timeout: float = 10.0) -> Any:
-        """``GET path`` (an ``httpx.Response``), or the connection error it raised."""
-        import httpx
-
-        try:
-            return httpx.get(self.url + path, timeout=timeout)
-        except httpx.HTTPError as exc:
-            return exc
-
-    def health(self) -> tuple[int | None, dict]:
-        """(status code, body) of ``/health``; (None, {}) when nothing answers."""
-        r = self.get("/health")
-        return (None, {}) if isinstance(r, Exception) else (r.status_code, r.json())
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        """One sample of ``/metrics`` (the first whose labels include ``labels``), or None."""
-        r = self.get("/metrics")
-        if isinstance(r, Exception):
-            return None
-        for line in r.text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                    return float(line.rsplit(" ", 1)[1])
-        return None
-
     def processes(self) -> list[int]:
         """The server's process and every process below it (workers, stage processes, fork server, ...)."""
         if self.proc.poll() is not None:
@@ -141,28 +149,9 @@ class ServeProcess:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and every process below it."""
-        total = 0
-        for pid in self.processes():
-            try:
-                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except OSError:
-                pass
-        return total
+        return sum(_rss(p) for p in self.processes())
 
     # ------------------------------------------------------------------ driving it
-    def post(self, body: dict, timeout: float = 120.0, path: str = "/v1/images/generations") -> Any:
-        """``POST`` a generation: the ``httpx.Response``, or the exception the client got instead."""
-        import httpx
-
-        try:
-            return httpx.post(self.url + path, json=body, timeout=timeout)
-        except httpx.HTTPError as exc:
-            return exc
-
-    def clients(self, bodies: list[dict], timeout: float = 120.0) -> "Clients":
-        """Every body sent at once, one client thread each (started; ``.answers()`` waits for them)."""
-        return Clients(self, bodies, timeout)
-
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -199,11 +188,57 @@ class ServeProcess:
         self.close()
 
 
+class EmbeddedServer(_HTTP):
+    """``build_app`` over an engine of this process, served by :class:`~omni_core.serve.ServerThread` (what a notebook
+    runs); its processes are the engine's (workers, stage processes). The engine is not closed on its death, so
+    ``/health`` keeps saying why; ``close`` closes it."""
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        from omni_core.config import OmniDiffusionConfig
+        from omni_core.engine import make_engine
+        from omni_core.serve import ServerThread, build_app
+
+        self.engine = make_engine(OmniDiffusionConfig.from_kwargs(model=model, **engine_kwargs))
+        self.thread = ServerThread(build_app(self.engine))
+        self.url = self.thread.url
+        self.port = self.thread.port
+        self.pid = os.getpid()
+
+    def processes(self) -> list[int]:
+        """The engine's worker and stage processes, as it started them (the dead ones included)."""
+        if not hasattr(self, "_pids"):
+            pids = list(getattr(self.engine.executor, "worker_pids", list)())
+            pids += [s["pid"] for s in self.engine.stats().get("stages", {}).values() if s.get("pid")]
+            self._pids = pids
+        return list(self._pids)
+
+    def rss_bytes(self) -> int:
+        """Resident memory of this process and the engine's processes."""
+        return sum(_rss(p) for p in [self.pid, *self.processes()] if alive(p))
+
+    def close(self) -> None:
+        self.thread.stop()
+        self.engine.close()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 class Clients:
     """Client threads, one request each; ``answers()`` waits for all of them (each an ``httpx.Response`` or the
     exception its client got) and ``seconds`` says when each answer came, counted from ``t0``."""
 
-    def __init__(self, server: ServeProcess, bodies: list[dict], timeout: float) -> None:
+    def __init__(self, server: _HTTP, bodies: list[dict], timeout: float) -> None:
         self.results: list[Any] = [None] * len(bodies)
         self.done_at: list[float] = [0.0] * len(bodies)
         self.t0 = time.monotonic()
@@ -225,4 +260,4 @@ class Clients:
         return self.results
 
 
-__all__ = ["Clients", "ServeProcess", "leaked_shm", "omni_command", "port_is_free", "shm_entries", "shm_mapped"]
+__all__ = ["Clients", "EmbeddedServer", "ServeProcess", "leaked_shm", "omni_command", "port_is_free", "shm_entries"]

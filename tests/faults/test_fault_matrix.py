@@ -1,7 +1,9 @@
-"""The fault matrix (``omni_core/testing/fault_matrix.py``, shown in docs/faults.md): a real ``omni serve`` per
-layout, a process killed or an out-of-memory error injected, idle and under 16 concurrent clients, and each cell
-checks exactly what its promise says. Kills need a server each; the out-of-memory cells of one layout share one
-(the server survives them, which is the point)."""
+"""The fault matrix (``omni_core/testing/fault_matrix.py``, shown in docs/faults.md): a server per layout, a process
+killed or an out-of-memory error injected, idle and under 16 concurrent clients, and each cell checks exactly what
+its promise says. The server's own death is a real ``omni serve`` killed; a worker's or a stage's death and the
+out-of-memory errors strike the same app over an engine in this process (its fork server is warm: no interpreter to
+start per cell). Kills need a server each; the out-of-memory cells of one layout share one (it survives them, which
+is the point)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import pytest
 
 from omni_core.testing.fault_matrix import (ANSWER_WITHIN_S, CELLS, GONE_WITHIN_S, LOAD_CLIENTS, MEMORY_SLACK_BYTES,
                                             FaultCell, core_cells, render_table)
-from omni_core.testing.processes import alive, cmdline, named
-from omni_core.testing.serve_process import ServeProcess, leaked_shm, port_is_free, shm_entries
+from omni_core.testing.processes import alive, cmdline, name
+from omni_core.testing.serve_process import EmbeddedServer, ServeProcess, leaked_shm, port_is_free
 from omni_core.testing import wait_for
 
 pytestmark = pytest.mark.dist
@@ -51,13 +53,24 @@ def body(layout: str, i: int, **extra_args) -> dict:
 
 
 def start(layout: str, tiny_model: str) -> ServeProcess:
+    """``omni serve`` for ``layout``, in a subprocess."""
     return ServeProcess("shapes" if layout == "stages" else tiny_model, *server_args(layout))
 
 
-def by_name(server: ServeProcess, process: str) -> int:
-    """The PID of the server's process called ``process`` (Omni names its processes)."""
-    found = named(server.proc.pid, process)
-    assert len(found) == 1, f"{process!r} below the server: {[(p, cmdline(p)) for p in server.processes()]}"
+def embedded(layout: str, tiny_model: str) -> EmbeddedServer:
+    """The same app and layout over an engine in this process."""
+    kwargs = {"warmup": False, "limits": {"max_steps": 1000}, "executor": "uni" if layout == "uni" else "mp"}
+    if layout == "mp-cfg2":
+        kwargs["parallel_config"] = {"cfg_parallel_size": 2}
+    if layout == "stages":
+        kwargs.update(encode_workers=1, decode_workers=1)
+    return EmbeddedServer("shapes" if layout == "stages" else tiny_model, **kwargs)
+
+
+def by_name(server: EmbeddedServer, process: str) -> int:
+    """The PID of the engine's process called ``process`` (Omni names its processes)."""
+    found = [p for p in server.processes() if name(p) == process]
+    assert len(found) == 1, f"{process!r} among the engine's processes: {[(p, name(p)) for p in server.processes()]}"
     return found[0]
 
 
@@ -66,17 +79,17 @@ def admitted(server: ServeProcess, n: int) -> None:
              timeout=120, what=f"{n} requests admitted")
 
 
-def assert_nothing_left(server: ServeProcess, below: list[int], shm_before: set[str]) -> None:
-    """The server and every process below it gone within the bound, no new shared-memory segment, the port free."""
-    assert server.wait_exit(GONE_WITHIN_S) is not None, "the server outlived the fault"
+def assert_nothing_left(server: ServeProcess | EmbeddedServer, below: list[int]) -> None:
+    """The server (a subprocess) and every process below it gone within the bound, no new shared-memory segment,
+    the port free."""
+    if isinstance(server, ServeProcess):
+        assert server.wait_exit(GONE_WITHIN_S) is not None, "the server outlived the fault"
     deadline = time.monotonic() + GONE_WITHIN_S
     while any(alive(p) for p in below):
         assert time.monotonic() < deadline, \
             f"processes {[(p, cmdline(p)) for p in below if alive(p)]} outlived their server by {GONE_WITHIN_S} s"
         time.sleep(0.1)
-    # a leak: a segment made since the server started that no live process maps (the resource tracker unlinks a
-    # dead process's segments as it exits; a test running beside this one under pytest -n maps its own)
-    wait_for(lambda: not leaked_shm(shm_before), "no shared-memory segment left in /dev/shm", timeout=5)
+    wait_for(lambda: not leaked_shm(below), "no shared-memory segment of theirs left in /dev/shm", timeout=5)
     assert port_is_free(server.port)
 
 
@@ -90,15 +103,14 @@ OOM_CELLS = [c for c in core_cells() if c.fault.startswith("oom-")]
 
 @pytest.mark.parametrize("cell", KILL_CELLS, ids=[c.id for c in KILL_CELLS])
 def test_kill_cell(cell: FaultCell, tiny_model):
-    shm_before = shm_entries()
-    server = start(cell.layout, tiny_model)
+    target = kill_target(cell)
+    server = start(cell.layout, tiny_model) if target is None else embedded(cell.layout, tiny_model)
     try:
-        below = server.processes()[1:]
+        below = server.processes()[1:] if target is None else server.processes()
         n = LOAD_CLIENTS if cell.load == "load" else 0
         clients = server.clients([body(cell.layout, i) for i in range(n)])
         if n:
             admitted(server, n)
-        target = kill_target(cell)
         if target is None:  # the server itself
             server.kill()
         else:
@@ -120,10 +132,10 @@ def test_kill_cell(cell: FaultCell, tiny_model):
             assert isinstance(later, Exception) or (later.status_code == 503
                                                     and later.json()["error"]["code"] == "engine_dead"), later
             code, health = server.health()
-            assert code in (None, 503) and health.get("status", "dead") == "dead", (code, health)
-            exit_code = server.wait_exit(ANSWER_WITHIN_S)
-            assert exit_code not in (None, 0), f"omni serve exit code {exit_code}:\n{server.stderr()[-3000:]}"
-        assert_nothing_left(server, below, shm_before)
+            assert code == 503 and health["status"] == "dead" and what in health["reason"], (code, health)
+            assert server.metric("omni_engine_dead") == 1
+            server.close()  # what omni serve does on its engine's death (tests/serve/test_cli_serve.py: it exits 3)
+        assert_nothing_left(server, below)
     finally:
         server.close()
 
@@ -131,11 +143,11 @@ def test_kill_cell(cell: FaultCell, tiny_model):
 @pytest.fixture(scope="module")
 def oom_servers(tiny_model):
     """One server per layout for the out-of-memory cells (each survives them)."""
-    servers: dict[str, ServeProcess] = {}
+    servers: dict[str, EmbeddedServer] = {}
 
-    def get(layout: str) -> ServeProcess:
+    def get(layout: str) -> EmbeddedServer:
         if layout not in servers:
-            servers[layout] = start(layout, tiny_model)
+            servers[layout] = embedded(layout, tiny_model)
             assert servers[layout].post(body(layout, 0)).status_code == 200  # warm: the memory level to return to
         return servers[layout]
 
