@@ -7,7 +7,7 @@ holding only its wheel, what that wheel declares (its ``test`` extra included) a
 tests run from a copy outside the repository, so the source tree cannot be imported.
 
 Steps: build every wheel once (``uv build`` from a copy of the sources, so nothing is written into the
-tree), then per distribution, in sequence: ``uv venv``, ``uv pip install`` (a shared package cache makes
+tree), then per distribution, two at a time: ``uv venv``, ``uv pip install`` (a shared package cache makes
 repeat runs fast; torch comes from the local CPU wheel in ``--find-links``, never from an index), a check
 that the installed packages are the ones imported, the core's ``omni`` commands, and pytest.
 
@@ -15,8 +15,8 @@ that the installed packages are the ones imported, the core's ``omni`` commands,
     .venv/bin/python scripts/check_dists.py omni-model-wan   # some of them (names or folders)
     .venv/bin/python scripts/check_dists.py -m ''            # the slow tests too (CI: -m 'not slow')
 
-Prints one line per distribution (pass/fail, install and test seconds, pytest's summary) and exits 1 if
-any failed. ``--keep`` leaves the work folder (venvs, test copies, logs) for inspection.
+Prints one line per distribution as each finishes (pass/fail, install and test seconds, pytest's summary; ``--jobs``
+of them at once, default 2) and exits 1 if any failed. ``--keep`` leaves the work folder (venvs, test copies, logs) for inspection.
 """
 
 from __future__ import annotations
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-m", dest="markers", default="not slow",
                         help="pytest marker expression for every distribution's tests (default: 'not slow', as "
                              "CI; '' runs them all)")
+    parser.add_argument("-j", "--jobs", type=int, default=2,
+                        help="distributions checked at once (default 2: the machine's cores)")
     args = parser.parse_args(argv)
 
     dists = distributions()
@@ -234,14 +236,25 @@ def main(argv: list[str] | None = None) -> int:
         wheels = build_wheels(uv, dists, work)  # every wheel: the local dependencies come from them
         print(f"check_dists: built {len(wheels)} wheels in {time.monotonic() - t0:.0f} s", flush=True)
         rows = []
-        for name, folder in chosen:
+
+        def one(name: str, folder: Path) -> dict:
             row = check(name, folder, wheels, uv, work, links, torch_req, args.markers)
-            rows.append(row)
-            print(f"  {'PASS' if row['ok'] else 'FAIL'}  {name:<24} install {row['install_s']:5.1f} s  "
-                  f"tests {row['test_s']:6.1f} s  {row['summary']}", flush=True)
-            if not row["ok"]:
-                print("\n".join("    | " + ln for ln in row["log"].read_text().splitlines()[-40:]), flush=True)
-            shutil.rmtree(work / "venvs" / name, ignore_errors=True) if not args.keep else None
+            if not args.keep:
+                shutil.rmtree(work / "venvs" / name, ignore_errors=True)
+            return row
+
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        # each distribution in its own venv and folder: independent, so ``--jobs`` of them at once (the install is
+        # mostly waiting on disk and the resolver, the tests on one core each)
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            for future in as_completed([pool.submit(one, name, folder) for name, folder in chosen]):
+                row = future.result()
+                rows.append(row)
+                print(f"  {'PASS' if row['ok'] else 'FAIL'}  {row['name']:<24} install {row['install_s']:5.1f} s  "
+                      f"tests {row['test_s']:6.1f} s  {row['summary']}", flush=True)
+                if not row["ok"]:
+                    print("\n".join("    | " + ln for ln in row["log"].read_text().splitlines()[-40:]), flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
