@@ -1,70 +1,41 @@
-"""The deadline watcher: a request with ``SamplingParams.timeout`` ends within one step of its deadline, whatever
-the busy loop is waiting on (a wave's result, a whole request-mode wave).
+"""Request deadlines (``SamplingParams.timeout``), kept by the engine's loop.
 
-One thread, sharing the engine's lock; idle (no CPU) while no request has a deadline. Its final output is a
-timeout error (``DiffusionEngine._finalize``).
+The loop waits on its inbox with the next deadline as its timeout and ends what is due (``EngineCore._expire``):
+a request ends within one step of its deadline, whatever the loop waits on, with no thread of its own. A
+request's deadline lives on its record (``RequestRecord.deadline``, the one per-request table); this is only the
+order in which they come due.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any
+import heapq
+from typing import Callable
 
 
+class Deadlines:
+    """A heap of ``(deadline, request id)``; ``watched(request_id, deadline)`` says whether an entry still counts
+    (the request has not ended), so an ended request needs no removal."""
 
-class DeadlineWatcher:
-    """The watcher of one ``DiffusionEngine`` (``engine``): it shares the engine's lock and request table."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        #: request id -> deadline, for the requests that have one (until it passes)
-        self.deadlines: dict[str, float] = {}
-        #: wakes the watcher when a deadline is added or the engine closes or dies
-        self.wake = threading.Condition(engine._lock)
-        self.thread = threading.Thread(target=self._watch, name="omni-deadlines", daemon=True)
+    def __init__(self, watched: Callable[[str, float], bool]) -> None:
+        self._watched = watched
+        self._heap: list[tuple[float, str]] = []
 
     def add(self, request_id: str, deadline: float) -> None:
-        """Watch ``request_id`` until ``deadline`` (``time.monotonic()``; lock held)."""
-        self.deadlines[request_id] = deadline
-        self.wake.notify()
+        heapq.heappush(self._heap, (deadline, request_id))
 
-    def discard(self, request_id: str) -> None:
-        self.deadlines.pop(request_id, None)
+    def next_due(self) -> float | None:
+        """The earliest deadline still watched, or None."""
+        heap = self._heap
+        while heap and not self._watched(heap[0][1], heap[0][0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
-    def _watch(self) -> None:
-        e = self.engine
-        with e._lock:
-            while not e._closed and not e._dead:
-                if not self.deadlines:
-                    self.wake.wait()
-                    continue
-                delay = min(self.deadlines.values()) - time.monotonic()
-                if delay > 0:
-                    self.wake.wait(delay)
-                    continue
-                running = self._expire()
-                if running:  # step mode: the next wave leaves them out (mp: one replacing the queued wave now)
-                    e._steps.send_now()
-                    e.mode.stop_running(e.executor, running)  # request mode: the runner stops them
-
-    def _expire(self) -> list[str]:
-        """End the requests past their deadline (lock held): a waiting one now, a running one at the next step
-        (the returned ids: request mode must tell the runner, ``mode.stop_running``)."""
-        e, now, running = self.engine, time.monotonic(), []
-        for rid, deadline in list(self.deadlines.items()):
-            if deadline > now:
-                continue
-            del self.deadlines[rid]
-            record = e._records.get(rid)
-            if record is None or record.timed_out:
-                continue
-            record.timed_out = True
-            if e._end(rid):
-                running.append(rid)
-        if running:
-            e._wake.notify()
-        return running
+    def pop_due(self, now: float) -> list[str]:
+        """The ids whose deadline has passed (each once)."""
+        due = []
+        while (deadline := self.next_due()) is not None and deadline <= now:
+            due.append(heapq.heappop(self._heap)[1])
+        return due
 
 
-__all__ = ["DeadlineWatcher"]
+__all__ = ["Deadlines"]

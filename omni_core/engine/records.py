@@ -32,7 +32,9 @@ class RequestRecord:
     num_steps: int | None = None
     #: step waves holding it that were sent and not yet applied (the pipelined step loop)
     in_flight: int = 0
-    #: it passed its deadline (``SamplingParams.timeout``): its final output is a timeout error
+    #: when it must have ended (``time.monotonic()``; ``SamplingParams.timeout``), or None
+    deadline: float | None = None
+    #: it passed its deadline: its final output is a timeout error
     timed_out: bool = False
     #: the scheduler ended it while it ran (aborted, timed out): it ends once the runner has let it go
     ending: bool = False

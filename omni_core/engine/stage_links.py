@@ -4,7 +4,8 @@ A request waiting for its encode (before it is queued) or its decode (after it f
 its record still in the engine's table so abort, deadlines and close find it. Encoded requests are queued as
 if they had just arrived (their arrival time is kept, so the scheduler's order is unchanged); decoded outputs
 are delivered as the in-line decode's would be. Kept apart from the engine so that the engine stays one loop
-and one table, whatever stages there are.
+and one table, whatever stages there are. The stage processes' readers post their results and deaths to the
+engine's loop (``EngineCore.post``), which alone touches these tables.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from omni_core.worker.stage_contract import DECODE, ENCODE
 class StageLinks:
     """Requests waiting for a stage process, and the processes' results on their way to the engine."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, core: Any) -> None:
         from omni_core.worker.stages import launch_stage
 
-        self.engine = engine
+        self.core = core
         #: request id -> the request, until its encodings come back
         self.encoding: dict[str, Any] = {}
         self._to_encode: list = []
@@ -31,8 +32,11 @@ class StageLinks:
         self._groups: dict[Any, list] = {}
         self.encode = self.decode = None
         try:  # launched together: each loads while the others and the model do
-            self.encode = launch_stage(ENCODE, engine.config, engine.resolved, self._on_encoded, self._on_dead)
-            self.decode = launch_stage(DECODE, engine.config, engine.resolved, self._on_decoded, self._on_dead)
+            config, resolved = core.config, core.plan.resolved
+            self.encode = launch_stage(ENCODE, config, resolved, lambda r: core.post(self.encoded, r),
+                                       lambda why: core.post(self.died, why))
+            self.decode = launch_stage(DECODE, config, resolved, lambda r: core.post(self.decoded, r),
+                                       lambda why: core.post(self.died, why))
         except BaseException:
             self.shutdown()
             raise
@@ -56,7 +60,7 @@ class StageLinks:
 
     # ------------------------------------------------------------------ encode
     def admit(self, request: Any) -> bool:
-        """Hold a new request for the encode stage (engine lock held); False without one (queue it now). Sent
+        """Hold a new request for the encode stage; False without one (queue it now). Sent
         by :meth:`flush`, all of one ``submit`` together."""
         if self.encode is None:
             return False
@@ -64,49 +68,45 @@ class StageLinks:
         self._to_encode.append(request)
         return True
 
-    def _on_encoded(self, result: dict) -> None:
-        """The encode stage's results (its reader thread): each request queued with its encodings, or failed."""
-        engine = self.engine
-        with engine._lock:
-            if result.get("cache") is not None:  # stats()["embedding_cache"] sums it with the model processes'
-                snap = result["cache"]
-                engine.timing.setdefault("embedding_caches", {})[snap["source"]] = snap
-            for rid, (kind, value) in result["results"].items():
-                request = self.encoding.pop(rid, None)
-                if request is None or rid not in engine._records:
-                    continue  # aborted (or timed out) while it waited
-                if kind == "ok":
-                    request.text_encodings = value
-                    engine.scheduler.add_request(request)
-                else:
-                    engine._finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR, error=value))
-            engine._wake.notify()
-            engine._steps.send_now()
+    def encoded(self, result: dict) -> None:
+        """The encode stage's results (on the loop): each request queued with its encodings, or failed."""
+        core = self.core
+        if result.get("cache") is not None:  # stats()["embedding_cache"] sums it with the model processes'
+            core.note_embedding_cache(result["cache"])
+        for rid, (kind, value) in result["results"].items():
+            request = self.encoding.pop(rid, None)
+            if request is None or core.record(rid) is None:
+                continue  # aborted (or timed out) while it waited
+            if kind == "ok":
+                request.text_encodings = value
+                core.scheduler.add_request(request)
+            else:
+                core.finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR, error=value))
+        core.steps.send_now()
 
     # ------------------------------------------------------------------ decode
     def hold(self, request_id: str, out: DiffusionOutput) -> None:
-        """A request that finished denoising (engine lock held); sent by :meth:`flush` after the wave, one message
+        """A request that finished denoising; sent by :meth:`flush` after the wave, one message
         per group the runner's decode call made."""
         self.decoding[request_id] = out
         self._groups.setdefault(out.tensor.group, []).append(out.tensor)
 
-    def _on_decoded(self, outputs: dict[str, DiffusionOutput]) -> None:
-        """The decode stage's outputs (its reader thread): its metrics the runner's plus the decode's
+    def decoded(self, outputs: dict[str, DiffusionOutput]) -> None:
+        """The decode stage's outputs (on the loop): its metrics the runner's plus the decode's
         (``peak_memory_mb``: the higher of the two processes)."""
-        engine = self.engine
-        with engine._lock:
-            for rid, out in outputs.items():
-                pending = self.decoding.pop(rid, None)
-                if pending is None or rid not in engine._records:
-                    continue  # aborted (or timed out) while it waited
-                peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
-                # no preview to carry over: step mode delivers a request's previews before it waits for its decode
-                out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
-                engine._finalize(rid, out)
+        core = self.core
+        for rid, out in outputs.items():
+            pending = self.decoding.pop(rid, None)
+            if pending is None or core.record(rid) is None:
+                continue  # aborted (or timed out) while it waited
+            peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
+            # no preview to carry over: step mode delivers a request's previews before it waits for its decode
+            out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
+            core.finalize(rid, out)
 
     # ------------------------------------------------------------------ both
     def flush(self) -> None:
-        """Send what was held since the last flush (engine lock held)."""
+        """Send what was held since the last flush."""
         if self._to_encode:
             self.encode.submit(self._to_encode)
             self._to_encode = []
@@ -118,7 +118,7 @@ class StageLinks:
         return request_id in self.encoding or request_id in self.decoding
 
     def drop(self, request_id: str) -> DiffusionOutput | None:
-        """End a request waiting for a stage (engine lock held): the stage forgets it; its aborted output (None
+        """End a request waiting for a stage: the stage forgets it; its aborted output (None
         when it waits for none)."""
         if request_id in self.encoding:
             request = self.encoding.pop(request_id)
@@ -141,12 +141,9 @@ class StageLinks:
         self.decoding.clear()
         self._groups = {}
 
-    def _on_dead(self, reason: str) -> None:
-        """A stage's process died: the engine dies with a reason naming the stage, failing every request."""
-        engine = self.engine
-        with engine._lock:
-            engine._die(f"the engine is dead: {reason}")
-            engine._wake.notify_all()
+    def died(self, reason: str) -> None:
+        """A stage's process died (on the loop): the engine dies with a reason naming the stage."""
+        self.core.die(f"the engine is dead: {reason}")
 
     def stats(self) -> dict[str, Any]:
         """``stats()["stages"]``: each stage process, what it holds and does (nothing when all run in line)."""

@@ -50,7 +50,7 @@ def run_startup_warmup(engine: Any) -> None:
 
             req.images = warmup_images(cls.image_input, params.height, params.width)
             cls.check_images(req, engine.limits)
-        out = engine._admit([req])[0].result()
+        out = engine.admit([req])[0].result()
         error, frame = out.error, out.metrics.get("error_frame")
     except Exception as exc:  # noqa: BLE001 - the shape was refused, or the engine died
         out, error, frame = None, f"{type(exc).__name__}: {exc}", innermost_frame(exc)

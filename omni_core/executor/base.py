@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from omni_core.executor.calls import CallThread, DoneFn
 from omni_core.pipelines.loader import ResolvedModel
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 
@@ -13,8 +14,9 @@ ProgressFn = Callable[[str, int, int], None]
 class DiffusionExecutor:
     """Base class of executors (``uni``, ``mp``, or a plugin's).
 
-    ``execute_batch`` / ``execute_step`` are called from the engine's busy-loop thread, one at a time;
-    ``abort`` may be called from any thread while one of them runs and must make the runner stop the
+    The engine's loop hands waves over with :meth:`run_async` (``execute_batch`` / ``execute_step`` /
+    ``recv_step`` / ``release`` then run on the executor's call thread, one at a time, in order) and calls
+    ``send_step`` and ``abort`` itself; ``abort`` may come while a wave runs and must make the runner stop the
     request at its next step boundary.
     """
 
@@ -30,6 +32,20 @@ class DiffusionExecutor:
     def start(self) -> None:
         """Load the model (in every worker); raise if that fails."""
         raise NotImplementedError
+
+    def run_async(self, call: Callable[[], Any], done: DoneFn) -> None:
+        """Run ``call()`` (one of this executor's blocking methods) off the engine's loop, then ``done(result,
+        error)`` on the same thread (:mod:`omni_core.executor.calls`); calls run in the order given."""
+        calls = self.__dict__.get("_calls")
+        if calls is None:
+            calls = self.__dict__["_calls"] = CallThread()
+        calls.run(call, done)
+
+    def close_calls(self) -> None:
+        """Stop the call thread (after ``shutdown``, so a call waiting on a worker has failed)."""
+        calls = self.__dict__.get("_calls")
+        if calls is not None:
+            calls.close()
 
     def execute_batch(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         raise NotImplementedError

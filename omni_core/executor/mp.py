@@ -259,8 +259,9 @@ class MultiProcExecutor(DiffusionExecutor):
         if self._dead:
             return
         by_replica: dict[int, list[str]] = {}
-        for rid in request_ids:
-            for i in ([self._assigned[rid]] if rid in self._assigned else range(len(self.replicas))):
+        for rid in request_ids:  # the loop's thread, while the call thread may be updating ``_assigned``
+            replica = self._assigned.get(rid)
+            for i in ([replica] if replica is not None else range(len(self.replicas))):
                 by_replica.setdefault(i, []).append(rid)
         for i, ids in by_replica.items():
             self.abort_qs[i].put(ids)

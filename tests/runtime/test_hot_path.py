@@ -122,23 +122,33 @@ def test_small_output_tensors_cross_processes_as_bytes_and_come_back_equal():
             assert got.dtype == t.dtype and torch.equal(got, t)
 
 
-def test_output_delivery_runs_on_one_thread_and_leaves_the_models_count_alone(tiny_model):
-    """Post-processing (the delivery thread) with more torch threads would wake an OpenMP team that spins on
-    the model's cores; the model's waves keep the policy's count after it."""
+def test_post_processing_runs_in_the_readers_thread_and_leaves_the_models_count_alone(tiny_model):
+    """A finished image's post-processing runs where the caller reads it, never on the engine's loop or the
+    executor's thread (it would hold up the next denoising step of the others), and the model's waves keep the
+    policy's thread count after it."""
+    import threading
+
     before = torch.get_num_threads()
     try:
         with Omni(tiny_model, cpu_threads=2, warmup=False) as omni:
             engine = omni.engine
             pipe = engine.executor.runner.pipeline
-            seen_model, seen_delivery = [], []
+            seen_model, seen_post = [], []
             denoise = pipe.denoise_step
             pipe.denoise_step = lambda states: (seen_model.append(torch.get_num_threads()), denoise(states))[1]
-            post = engine.pipeline_cls.post_process
-            engine.pipeline_cls = type("Recording", (engine.pipeline_cls,), {"post_process": classmethod(
-                lambda cls, out, req: (seen_delivery.append(torch.get_num_threads()), post(out, req))[1])})
-            for i in range(3):  # one request at a time: every wave after the first delivery
-                run_all(omni, requests(1, steps=2))
-        assert seen_delivery and set(seen_delivery) == {1}
+            cls = engine.pipeline_cls
+            post, own = cls.post_process, cls.__dict__.get("post_process")
+            cls.post_process = classmethod(
+                lambda c, out, req: (seen_post.append(threading.current_thread().name), post(out, req))[1])
+            try:
+                for i in range(3):  # one request at a time: every wave after the first post-processing
+                    run_all(omni, requests(1, steps=2))
+            finally:
+                if own is None:
+                    del cls.post_process
+                else:
+                    cls.post_process = own
+        assert seen_post == [threading.current_thread().name] * 3
         assert len(seen_model) == 6 and set(seen_model) == {2}
     finally:
         torch.set_num_threads(before)
