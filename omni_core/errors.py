@@ -47,6 +47,16 @@ class EngineDeadError(OmniError, RuntimeError):
     """The engine's workers died; every in-flight and later request fails with this."""
 
 
+class CollectiveCallError(OmniError, RuntimeError):
+    """A collective call (``collective_rpc``) failed on at least one rank; ``ranks`` says which, ``errors`` why
+    (rank -> traceback text). Every rank ran the call: the failure is agreed, as a wave's is."""
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None, errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+        self.errors = dict(errors or {})
+
+
 class QueueFullError(OmniError):
     """The engine's waiting queue is at ``max_waiting_requests``; retry later (the server answers 429)."""
 

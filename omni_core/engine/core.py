@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from omni_core.engine.collective_calls import CollectiveCalls
 from omni_core.engine.deadlines import Deadlines
 from omni_core.engine.handle import RequestHandle
 from omni_core.engine.model_info import ProgressFn
@@ -73,6 +74,8 @@ class EngineCore:
         self._timing = new_timing()
         #: inside ``apply`` (a progress listener that submits there must not schedule in the middle of it)
         self.applying = False
+        #: collective calls asked for and not yet answered: waves pause until each has run
+        self._calls = CollectiveCalls()
         self.executor = executor or plan.executor_cls(plan.config, plan.resolved, on_progress=self._progress_tick)
         #: the stage processes' links (``encode_workers`` / ``decode_workers``), launched to load while the model does
         self.stages = StageLinks(self)
@@ -129,7 +132,11 @@ class EngineCore:
                     if not self.steps.busy() or time.monotonic() - self._closing > CLOSE_WAIT_S:
                         break
                     continue
-                self.steps.pump()
+                if self._calls.active:
+                    if not self.steps.busy():
+                        self._calls.start_next(self.executor, self.post)
+                else:
+                    self.steps.pump()
         except BaseException:  # noqa: BLE001 - a bug here must not leave callers waiting forever
             logger.exception("the engine's loop failed")
             self.die("the engine is dead: its loop failed (see the log)")
@@ -178,6 +185,7 @@ class EngineCore:
             self.scheduler.fail_all("the engine was closed")
             self.scheduler.schedule()  # flush finished ids
             self._runner_held = set()
+        self._calls.fail_all(EngineDeadError(self.dead) if self.dead else OmniError("the engine was closed"))
         self._stopped = True
         self._drain(0)  # calls posted before ``_stopped`` was seen: admit refuses, stats answers
 
@@ -278,14 +286,32 @@ class EngineCore:
             self.executor.abort(ids)
         return ids
 
+    # ------------------------------------------------------------------ collective calls
+    def begin_collective(self, method: str, args: tuple, kwargs: dict, timeout: float | None
+                         ) -> concurrent.futures.Future:
+        """Queue a collective call: new waves pause, it runs once none is in flight, then waves resume (a dead
+        executor's failure kills the engine, as a wave's does). Returns the future of its result."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if self._closing is not None or self._stopped:
+            raise OmniError("the engine is closed")
+        reply = self._calls.add(method, args, kwargs, timeout)
+        reply.add_done_callback(self._after_call)
+        return reply
+
+    def _after_call(self, reply: concurrent.futures.Future) -> None:
+        error = reply.exception()
+        if isinstance(error, EngineDeadError) and self.dead is None and not self._stopped:
+            self.post(self.die, str(error))
+
     # ------------------------------------------------------------------ waves (the step function's calls)
     def record(self, request_id: str) -> RequestRecord | None:
         return self._records.get(request_id)
 
     @property
     def stopping(self) -> bool:
-        """Closing or dead: no new wave is sent."""
-        return self._closing is not None or self.dead is not None
+        """Closing, dead, or a collective call pending or running: no new wave is sent."""
+        return self._closing is not None or self.dead is not None or self._calls.active
 
     def mark_ending(self, request_ids: list[str]) -> None:
         """The scheduler ended these: those still recorded were running and end once the runner has let them

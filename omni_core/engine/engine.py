@@ -101,6 +101,19 @@ class DiffusionEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._core.post(self._core.abort, ids)
 
+    # ------------------------------------------------------------------ the model processes
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Run the model runner's public method ``method`` on every rank, between waves (new waves wait, the ones in
+        flight finish first); one result per rank, in rank order. A failure on any rank raises
+        ``CollectiveCallError`` naming the ranks; a rank silent past ``timeout`` (default 300 s) kills the engine
+        (:mod:`omni_core.executor.collective`). The one way engine-level operations reach the model process."""
+        from omni_core.executor.collective import check_method
+
+        check_method(method)  # in the caller's thread, before anything pauses
+        core = self._core
+        return core.call(core.begin_collective, method, tuple(args), dict(kwargs or {}), timeout).result()
+
     # ------------------------------------------------------------------ state
     @property
     def execution_mode(self) -> DiffusionExecutionMode:

@@ -70,6 +70,12 @@ class DiffusionExecutor:
     def abort(self, request_ids: list[str]) -> None:
         raise NotImplementedError
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Run the model runner's public method ``method`` on every rank; one result per rank, in rank order
+        (:mod:`omni_core.executor.collective`). Called with no wave in flight (the engine pauses them)."""
+        raise NotImplementedError
+
     def release(self, request_ids: list[str]) -> set[str]:
         """Drop per-request state of ended requests; returns the ids still held."""
         raise NotImplementedError

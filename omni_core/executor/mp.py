@@ -198,9 +198,9 @@ class MultiProcExecutor(DiffusionExecutor):
                 self._assigned.pop(rid, None)
         return merged
 
-    def _get_result(self, timeout: float) -> tuple:
-        """The next message from the workers, or ``queue.Empty`` after ``timeout`` s (the engine's thread is
-        the only reader)."""
+    def _get_result(self, timeout: float, ranks: Any = None) -> tuple:
+        """The next message from the workers, or ``queue.Empty`` after ``timeout`` s (the executor's call thread
+        is the only reader; every rank writes to the one queue, so ``ranks`` needs no filter here)."""
         if not self.result_q._reader.poll(timeout):
             raise queue.Empty
         return self.result_q.get()
@@ -265,6 +265,37 @@ class MultiProcExecutor(DiffusionExecutor):
                 by_replica.setdefault(i, []).append(rid)
         for i, ids in by_replica.items():
             self.abort_qs[i].put(ids)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """Every rank runs ``method`` and answers (``("called", rank, ok, value)``); a rank that does not answer
+        within ``timeout`` leaves the model processes in an unknown state: the engine dies naming it."""
+        from omni_core.executor.collective import DEFAULT_TIMEOUT_S, check_method, gathered
+
+        check_method(method)
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        for q in self.task_qs:
+            q.put(("call", (method, tuple(args), dict(kwargs or {}))))
+        answers: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + (DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        while len(answers) < self.world_size:
+            if self._dead:
+                raise EngineDeadError(self._dead)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(answers))
+                self._dead = (f"the engine is dead: rank(s) {missing} did not answer the collective call {method!r} "
+                              f"within {timeout if timeout is not None else DEFAULT_TIMEOUT_S:g} s")
+                raise EngineDeadError(self._dead)
+            try:
+                msg = self._get_result(timeout=0.2, ranks=range(self.world_size))
+            except queue.Empty:
+                continue
+            if msg[0] == "called":
+                answers[msg[1]] = (msg[2], msg[3])
+            elif msg[0] == "fatal":
+                self._dead = f"the engine is dead: worker rank {msg[1]} failed:\n{msg[2]}"
+        return gathered(method, answers, self.world_size)
 
     def release(self, request_ids: list[str]) -> set[str]:
         parts = {i: list(request_ids) for i in range(len(self.replicas))}

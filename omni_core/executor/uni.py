@@ -41,6 +41,19 @@ class UniProcExecutor(DiffusionExecutor):
     def abort(self, request_ids: list[str]) -> None:
         self.runner.abort(request_ids)
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        import traceback
+
+        from omni_core.executor.collective import check_method, gathered
+
+        check_method(method)
+        try:
+            answer = (True, getattr(self.runner, method)(*args, **(kwargs or {})))
+        except Exception:  # noqa: BLE001 - named as a rank's failure, as every executor names it
+            answer = (False, traceback.format_exc())
+        return gathered(method, {0: answer}, 1)
+
     def release(self, request_ids: list[str]) -> set[str]:
         self.runner.release(request_ids)
         return self.runner.held_ids()

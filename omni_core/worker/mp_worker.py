@@ -260,6 +260,15 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
             elif kind == "release":
                 runner.release(msg[1])
                 out = RunnerOutput(held_ids=runner.held_ids())
+            elif kind == "call":  # every rank answers (omni_core.executor.collective)
+                try:
+                    method, args, kwargs = msg[1]
+                    value = getattr(runner, method)(*args, **kwargs)
+                except BaseException:  # noqa: BLE001 - the caller learns which rank failed and why
+                    result_q.put(("called", rank, False, _traceback()))
+                else:
+                    result_q.put(("called", rank, True, value))
+                continue
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
         except BaseException:  # noqa: BLE001

@@ -178,6 +178,14 @@ class ModelRunner(RankAgreement):
         with self._abort_lock:
             self._abort_ids.discard(request_id)
 
+    def describe(self) -> dict[str, Any]:
+        """This rank as the engine sees it through a collective call (``engine.collective_rpc("describe")``): its
+        rank, process, device, the requests it holds and its model's bytes per component."""
+        import os
+
+        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "device": str(self.device),
+                "held_ids": sorted(self.held_ids()), "model_bytes": dict(self.model_bytes)}
+
     def held_ids(self) -> set[str]:
         return set(self.states) | set(self._in_flight)
 

@@ -75,7 +75,7 @@ def test_the_engine_starts_no_thread_but_its_loop(tiny_model, executor, own):
     config = OmniDiffusionConfig.from_kwargs(model=tiny_model, executor=executor, warmup=False, step_execution=True)
     engine = DiffusionEngine(config)
     try:
-        timed = OmniDiffusionRequest(prompt="x", sampling_params=config_params(steps=40, timeout=0.3))
+        timed = OmniDiffusionRequest(prompt="x", sampling_params=config_params(steps=200, timeout=0.1))
         plain = [OmniDiffusionRequest(prompt="y", sampling_params=config_params(steps=3)) for _ in range(2)]
         handles = engine.submit([timed, *plain])
         engine.abort(plain[1].request_id)
