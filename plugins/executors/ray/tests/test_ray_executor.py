@@ -240,3 +240,18 @@ def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):
         omni.close()
     actors, groups = ours_left()
     assert groups == []
+
+
+from omni_core.testing.executor_contract import ExecutorContract  # noqa: E402
+
+
+class TestRayContract(ExecutorContract):
+    """The contract every executor owes (``omni_core.testing.executor_contract``), on this module's cluster."""
+
+    executor = "ray"
+    options = {"cpu_threads": 1}
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _cluster(cls, ray_cluster):
+        return ray_cluster
