@@ -21,7 +21,7 @@ class StageLinks:
     """Requests waiting for a stage process, and the processes' results on their way to the engine."""
 
     def __init__(self, core: Any) -> None:
-        from omni_core.worker.stages import launch_stage
+        from omni_core.executor.stage_process import launch_stage
 
         self.core = core
         #: request id -> the request, until its encodings come back

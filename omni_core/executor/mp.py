@@ -3,30 +3,35 @@
 
 Waves go to every rank once through per-rank queues; results come from rank 0. Tensors travel through
 shared memory (``torch.multiprocessing`` queues move tensor storage to shared memory instead of pickling
-the bytes). A monitor thread notices a dead worker at once; waits then fail with ``EngineDeadError``.
-Shutdown escalates from a polite message to terminate and kill, so no child outlives the executor, and a
-worker dies with the engine's process if that is killed (``omni_core.worker.parent_watch``).
+the bytes). The processes are a :class:`~omni_core.executor.process_group.ProcessGroup`: its watcher notices a
+dead worker at once (waits then fail with ``EngineDeadError``), its ``stop`` escalates from a polite message to
+terminate and kill, so no child outlives the executor, and a worker dies with the engine's process if that is
+killed (``omni_core.worker.parent_watch``). An executor that places the same worker loop elsewhere subclasses
+this one and returns its own group from :meth:`MultiProcExecutor.process_group` (the Ray plugin).
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing.connection
 import os
 import queue
 import socket
-import threading
 import time
-import weakref
 from typing import Any
 
 from omni_core.errors import EngineDeadError
 from omni_core.executor.base import DiffusionExecutor
+from omni_core.executor.process_group import LocalProcessGroup, ProcessGroup
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 from omni_core.worker.transport import unpack_outputs
 from omni_core.worker.timing import merge_wave_timings
 
 logger = logging.getLogger("omni_core.executor")
+
+
+#: what a worker's death during start-up usually means
+START_HINT = ("see its traceback above. Workers import the caller's main module as spawn does: a script that creates "
+              "the engine at module level must guard it with `if __name__ == '__main__':`")
 
 
 def free_port() -> int:
@@ -35,24 +40,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_all(procs: list) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 3
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(2)
-
-
 class MultiProcExecutor(DiffusionExecutor):
-    def start(self) -> None:
-        from omni_core.worker.mp_worker import worker_main
-        from omni_core.worker.processes import child_environment, process_context
+    #: why the executor gave up on its processes itself (a collective call nobody answered), or None
+    _dead: str | None = None
 
+    def start(self) -> None:
         from omni_core.distributed.parallel_state import RankLayout
 
         self.world_size = self.config.world_size
@@ -60,98 +52,40 @@ class MultiProcExecutor(DiffusionExecutor):
         self.replicas = RankLayout.from_config(self.config.parallel_config).replicas()
         self._replica_of_rank = {r: i for i, ranks in enumerate(self.replicas) for r in ranks}
         self._assigned: dict[str, int] = {}
-        ctx = process_context()
-        self._closing = False
         self._dead: str | None = None
-        # SimpleQueues: a put pickles and writes at once, where a Queue hands the message to a feeder thread
-        # first (a thread wake-up per message: 230 vs 360-570 us per wave round trip measured on 2 cores).
-        # Messages stay small (tensors travel in shared memory) and every wave's result is read before the
-        # next is sent, so a writer never waits long on a full pipe.
-        self.task_qs = [ctx.SimpleQueue() for _ in range(self.world_size)]
-        self.result_q = ctx.SimpleQueue()
-        # aborts may come in bulk (close() aborts every tracked request) while no worker reads them: a
-        # Queue's feeder thread never blocks the caller; they are not on the per-step path
-        self.abort_qs = [ctx.Queue() for _ in self.replicas]
-        port = free_port()
-        self.procs = [ctx.Process(target=worker_main, name=f"omni-worker-{rank}", daemon=True,
-                                  args=(rank, self.world_size, self.config, self.resolved, port, self.task_qs[rank],
-                                        self.result_q, self.abort_qs[self._replica_of_rank[rank]], os.getpid(),
-                                        child_environment()))
-                      for rank in range(self.world_size)]
-        # Workers die with their parent *thread* (PR_SET_PDEATHSIG), so the monitor, which lives until every
-        # worker has exited, starts them -- not the caller's thread, which may end first (a thread pool's).
-        started: queue.SimpleQueue = queue.SimpleQueue()
-        self._monitor = threading.Thread(target=self._start_and_watch, args=(started,), name="omni-worker-monitor",
-                                         daemon=True)
-        self._monitor.start()
-        error = started.get()
-        self._finalizer = weakref.finalize(self, _kill_all, list(self.procs))
+        self.group = self.process_group()
         try:
-            if error is not None:
-                raise error
-            self._wait_ready()
+            self.group.spawn()
+            ready = self.group.wait_ready(self.config.worker_start_timeout)
         except BaseException:
             self.shutdown()
             raise
+        self._model_bytes = ready[0] or {}  # rank 0 reports its model's bytes per component
 
-    def _wait_ready(self) -> None:
-        ready: set[int] = set()
-        deadline = time.monotonic() + self.config.worker_start_timeout
-        while len(ready) < self.world_size:
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"workers did not load the model within {self.config.worker_start_timeout} s "
-                                      f"(ready ranks: {sorted(ready)})")
-            try:
-                msg = self._get_result(timeout=0.2)
-            except queue.Empty:
-                dead = [p for p in self.procs if not p.is_alive()]
-                if dead:
-                    raise EngineDeadError(
-                        f"worker {dead[0].name} exited with code {dead[0].exitcode} during start-up (see its "
-                        f"traceback above). Workers import the caller's main module as spawn does: a script that "
-                        f"creates the engine at module level must guard it with `if __name__ == '__main__':`")
-                continue
-            if msg[0] == "ready":
-                ready.add(msg[1])
-                if len(msg) > 2 and msg[1] == 0:  # rank 0 reports its model's bytes per component
-                    self._model_bytes = msg[2]
-            elif msg[0] == "fatal":
-                raise EngineDeadError(f"worker rank {msg[1]} failed to start:\n{msg[2]}")
+    def process_group(self) -> ProcessGroup:
+        """The executor's processes, one per rank, running the worker loop (:mod:`omni_core.worker.mp_worker`);
+        an executor that places them elsewhere returns its own :class:`ProcessGroup` (the Ray plugin does)."""
+        from omni_core.worker.mp_worker import worker_main
+        from omni_core.worker.processes import child_environment
 
-    def _start_and_watch(self, started: queue.SimpleQueue) -> None:
-        """Start the workers, then watch them until all have exited; the first death (not during shutdown)
-        marks the engine dead."""
-        try:
-            for p in self.procs:
-                p.start()
-        except BaseException as exc:  # noqa: BLE001 - handed to start()
-            started.put(exc)
-            return
-        started.put(None)
-        alive = {p.sentinel: p for p in self.procs}
-        while alive:
-            for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5):
-                p = alive.pop(sentinel)
-                if not self._closing:
-                    self._mark_dead(p)
+        port, world, parent, env = free_port(), self.world_size, os.getpid(), child_environment()
+        config, resolved = self.config, self.resolved
 
-    def _mark_dead(self, p: Any) -> None:
-        p.join(0.1)
-        if self._dead is None:
-            self._dead = f"the engine is dead: worker {p.name} (pid {p.pid}) exited with code {p.exitcode}"
-            logger.error("%s", self._dead)
+        def args_for(rank: int, task_q: Any, result_q: Any, abort_q: Any) -> tuple:
+            return (rank, world, config, resolved, port, task_q, result_q, abort_q, parent, env)
 
-    def _dead_worker(self, timeout: float) -> Any:
-        """A worker that has exited (waiting up to ``timeout`` for one), or None."""
-        done = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=timeout)
-        return next((p for p in self.procs if p.sentinel in done), None)
+        # the group's queues are SimpleQueues: a put pickles and writes at once, where a Queue hands the message to
+        # a feeder thread first (a thread wake-up per message: 230 vs 360-570 us per wave round trip measured on 2
+        # cores); messages stay small (tensors travel in shared memory)
+        return LocalProcessGroup("worker", worker_main, args_for, [f"omni-worker-{r}" for r in range(world)],
+                                 start_hint=START_HINT)
 
     # ------------------------------------------------------------------ calls
     def _send(self, replica: int, msg: tuple) -> None:
-        if self._dead:
-            raise EngineDeadError(self._dead)
+        if not self.is_alive():
+            raise EngineDeadError(self.death_reason)
         for rank in self.replicas[replica]:
-            self.task_qs[rank].put(msg)
+            self.group.send(rank, msg)
 
     def _split(self, sched: DiffusionSchedulerOutput) -> dict[int, DiffusionSchedulerOutput]:
         """One sub-wave per data-parallel replica; a request stays on the replica it was given."""
@@ -198,19 +132,20 @@ class MultiProcExecutor(DiffusionExecutor):
                 self._assigned.pop(rid, None)
         return merged
 
-    def _get_result(self, timeout: float, ranks: Any = None) -> tuple:
-        """The next message from the workers, or ``queue.Empty`` after ``timeout`` s (the executor's call thread
-        is the only reader; every rank writes to the one queue, so ``ranks`` needs no filter here)."""
-        if not self.result_q._reader.poll(timeout):
-            raise queue.Empty
-        return self.result_q.get()
+    def _peer_death(self) -> str | None:
+        """A peer's death surfaces first as a failed collective on the leader: the death, if there is one."""
+        reason = self.group.wait_death(timeout=1.0)
+        if reason is not None and self._dead is None:
+            self._dead = f"the engine is dead: worker {reason}"
+            logger.error("%s", self._dead)
+        return self._dead
 
     def _wait_result(self) -> RunnerOutput:
         while True:
-            if self._dead:
-                raise EngineDeadError(self._dead)
+            if not self.is_alive():
+                raise EngineDeadError(self.death_reason)
             try:
-                msg = self._get_result(timeout=0.2)
+                msg = self.group.receive(timeout=0.2)
             except queue.Empty:
                 continue
             kind = msg[0]
@@ -220,18 +155,11 @@ class MultiProcExecutor(DiffusionExecutor):
                         self.on_progress(*event)
             elif kind == "result":
                 result = unpack_outputs(msg[2])
-                if any(o.status == "error" for o in result.outputs.values()):
-                    # a failed collective (a peer died) looks like a request error on the leader
-                    dead = self._dead_worker(timeout=1.0)
-                    if dead is not None:
-                        self._mark_dead(dead)
-                        raise EngineDeadError(self._dead)
+                if any(o.status == "error" for o in result.outputs.values()) and self._peer_death():
+                    raise EngineDeadError(self._dead)  # a failed collective looked like a request error
                 return result
             elif kind == "error":
-                # a peer's death surfaces first as a failed collective on the leader: report the death
-                dead = self._dead_worker(timeout=1.0)
-                if dead is not None:
-                    self._mark_dead(dead)
+                if self._peer_death():
                     raise EngineDeadError(self._dead)
                 raise RuntimeError(f"worker replica {msg[1]} failed to run the wave:\n{msg[2]}")
             elif kind == "fatal":
@@ -256,7 +184,7 @@ class MultiProcExecutor(DiffusionExecutor):
         return self._collect(1)
 
     def abort(self, request_ids: list[str]) -> None:
-        if self._dead:
+        if not self.is_alive():
             return
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:  # the loop's thread, while the call thread may be updating ``_assigned``
@@ -264,7 +192,7 @@ class MultiProcExecutor(DiffusionExecutor):
             for i in ([replica] if replica is not None else range(len(self.replicas))):
                 by_replica.setdefault(i, []).append(rid)
         for i, ids in by_replica.items():
-            self.abort_qs[i].put(ids)
+            self.group.send_abort(self.replicas[i][0], ids)  # the replica's leader polls aborts each step
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list:
@@ -273,22 +201,22 @@ class MultiProcExecutor(DiffusionExecutor):
         from omni_core.executor.collective import DEFAULT_TIMEOUT_S, check_method, gathered
 
         check_method(method)
-        if self._dead:
-            raise EngineDeadError(self._dead)
-        for q in self.task_qs:
-            q.put(("call", (method, tuple(args), dict(kwargs or {}))))
+        if not self.is_alive():
+            raise EngineDeadError(self.death_reason)
+        for rank in range(self.world_size):
+            self.group.send(rank, ("call", (method, tuple(args), dict(kwargs or {}))))
         answers: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + (DEFAULT_TIMEOUT_S if timeout is None else timeout)
         while len(answers) < self.world_size:
-            if self._dead:
-                raise EngineDeadError(self._dead)
+            if not self.is_alive():
+                raise EngineDeadError(self.death_reason)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(answers))
                 self._dead = (f"the engine is dead: rank(s) {missing} did not answer the collective call {method!r} "
                               f"within {timeout if timeout is not None else DEFAULT_TIMEOUT_S:g} s")
                 raise EngineDeadError(self._dead)
             try:
-                msg = self._get_result(timeout=0.2, ranks=range(self.world_size))
+                msg = self.group.receive(timeout=0.2)
             except queue.Empty:
                 continue
             if msg[0] == "called":
@@ -304,35 +232,21 @@ class MultiProcExecutor(DiffusionExecutor):
         return self._run("release", parts).held_ids
 
     def is_alive(self) -> bool:
-        return self._dead is None
+        group = getattr(self, "group", None)
+        return self._dead is None and (group is None or group.dead is None)
 
     @property
     def death_reason(self) -> str | None:
-        return self._dead
+        if self._dead is not None:
+            return self._dead
+        group = getattr(self, "group", None)
+        return f"the engine is dead: worker {group.dead}" if group is not None and group.dead else None
 
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        group = getattr(self, "group", None)
+        return group.pids() if group is not None else []
 
     def shutdown(self) -> None:
-        self._closing = True
-        procs = getattr(self, "procs", [])
-        for q in getattr(self, "task_qs", []):
-            try:
-                q.put(("shutdown",))
-            except Exception:  # noqa: BLE001
-                pass
-        deadline = time.monotonic() + 5
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        _kill_all(procs)
-        for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None)]:
-            if q is not None:
-                q.close()
-        for q in getattr(self, "abort_qs", []):
-            q.cancel_join_thread()
-            q.close()
-        if getattr(self, "_finalizer", None) is not None:
-            self._finalizer.detach()
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None and monitor is not threading.current_thread():
-            monitor.join(5)
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.stop()

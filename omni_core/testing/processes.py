@@ -68,3 +68,26 @@ def cmdline(pid: int) -> str:
 
 
 __all__ = ["alive", "children", "cmdline", "descendants", "name", "named"]
+
+
+def echo_rank(rank: int, task_q, result_q, abort_q, parent_pid: int, fail: bool = False) -> None:
+    """A process body for :class:`~omni_core.executor.process_group.ProcessGroup` tests (and examples): say ready
+    (or fail to start when ``fail``), then answer each ``("echo", x)`` with ``("echoed", rank, x, aborts seen)``
+    until ``("shutdown",)``. Its aborts are read from ``abort_q`` before each answer."""
+    import queue
+
+    from omni_core.worker.processes import child_setup
+
+    child_setup(parent_pid, None, f"omni-echo-{rank}")
+    if fail:
+        result_q.put(("fatal", rank, "echo_rank was asked to fail"))
+        return
+    result_q.put(("ready", rank, {"pid": os.getpid()}))
+    aborts: list[str] = []
+    while (msg := task_q.get())[0] != "shutdown":
+        while True:
+            try:
+                aborts.extend(abort_q.get_nowait())
+            except queue.Empty:
+                break
+        result_q.put(("echoed", rank, msg[1], list(aborts)))

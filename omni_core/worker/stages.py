@@ -30,12 +30,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from typing import Any, Callable
 
-from omni_core.errors import EngineDeadError
 from omni_core.worker.stage_contract import DECODE, ENCODE, DecodePayload, model_bytes_of_stage, stage_device
 
 logger = logging.getLogger("omni_core.worker")
@@ -75,9 +72,9 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
             from omni_core.pipelines.embedding_cache import EmbeddingCache
 
             pipeline.embedding_cache = EmbeddingCache(getattr(config, "embedding_cache_bytes", 0))
-        sender.put(("ready", {"model_bytes": model_bytes_of_stage(pipeline), "device": str(device)}))
+        sender.put(("ready", 0, {"model_bytes": model_bytes_of_stage(pipeline), "device": str(device)}))
     except BaseException:  # noqa: BLE001 - reported to the engine
-        sender.put(("fatal", _traceback()))
+        sender.put(("fatal", 0, _traceback()))
         sender.close()
         return
     while True:
@@ -195,155 +192,4 @@ def _decode(pipeline: Any, platform: Any, device: Any, payloads: list[DecodePayl
     return pack_outputs(RunnerOutput(outputs=outputs))
 
 
-# ---------------------------------------------------------------------------------------------- the engine's end
-class StageProcess:
-    """The engine's handle on one stage's process: ``submit`` work (decode payloads of one group, or requests to
-    encode), results reach ``on_done(result)`` from a reader thread (decode: ``{request id: DiffusionOutput}``;
-    encode: :func:`_encode`'s dict); the process's death (not at shutdown) reaches ``on_dead(reason)`` once, the
-    reason naming the stage. The process is started from the monitor thread, which lives until it exits, so it
-    dies with the engine's process (``parent_watch``: the death signal follows the starting thread)."""
-
-    def __init__(self, stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
-                 on_dead: Callable[[str], None]) -> None:
-        self.stage, self.config, self.resolved = stage, config, resolved
-        self.on_done, self.on_dead = on_done, on_dead
-        self.model_bytes: dict[str, int] = {}
-        self.device: str | None = None
-        self.dead: str | None = None
-        self._closing = False
-        #: requests this stage has finished (decoded, or encoded)
-        self.done = 0
-        #: a death before ``wait_ready`` saw the process ready is its failure to start, not ``on_dead``'s
-        self._ready_seen = False
-        self._state_lock = threading.Lock()
-
-    def start(self) -> None:
-        self.launch()
-        self.wait_ready()
-
-    def launch(self) -> None:
-        """Start the process without waiting for it to load (the engine loads its model meanwhile)."""
-        from omni_core.worker.mp_worker import BackgroundSender
-        from omni_core.worker.processes import child_environment, process_context
-
-        ctx = process_context()
-        self._in, self._out = ctx.SimpleQueue(), ctx.SimpleQueue()
-        self.proc = ctx.Process(target=stage_main, name=f"omni-{self.stage}-stage", daemon=True,
-                                args=(self.stage, self.config, self.resolved, self._in, self._out, os.getpid(),
-                                      child_environment()))
-        self._sender = BackgroundSender(self._in)  # a put never blocks the engine's thread
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._monitor = threading.Thread(target=self._start_and_watch, name=f"omni-{self.stage}-monitor", daemon=True)
-        self._monitor.start()
-
-    def wait_ready(self) -> None:
-        """Wait for the launched process to load; a failure shuts it down and raises naming the stage."""
-        try:
-            kind, value = self._ready.get(timeout=self.config.worker_start_timeout)
-        except queue.Empty:
-            kind, value = "fatal", f"it did not load within {self.config.worker_start_timeout} s"
-        if kind == "ready":
-            with self._state_lock:
-                self._ready_seen = True
-                if self.dead is not None:  # it died right after saying so
-                    kind, value = "fatal", self.dead
-        if kind != "ready":
-            self.shutdown()
-            raise EngineDeadError(f"the {self.stage} stage's process failed to start: {value} (see its traceback above; "
-                                  f"processes import the caller's main module as spawn does: a script that creates the engine at module "
-                                  f"level must guard it with `if __name__ == '__main__':`)")
-        self.model_bytes, self.device = value["model_bytes"], value["device"]
-
-    def _start_and_watch(self) -> None:
-        import multiprocessing.connection
-
-        if self._closing:  # shut down before it was started
-            self._ready.put(("fatal", "the engine shut it down before it started"))
-            return
-        try:
-            self.proc.start()
-        except BaseException as exc:  # noqa: BLE001 - handed to start()
-            self._ready.put(("fatal", repr(exc)))
-            return
-        reader = threading.Thread(target=self._read, name=f"omni-{self.stage}-reader", daemon=True)
-        reader.start()
-        multiprocessing.connection.wait([self.proc.sentinel])
-        self.proc.join(1)
-        reason = f"the {self.stage} stage's process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
-        self._ready.put(("fatal", reason))  # read only while starting
-        with self._state_lock:
-            if self._closing or self.dead is not None:
-                return
-            self.dead = reason
-            report = self._ready_seen
-        if report:
-            logger.error("%s", reason)
-            self.on_dead(reason)
-
-    def _read(self) -> None:
-        from omni_core.worker.transport import unpack_outputs
-
-        while True:
-            try:
-                msg = self._out.get()
-            except Exception:  # noqa: BLE001 - the process's end of the pipe is gone
-                return
-            if msg[0] == "ready":
-                self._ready.put(("ready", msg[1]))
-            elif msg[0] == "fatal":
-                self._ready.put(("fatal", msg[1]))
-            elif msg[0] == "done":
-                result = unpack_outputs(msg[1]).outputs if self.stage == DECODE else msg[1]
-                self.done += len(result if self.stage == DECODE else result["results"])
-                try:
-                    self.on_done(result)
-                except Exception:  # noqa: BLE001 - a delivery bug must not stop the reader
-                    logger.exception("delivering the %s stage's results failed", self.stage)
-
-    def submit(self, items: list) -> None:
-        """Work for the process: one decode group's payloads, or requests to encode."""
-        self._sender.put(("work", items))
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._sender.put(("abort", list(request_ids)))
-
-    @property
-    def unsent(self) -> int:
-        """Messages for the process that are not yet in its pipe (``stats()["stages"][stage]["unsent"]``)."""
-        sender = getattr(self, "_sender", None)
-        return sender.unsent if sender is not None else 0
-
-    def pid(self) -> int | None:
-        proc = getattr(self, "proc", None)
-        return proc.pid if proc is not None else None
-
-    def shutdown(self) -> None:
-        self._closing = True
-        proc = getattr(self, "proc", None)
-        if proc is None or proc.pid is None:  # never started
-            return
-        sender = getattr(self, "_sender", None)
-        if sender is not None and proc.is_alive():
-            sender.put(("shutdown",))
-            sender.close(timeout=2)
-        proc.join(5)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(3)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(2)
-        self._monitor.join(5)
-
-
-def launch_stage(stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
-                 on_dead: Callable[[str], None]) -> StageProcess | None:
-    """Stage ``stage``'s process of ``config``, launched (None when the stage runs in line); ``wait_ready`` it."""
-    if not getattr(config, f"{stage}_workers", 0):
-        return None
-    process = StageProcess(stage, config, resolved, on_done, on_dead)
-    process.launch()
-    return process
-
-
-__all__ = ["StageProcess", "launch_stage", "stage_main"]
+__all__ = ["stage_main"]

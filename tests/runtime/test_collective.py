@@ -9,6 +9,7 @@ anything pauses.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -26,11 +27,14 @@ def _params(seed: int, steps: int = 6) -> dict:
     ("mp", {"parallel_config": {"cfg_parallel_size": 2}, "max_num_seqs": 2}, 2),
 ])
 def test_a_collective_call_reaches_every_rank_between_waves(tiny_model, executor, extra, ranks):
-    with Omni(tiny_model, executor=executor, warmup=False, step_execution=True, **extra) as omni:
+    # a fixed thread count: under a contended CPU the runner's thread policy may change between runs otherwise
+    with Omni(tiny_model, executor=executor, warmup=False, step_execution=True, cpu_threads=1, **extra) as omni:
         engine = omni.engine
         alone = [h.result(timeout=120).tensor for h in engine.submit([_request(engine, 1), _request(engine, 2)])]
 
-        handles = engine.submit([_request(engine, 1), _request(engine, 2)])
+        stepped = threading.Event()
+        handles = engine.submit([_request(engine, 1), _request(engine, 2)], on_progress=lambda *a: stepped.set())
+        assert stepped.wait(60)
         described = engine.collective_rpc("describe")
         results = [h.result(timeout=120) for h in handles]
 

@@ -116,7 +116,7 @@ def test_progress_from_a_worker_reports_every_step_in_fewer_messages(tiny_model)
         engine = omni.engine
         executor = engine.executor
         messages = []
-        get_result = executor._get_result
+        get_result = executor.group.receive
 
         def counting(timeout):
             msg = get_result(timeout)
@@ -124,7 +124,7 @@ def test_progress_from_a_worker_reports_every_step_in_fewer_messages(tiny_model)
                 messages.append(len(msg[1]))
             return msg
 
-        executor._get_result = counting
+        executor.group.receive = counting
         steps = 12
         req = OmniDiffusionRequest(prompt="p", sampling_params=SamplingParams(
             num_inference_steps=steps, extra_args={"sleep_per_step": PROGRESS_INTERVAL_S / 4}))

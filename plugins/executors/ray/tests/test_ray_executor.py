@@ -249,7 +249,8 @@ class TestRayContract(ExecutorContract):
     """The contract every executor owes (``omni_core.testing.executor_contract``), on this module's cluster."""
 
     executor = "ray"
-    options = {"cpu_threads": 1}
+    #: half a CPU per rank: the suite holds three engines at once, and a test above took the second node away
+    options = {"cpu_threads": 1, "ray_cpus_per_rank": 0.5}
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
