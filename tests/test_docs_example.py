@@ -1,7 +1,8 @@
 """The plugin guides are true: each guide's files are its example package's files, and its commands run as written.
 
 Guides and packages: ``authoring.md`` (attention backend ``omni-attention-toy``), ``models.md`` (model
-``omni-model-toy``), ``caches.md`` (cache backend ``omni-cache-toy``).
+``omni-model-toy``), ``caches.md`` (cache backend ``omni-cache-toy``), ``executors.md`` (executor
+``omni-executor-toy``).
 
 The commands run in a throwaway virtual environment layered over this one (a ``.pth`` adds this
 environment's site-packages), so installing the example never touches the project's ``.venv``.
@@ -25,6 +26,7 @@ GUIDES = {
     "authoring.md": ("omni-attention-toy", "omni plugins list --kind attention", "attention-toy"),
     "models.md": ("omni-model-toy", "omni plugins list --kind pipeline", "model-toy"),
     "caches.md": ("omni-cache-toy", "omni plugins list --kind cache", "cache-toy"),
+    "executors.md": ("omni-executor-toy", "omni plugins list --kind executor", "executor-toy"),
 }
 BLOCK = re.compile(r"<!-- (example-[a-z]+)(?:: ([^\n]*?))? -->\n\n?```[a-z]*\n(.*?)```", re.S)
 

@@ -1,0 +1,1 @@
+"""omni-executor-toy: the ``pinned`` executor (docs/plugins/executors.md)."""

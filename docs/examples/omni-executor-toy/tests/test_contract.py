@@ -1,0 +1,6 @@
+from omni_core.testing.executor_contract import ExecutorContract
+
+
+class TestPinnedContract(ExecutorContract):
+    executor = "pinned"
+    options = {"pinned_cpus": "0"}
