@@ -9,8 +9,8 @@ pickled PIL objects; a pipeline rebuilds the exact PIL image with :func:`to_pil`
 diffusers' processors (RGB -> uint8 -> RGB is lossless, so parity with diffusers given the same PIL image holds).
 
 Import-light: PIL, numpy and torch are imported only when images are checked or converted. The conversions
-run in numpy, never in torch kernels: they run on the engine's other threads (the caller's, the delivery thread,
-the server's), and a torch op there would give that thread an OpenMP team of its own, slowing the model's
+run in numpy, never in torch kernels: they run on threads other than the model's (the caller's, the
+server's), and a torch op there would give that thread an OpenMP team of its own, slowing the model's
 (``omni_core.platforms.threads``).
 """
 

@@ -1,4 +1,4 @@
-"""The diffusion engine: its plan, execution modes, busy loop, request handles, abort, warmup.
+"""The diffusion engine: its plan, execution modes, the core loop, request handles, abort, warmup.
 
 Front ends use only :mod:`omni_core.engine.client` (``EngineClient``, ``ModelInfo``, ``start_engine``). The names
 below load on first access, so importing the client (the server's one engine import) does not load the engine,

@@ -84,7 +84,7 @@ def close_output(record: RequestRecord, out: DiffusionOutput) -> DiffusionReques
 
 
 def new_timing() -> dict:
-    """Where the busy loop's time went, summed over waves (``count_wave``, ``timing_summary``)."""
+    """Where the loop's time went, summed over waves (``count_wave``, ``timing_summary``)."""
     return {"waves": 0, "denoise_calls": 0, "wave_s": 0.0, "pipeline_s": 0.0, "denoise_s": 0.0,
             "denoiser_calls": 0, "denoiser_s": 0.0}
 

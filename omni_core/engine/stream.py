@@ -77,8 +77,11 @@ class OutputStream:
 def _finished(item: Any, finish: Callable[[Any], Any] | None) -> Any:
     if finish is None:
         return item
+    from omni_core.platforms.threads import one_torch_thread
+
     try:
-        return finish(item)
+        with one_torch_thread():
+            return finish(item)
     except BaseException as exc:  # noqa: BLE001 - the request fails; the reader gets its output
         logger.debug("post-processing failed", exc_info=True)
         item.status, item.error = "error", f"post-processing failed: {type(exc).__name__}: {exc}"

@@ -11,14 +11,16 @@ the host-side ops (prompt encoding, schedulers, image conversion).
 Only the model's thread should run torch ops with more than one thread: GNU OpenMP keeps a team per calling thread,
 and once a process holds more OpenMP threads than cores it stops letting idle ones spin, so every op of the model
 starts by waking its team (a lone ``shapes`` step 21% slower on 2 cores with one extra team). The engine's other
-threads run on one torch thread (:func:`one_thread_here`) or in numpy (``omni_core.images``); docs/runtime.md.
+threads run no torch op, and what the engine does in a caller's thread runs on one torch thread
+(:func:`one_torch_thread`) or in numpy (``omni_core.images``); docs/runtime.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 
 #: where the cgroup file systems are mounted; ``OMNI_CGROUP_ROOT`` points elsewhere (tests use a fake tree)
@@ -160,18 +162,24 @@ def apply_thread_policy(config: Any, processes: int = 1) -> int:
     return n
 
 
-def one_thread_here() -> None:
-    """Run this thread's torch ops on one thread, if torch is loaded (else nothing to do).
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the block's torch ops on one thread, if torch is loaded, and give the thread its count back after.
 
-    For the engine's helper threads (output delivery), whose ops are small (an image to PIL). With more,
-    each op wakes an OpenMP team whose threads then spin-wait for the next parallel region, on the cores the
-    model runs on: measured on 2 cores with ``mp`` (``shapes``, step mode), the delivery thread's team burned
-    1.5-1.8 ms of CPU per 45 ms step, and the engine's process 3.2 ms in all; with one thread, 1.0 ms."""
+    For work the engine does in a caller's thread (post-processing a finished image where the caller reads it),
+    whose ops are small. With more threads each op wakes an OpenMP team whose threads then spin-wait for the next
+    parallel region, on the cores the model runs on: measured on 2 cores with ``mp`` (``shapes``, step mode), such
+    a team burned 1.5-1.8 ms of CPU per 45 ms step, and the engine's process 3.2 ms in all; with one thread,
+    1.0 ms. The caller's own count comes back (per thread under OpenMP), so its own torch work is unchanged."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.get_num_threads() != 1:
-        # per thread under OpenMP: threads that already ran torch ops keep their count; new ones start from
-        # this one, so the runner sets its own count per wave (``worker/lanes.py``)
+    before = torch.get_num_threads() if torch is not None else 1
+    if before != 1:
         torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
 
 
 def thread_policy(config: Any = None, processes: int = 1) -> str:

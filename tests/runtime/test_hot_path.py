@@ -124,11 +124,13 @@ def test_small_output_tensors_cross_processes_as_bytes_and_come_back_equal():
 
 def test_post_processing_runs_in_the_readers_thread_and_leaves_the_models_count_alone(tiny_model):
     """A finished image's post-processing runs where the caller reads it, never on the engine's loop or the
-    executor's thread (it would hold up the next denoising step of the others), and the model's waves keep the
-    policy's thread count after it."""
+    executor's thread (it would hold up the next denoising step of the others), on one torch thread (no OpenMP
+    team of the caller's spinning on the model's cores) with the caller's own count given back, and the model's
+    waves keep the policy's thread count after it."""
     import threading
 
     before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the caller's own count
     try:
         with Omni(tiny_model, cpu_threads=2, warmup=False) as omni:
             engine = omni.engine
@@ -139,7 +141,8 @@ def test_post_processing_runs_in_the_readers_thread_and_leaves_the_models_count_
             cls = engine.pipeline_cls
             post, own = cls.post_process, cls.__dict__.get("post_process")
             cls.post_process = classmethod(
-                lambda c, out, req: (seen_post.append(threading.current_thread().name), post(out, req))[1])
+                lambda c, out, req: (seen_post.append((threading.current_thread().name, torch.get_num_threads())),
+                                     post(out, req))[1])
             try:
                 for i in range(3):  # one request at a time: every wave after the first post-processing
                     run_all(omni, requests(1, steps=2))
@@ -148,7 +151,8 @@ def test_post_processing_runs_in_the_readers_thread_and_leaves_the_models_count_
                     del cls.post_process
                 else:
                     cls.post_process = own
-        assert seen_post == [threading.current_thread().name] * 3
+        assert seen_post == [(threading.current_thread().name, 1)] * 3
+        assert torch.get_num_threads() == 2
         assert len(seen_model) == 6 and set(seen_model) == {2}
     finally:
         torch.set_num_threads(before)
