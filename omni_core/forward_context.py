@@ -70,7 +70,7 @@ class DenoiseCall:
 
     def select(self, keep: Sequence[int]) -> DenoiseCall:
         """The context of a call that runs only the groups at indices ``keep`` (per-row tensors sliced)."""
-        from omni_core.cache.rows import span_index, take_rows
+        from omni_core.utils.rows import span_index, take_rows
 
         spans = self.spans()
         chosen = [spans[i] for i in keep]

@@ -1,13 +1,15 @@
 """Layering of ``omni_core`` read from the source (pure AST, nothing imported): no two modules import each
-other, directly or through a chain, and no module imports another package's private names.
+other, directly or through a chain; packages import only down the layers listed in ``docs/architecture.md``; and
+no module imports another package's private names.
 
-Every import counts, module-level or inside a function (a lazy import is still a dependency); only imports
-under ``if TYPE_CHECKING:`` do not, since they never run.
+Every import counts, module-level or inside a function (a lazy import is still a dependency), and for the cycles
+and the layers also those under ``if TYPE_CHECKING:`` (a type-only import is still a dependency of the design).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "omni_core"
@@ -34,10 +36,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def imports(module: str, path: Path) -> list[tuple[int, str, list[str]]]:
-    """``(line, imported module, names)`` of every import that runs; relative imports are resolved."""
+def imports(module: str, path: Path, type_only: bool = True) -> list[tuple[int, str, list[str]]]:
+    """``(line, imported module, names)`` of every import (``type_only=False``: of every import that runs);
+    relative imports are resolved."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_only else _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
@@ -171,7 +174,7 @@ def test_checker_finds_direct_lazy_and_chained_cycles(tmp_path):
         "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.e import E\n",
         "e.py": "from . import d\n",
     })
-    assert cycles(import_graph(root)) == [["pkg.a", "pkg.b", "pkg.c"]]
+    assert cycles(import_graph(root)) == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.d", "pkg.e"]]  # type-only counts
 
 
 def test_checker_finds_private_imports_across_packages(tmp_path):
@@ -192,7 +195,70 @@ def test_checker_finds_private_imports_across_packages(tmp_path):
     ]
 
 
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+
+def declared_layers(text: str) -> dict[str, int]:
+    """Package -> its layer (1 = top) from the numbered list after ``<!-- layers -->`` in the architecture doc."""
+    block = text.split("<!-- layers -->", 1)[1].split("\n\n", 2)[1]
+    out = {}
+    for line in block.splitlines():
+        number, _, rest = line.partition(". ")
+        for name in re.findall(r"`([a-z_]+)`", rest):
+            out[name] = int(number)
+    return out
+
+
+def upward_imports(root: Path, layers: dict[str, int]) -> list[str]:
+    """``importer -> imported (layer i -> j)`` for each import from a package to one in a higher layer (type-only
+    included); the package root's own ``__init__`` (lazy re-exports) is no layer."""
+    top = root.name
+    graph = import_graph(root)
+
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    found = []
+    for module, targets in sorted(graph.items()):
+        a = package(module)
+        for target in sorted(targets):
+            b = package(target)
+            if a is None or b is None or a == b:
+                continue
+            if a not in layers or b not in layers:
+                found.append(f"{module} -> {target}: package {a if a not in layers else b!r} is in no layer of "
+                             f"the architecture doc")
+            elif layers[b] < layers[a]:
+                found.append(f"{module} -> {target} (layer {layers[a]} -> {layers[b]})")
+    return [f for f in found if not f.startswith(f"{top} ")]
+
+
+def test_checker_finds_imports_up_the_layers(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "high/__init__.py": "from pkg.low import thing\n",
+        "low/__init__.py": "thing = 1\n",
+        "low/user.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import x\n",
+        "loose/__init__.py": "",
+        "low/more.py": "from pkg import loose\n",
+    })
+    assert upward_imports(root, {"high": 1, "low": 2}) == [
+        "pkg.low.more -> pkg.loose: package 'loose' is in no layer of the architecture doc",
+        "pkg.low.user -> pkg.high (layer 2 -> 1)",
+    ]
+
+
 # ---------------------------------------------------------------------- omni_core
+def test_packages_import_only_down_the_architecture_docs_layers():
+    layers = declared_layers(ARCHITECTURE.read_text(encoding="utf-8"))
+    packages = {p.name if p.is_dir() else p.stem for p in ROOT.iterdir()
+                if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
+    assert packages <= set(layers), f"packages the doc's layers do not place: {sorted(packages - set(layers))}"
+    found = upward_imports(ROOT, layers)
+    assert not found, f"imports up the layers of docs/architecture.md: {found}"
+
+
 def test_no_import_cycle_in_omni_core():
     found = cycles(import_graph(ROOT))
     assert not found, f"modules importing each other (directly or through a chain): {found}"

@@ -1,6 +1,6 @@
 """Run a function on N local processes joined by ``torch.distributed`` (tests, benchmarks, demos).
 
-``spawn_workers("path/to/file.py:fn", 4)`` starts 4 processes (Omni's start method: :mod:`omni_core.worker.processes`), joins them into a process group
+``spawn_workers("path/to/file.py:fn", 4)`` starts 4 processes (Omni's start method: :mod:`omni_core.processes`), joins them into a process group
 (gloo by default) on a free localhost port, calls ``fn(rank, world_size, *args)`` in each, and returns the
 per-rank return values (which must pickle). A failing rank ends the others and the parent raises with every
 failed rank's traceback (the first rank noticed may only be a victim of another's failure); a run that
@@ -47,7 +47,7 @@ def _resolve(target: str | Callable) -> Callable:
 
 def _child(rank: int, world_size: int, port: int, target: Any, args: tuple, result_dir: str, backend: str,
            threads: int, timeout: float, environment: dict[str, str]) -> None:
-    from omni_core.worker.processes import child_setup
+    from omni_core.processes import child_setup
 
     child_setup(None, environment)
     import torch
@@ -84,7 +84,7 @@ def spawn_workers(target: str | Callable, world_size: int, args: tuple = (), *, 
     """
     import torch.multiprocessing as mp
 
-    from omni_core.worker.processes import child_environment, process_context, start_method
+    from omni_core.processes import child_environment, process_context, start_method
 
     process_context()  # the fork server's preload, when that is the start method
     with tempfile.TemporaryDirectory(prefix="omni_spawn_") as result_dir:

@@ -122,7 +122,7 @@ def apply_tensor_parallel_to_pipeline(pipeline: Any, config: Any = None, device:
     Returns ``{denoiser: {"tp_size", "parameter_bytes" (this rank's), "largest_read": [name, elements] (None: it
     was sliced after a full read)}}``; ``{}`` without tensor parallelism."""
     from omni_core.distributed.parallel_state import get_tp_group
-    from omni_core.pipelines.denoiser import denoisers_of
+    from omni_core.utils.denoisers import denoisers_of
 
     group = get_tp_group()
     if group.world_size == 1:

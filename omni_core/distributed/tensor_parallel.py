@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_core.attention.layer import Attention as OmniAttention
 from omni_core.errors import ConfigError, suggest
 from omni_core.hooks import FunctionHook, STAGES, add_hook
 
@@ -303,8 +302,8 @@ def _split_heads(attn: nn.Module, name: str, tp: int) -> None:
         value = getattr(attn, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
             setattr(attn, attr, value // tp)
-    for child in attn.children():  # the Omni attention layers a model installed on it see local heads
-        if isinstance(child, OmniAttention):
+    for child in attn.children():  # Omni attention layers (``Attention.split_heads``) installed on it see local heads
+        if callable(getattr(child, "split_heads", None)):
             child.split_heads(tp)
 
 

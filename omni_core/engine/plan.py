@@ -88,7 +88,7 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
 
     check_combinations(config)  # pairs of features that cannot run together (omni_core/combinations.py)
     check_config(config, platform_for(config))
-    from omni_core.worker.stage_contract import check_stage_config
+    from omni_core.pipelines.stages import check_stage_config
 
     check_stage_config(config, pipeline_cls, resolved.model_path)  # decode_workers: what the split cannot run with
     # a bad cache_config key fails here, before any worker starts ("none" too: a built-in that takes any)
@@ -116,7 +116,7 @@ def _start_process_server(config: OmniDiffusionConfig, pm: Any) -> None:
     except Exception:  # noqa: BLE001 - an unknown executor is refused below, with its message
         local = False
     if local or config.encode_workers or config.decode_workers:
-        from omni_core.worker.processes import start_server_soon
+        from omni_core.processes import start_server_soon
 
         start_server_soon()
 

@@ -1,4 +1,4 @@
-"""``mp``: one worker process per rank, started from Omni's fork server (:mod:`omni_core.worker.processes`), over
+"""``mp``: one worker process per rank, started from Omni's fork server (:mod:`omni_core.processes`), over
 ``torch.distributed``.
 
 Waves go to every rank once through per-rank queues; results come from rank 0. Tensors travel through
@@ -6,7 +6,7 @@ shared memory (``torch.multiprocessing`` queues move tensor storage to shared me
 the bytes). The processes are a :class:`~omni_core.executor.process_group.ProcessGroup`: its watcher notices a
 dead worker at once (waits then fail with ``EngineDeadError``), its ``stop`` escalates from a polite message to
 terminate and kill, so no child outlives the executor, and a worker dies with the engine's process if that is
-killed (``omni_core.worker.parent_watch``). An executor that places the same worker loop elsewhere subclasses
+killed (``omni_core.processes.parent_watch``). An executor that places the same worker loop elsewhere subclasses
 this one and returns its own group from :meth:`MultiProcExecutor.process_group` (the Ray plugin).
 """
 
@@ -66,7 +66,7 @@ class MultiProcExecutor(DiffusionExecutor):
         """The executor's processes, one per rank, running the worker loop (:mod:`omni_core.worker.mp_worker`);
         an executor that places them elsewhere returns its own :class:`ProcessGroup` (the Ray plugin does)."""
         from omni_core.worker.mp_worker import worker_main
-        from omni_core.worker.processes import child_environment
+        from omni_core.processes import child_environment
 
         port, world, parent, env = free_port(), self.world_size, os.getpid(), child_environment()
         config, resolved = self.config, self.resolved

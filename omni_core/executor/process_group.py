@@ -86,7 +86,7 @@ def _kill_all(procs: list) -> None:
 
 
 class LocalProcessGroup(ProcessGroup):
-    """Processes on this host, started from Omni's fork server (:mod:`omni_core.worker.processes`).
+    """Processes on this host, started from Omni's fork server (:mod:`omni_core.processes`).
 
     ``target(*args_for(rank, task_q, result_q, abort_q))`` runs in rank ``rank``'s process, named ``names[rank]``.
     Each rank reads its own task queue, every rank writes to the one result queue; ``abort_q`` is per rank (a
@@ -115,7 +115,7 @@ class LocalProcessGroup(ProcessGroup):
 
     # ------------------------------------------------------------------ spawn, ready, watch
     def spawn(self) -> None:
-        from omni_core.worker.processes import process_context
+        from omni_core.processes import process_context
 
         ctx = process_context()
         self.task_qs = [ctx.SimpleQueue() for _ in range(self.size)]

@@ -43,7 +43,7 @@ class StageProcess:
 
     def launch(self) -> None:
         """Start the process without waiting for it to load (the engine loads its model meanwhile)."""
-        from omni_core.worker.processes import child_environment
+        from omni_core.processes import child_environment
 
         stage, config, resolved, parent, env = self.stage, self.config, self.resolved, os.getpid(), child_environment()
 

@@ -116,7 +116,7 @@ class CompiledBlock(ModuleHook):
 
 def compile_denoisers(pipeline: Any, *, dynamic: bool = True) -> dict[str, Any]:
     """Compile every declared denoiser's blocks in place; returns what was done (for the start-up log)."""
-    from omni_core.pipelines.denoiser import denoisers_of
+    from omni_core.utils.denoisers import denoisers_of
 
     blocks, names = [], []
     for spec in denoisers_of(pipeline):

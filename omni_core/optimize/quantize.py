@@ -105,7 +105,7 @@ def check_quantization(config: Any, device_type: str) -> None:
 def resolve_components(names: Any, pipeline: Any, components: dict[str, Any]) -> list[str]:
     """Component names to quantize: ``"denoiser"`` stands for every declared denoiser; an unknown name is a
     ConfigError listing the pipeline's components."""
-    from omni_core.pipelines.denoiser import denoisers_of
+    from omni_core.utils.denoisers import denoisers_of
 
     out: list[str] = []
     for name in names:
@@ -145,7 +145,7 @@ def gguf_denoiser_kwargs(pipeline_cls: Any, model_path: str, path: str, dtype: A
     import diffusers
     from diffusers import GGUFQuantizationConfig
 
-    from omni_core.pipelines.base import read_model_index
+    from omni_core.utils.diffusers_folder import read_model_index
 
     names = list(getattr(pipeline_cls, "denoiser_names", ()) or ())
     index = read_model_index(model_path) or {}

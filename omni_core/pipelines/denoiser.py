@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 import attrs
 
 from omni_core.errors import ConfigError
+from omni_core.utils.denoisers import denoisers_of  # noqa: F401 (its home is below the pipelines)
 
 
 def _names(value: Any) -> tuple[str, ...]:
@@ -136,16 +137,6 @@ class DenoiserSpec:
                 raise ConfigError(f"{who}: {type(block).__name__}.forward takes {names}, but the {self.name!r} "
                                   f"denoiser spec declares {list(self.block_params)}; the installed model code "
                                   f"changed", field="block_params")
-
-
-def denoisers_of(pipeline: Any) -> list[DenoiserSpec]:
-    """The pipeline's declared denoiser specs; a ``ConfigError`` naming the pipeline if it declares none."""
-    specs = list(pipeline.denoisers() if hasattr(pipeline, "denoisers") else [])
-    if not specs:
-        raise ConfigError(f"{type(pipeline).__name__} declares no denoisers (OmniPipeline.denoisers() returned "
-                          f"nothing), so caches and sequence parallelism cannot be applied to it",
-                          field="denoisers")
-    return specs
 
 
 #: the file in a model folder with calibrated cache defaults the model ships (``omni cache calibrate --write``)

@@ -165,7 +165,7 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
     def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any, apart: tuple = ("decode",)) -> dict:
         """``from_pretrained`` keywords that load one side of the split: ``"denoise"`` without the weights of the
         stages ``apart``, ``"encode"`` / ``"decode"`` with nothing else (``omni_core.worker.stages``)."""
-        from omni_core.worker.stage_contract import diffusers_stage_kwargs
+        from omni_core.pipelines.stages import diffusers_stage_kwargs
 
         return diffusers_stage_kwargs(model_path, stage, cls.stage_components_for(model_path), dtype or torch.float32,
                                       apart)

@@ -93,7 +93,7 @@ def load_pipeline(resolved: ResolvedModel, config: Any, device: Any, dtype: Any,
     (:func:`_stage_load`)."""
     from omni_core.optimize.plan import plan_load, run_plan
     from omni_core.pipelines.embedding_cache import attach_embedding_cache
-    from omni_core.worker.stage_contract import DENOISE, ENCODE, declared_stages, drop_stage_components, stages_apart
+    from omni_core.pipelines.stages import DENOISE, ENCODE, declared_stages, drop_stage_components, stages_apart
 
     steps = plan_load(config, device)
     apart = stages_apart(config) if stage is not None else ()
@@ -125,7 +125,7 @@ def _stage_load(resolved: ResolvedModel, config: Any, device: Any, dtype: Any, s
     the decode's VAE options); the model process runs the VAE options only when it decodes."""
     import attrs as _attrs
 
-    from omni_core.worker.stage_contract import DECODE, DENOISE, declared_stages
+    from omni_core.pipelines.stages import DECODE, DENOISE, declared_stages
 
     cls = resolved.pipeline_cls()
     declared = declared_stages(cls, resolved.model_path)

@@ -69,8 +69,8 @@ class Platform:
     def default_attention_backend(self, head_size: int, dtype: Any) -> str:
         """The attention backend to use here for a head size and dtype (None: the platform's default dtype) when
         nothing names one: the installed backends' records decide
-        (:func:`~omni_core.attention.defaults.default_backend`), within :meth:`fast_attention_allowed`."""
-        from omni_core.attention.defaults import default_backend
+        (:func:`~omni_core.plugins.attention_default.default_backend`), within :meth:`fast_attention_allowed`."""
+        from omni_core.plugins.attention_default import default_backend
 
         fast, capability = self.fast_attention_allowed()
         return default_backend(device_type=self.device_type, dtype=dtype if dtype is not None else self.default_dtype,

@@ -168,7 +168,7 @@ class ExecutorSpec(ComponentSpec):
     #: its options (:class:`~omni_core.options.Option` records), given as ``<name>_<option>=`` to ``Omni(...)``
     #: and ``--<name>-<option>`` to the CLI; checked by the core, listed by ``omni env`` and ``--help``
     options: tuple[Option, ...] = attrs.field(default=(), converter=tuple, validator=option_tuple())
-    #: it starts its model processes on this host through Omni's start method (``omni_core.worker.processes``): the
+    #: it starts its model processes on this host through Omni's start method (``omni_core.processes``): the
     #: engine then starts the fork server as soon as it plans, so the libraries load while the engine plans
     local_processes: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 

@@ -109,7 +109,7 @@ class PipelineContract:
         holds none of their components."""
         from omni_core.pipelines import resolve_model
         from omni_core.pipelines.text_window import declares_text_keys
-        from omni_core.worker.stage_contract import DENOISE, STAGES, declared_stages
+        from omni_core.pipelines.stages import DENOISE, STAGES, declared_stages
 
         resolved = resolve_model(contract_model_path)
         cls = resolved.pipeline_cls()

@@ -76,7 +76,7 @@ def echo_rank(rank: int, task_q, result_q, abort_q, parent_pid: int, fail: bool 
     until ``("shutdown",)``. Its aborts are read from ``abort_q`` before each answer."""
     import queue
 
-    from omni_core.worker.processes import child_setup
+    from omni_core.processes import child_setup
 
     child_setup(parent_pid, None, f"omni-echo-{rank}")
     if fail:

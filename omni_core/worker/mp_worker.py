@@ -171,7 +171,7 @@ def _replica_group(config: Any, rank: int, world_size: int) -> tuple[int, list[i
 def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_port: int, task_q: Any,
                 result_q: Any, abort_q: Any, parent_pid: int | None = None,
                 environment: dict[str, str] | None = None) -> None:
-    from omni_core.worker.processes import child_setup
+    from omni_core.processes import child_setup
 
     child_setup(parent_pid, environment, f"omni-worker-{rank}")  # first of all: never outlive the engine
     if not run_worker(rank, world_size, config, resolved, master_port, task_q, result_q, abort_q):

@@ -44,7 +44,7 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
     """A stage's process: load that stage's components only, then run each batch of work it is sent (what
     waits in its inbox is taken together; the encode stage takes it by priority, then arrival, and sends each
     submit's requests back together as soon as they are encoded)."""
-    from omni_core.worker.processes import child_setup
+    from omni_core.processes import child_setup
 
     child_setup(parent_pid, environment, f"omni-{stage}")  # first of all: never outlive the engine
     from omni_core.worker.mp_worker import BackgroundSender, _traceback

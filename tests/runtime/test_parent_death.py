@@ -1,6 +1,6 @@
 """Workers die with their parent: SIGKILL the process that owns an ``mp`` executor (a script using ``Omni``,
 or ``omni serve --executor mp``) and every worker is gone within a bounded time. The two mechanisms of
-``omni_core.worker.parent_watch`` are also tested alone, each in a real orphaned process."""
+``omni_core.processes.parent_watch`` are also tested alone, each in a real orphaned process."""
 
 from __future__ import annotations
 

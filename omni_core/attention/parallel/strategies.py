@@ -23,14 +23,12 @@ locally with no communication; so does any layer with ``skip_sequence_parallel=T
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from omni_core.attention.tensors import expand_kv_heads, key_padding_mask
 
-if TYPE_CHECKING:  # the region opens a strategy (region -> strategies); strategies only read its fields
-    from omni_core.attention.parallel.region import SPRegion
 
 CROSS = "cross"
 
@@ -143,7 +141,7 @@ class SequenceParallelAttention:
 
     name = "usp"
 
-    def __init__(self, region: SPRegion) -> None:
+    def __init__(self, region: Any) -> None:  # an ``SPRegion`` (region imports this module: only its fields are read)
         self.region = region
 
     def __repr__(self) -> str:
@@ -257,7 +255,7 @@ class UlyssesAttention(SequenceParallelAttention):
 
     name = "ulysses"
 
-    def __init__(self, region: SPRegion) -> None:
+    def __init__(self, region: Any) -> None:  # an ``SPRegion`` (region imports this module: only its fields are read)
         if region.ring_group.world_size != 1:
             raise ValueError("UlyssesAttention needs a ring group of one rank; use USPAttention for both")
         super().__init__(region)
@@ -268,7 +266,7 @@ class RingAttention(SequenceParallelAttention):
 
     name = "ring"
 
-    def __init__(self, region: SPRegion) -> None:
+    def __init__(self, region: Any) -> None:  # an ``SPRegion`` (region imports this module: only its fields are read)
         if region.ulysses_group.world_size != 1:
             raise ValueError("RingAttention needs a ulysses group of one rank; use USPAttention for both")
         super().__init__(region)

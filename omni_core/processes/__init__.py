@@ -3,7 +3,7 @@ one preload, and what every such child does first.
 
 Why a fork server rather than plain spawn: a spawned child is a fresh interpreter that imports torch, diffusers and
 transformers again before it can load a model, 3-5 s of CPU per process on 2 cores (and a world of 2 with both
-stages apart starts four such processes at once). The fork server imports them once (:mod:`omni_core.worker.preload`),
+stages apart starts four such processes at once). The fork server imports them once (:mod:`omni_core.processes.preload`),
 then forks every child from that clean, single-threaded process: a child starts with the libraries loaded, and the
 engine's own process, with its threads, is never forked. This is Python's ``forkserver`` start method with a preload
 list; a second engine in the same process (a test suite, several models behind one server) pays nothing more.
@@ -27,7 +27,7 @@ from typing import Any
 #: the environment switch naming the start method (``forkserver`` or ``spawn``)
 START_METHOD_ENV = "OMNI_START_METHOD"
 #: what the fork server imports before it forks any child
-PRELOAD_MODULE = "omni_core.worker.preload"
+PRELOAD_MODULE = "omni_core.processes.preload"
 
 
 def start_method() -> str:
@@ -88,7 +88,7 @@ def child_setup(parent_pid: int | None, environment: dict[str, str] | None, name
     if name:
         set_process_name(name)
     if parent_pid is not None:
-        from omni_core.worker.parent_watch import die_with_parent
+        from omni_core.processes.parent_watch import die_with_parent
 
         die_with_parent(parent_pid)
     if environment is not None and environment != os.environ:

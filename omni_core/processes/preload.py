@@ -1,4 +1,4 @@
-"""Imported by the fork server before it forks Omni's processes (:mod:`omni_core.worker.processes`): the libraries
+"""Imported by the fork server before it forks Omni's processes (:mod:`omni_core.processes`): the libraries
 every model process needs, so that no child imports them again. Only libraries: plugins are discovered in each
 child, with the caller's environment and ``sys.path``."""
 
