@@ -35,6 +35,7 @@ from omni_core.request import OmniDiffusionRequest
 from omni_core.sched.interface import DiffusionRequestStatus as Status
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 from omni_core.worker.stage_contract import pending_decode
+from omni_core.worker.transport import Sealed
 
 logger = logging.getLogger("omni_core.engine")
 
@@ -395,6 +396,9 @@ class EngineCore:
     def finalize(self, request_id: str, out: DiffusionOutput) -> None:
         """Deliver the final output and forget the request."""
         record = self._records.pop(request_id)
+        unused = record.request.text_encodings
+        if isinstance(unused, Sealed) and record.started is None:
+            unused.discard()  # never sent to the model: opened here once and dropped, its shared memory is freed
         record.request.text_encodings = None  # the encode stage's tensors: a caller's handle keeps the request
         self.steps.forget(request_id)
         status = close_output(record, out)

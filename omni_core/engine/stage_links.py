@@ -27,16 +27,17 @@ class StageLinks:
         #: request id -> the request, until its encodings come back
         self.encoding: dict[str, Any] = {}
         self._to_encode: list = []
-        #: request id -> the runner's output (its tensor a DecodePayload), until the decode comes back
+        #: request id -> the runner's output (its tensor a sealed DecodePayload), until the decode comes back
         self.decoding: dict[str, DiffusionOutput] = {}
         self._groups: dict[Any, list] = {}
         self.encode = self.decode = None
         try:  # launched together: each loads while the others and the model do
             config, resolved = core.config, core.plan.resolved
+            by_value = not getattr(core.executor, "same_host", True)  # model processes on other hosts
             self.encode = launch_stage(ENCODE, config, resolved, lambda r: core.post(self.encoded, r),
-                                       lambda why: core.post(self.died, why))
+                                       lambda why: core.post(self.died, why), by_value)
             self.decode = launch_stage(DECODE, config, resolved, lambda r: core.post(self.decoded, r),
-                                       lambda why: core.post(self.died, why))
+                                       lambda why: core.post(self.died, why), by_value)
         except BaseException:
             self.shutdown()
             raise
@@ -89,7 +90,7 @@ class StageLinks:
         """A request that finished denoising; sent by :meth:`flush` after the wave, one message
         per group the runner's decode call made."""
         self.decoding[request_id] = out
-        self._groups.setdefault(out.tensor.group, []).append(out.tensor)
+        self._groups.setdefault(out.tensor.meta["group"], []).append(out.tensor)
 
     def decoded(self, outputs: dict[str, DiffusionOutput]) -> None:
         """The decode stage's outputs (on the loop): its metrics the runner's plus the decode's

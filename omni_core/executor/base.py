@@ -53,6 +53,10 @@ class DiffusionExecutor:
     def execute_step(self, sched: DiffusionSchedulerOutput) -> RunnerOutput:
         raise NotImplementedError
 
+    #: the model's processes run on the engine's host, so what a stage process makes for them (and they for it) may
+    #: travel as shared-memory handles (:class:`~omni_core.worker.transport.Sealed`); False: by value (Ray)
+    same_host: bool = True
+
     #: step waves that may be queued at once (``send_step`` / ``recv_step``); 1: only ``execute_step`` is used
     step_pipeline_depth: int = 1
 

@@ -25,8 +25,10 @@ class StageProcess:
     ``on_dead(reason)`` once, the reason naming the stage (a death before is ``wait_ready``'s failure)."""
 
     def __init__(self, stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
-                 on_dead: Callable[[str], None]) -> None:
+                 on_dead: Callable[[str], None], by_value: bool = False) -> None:
         self.stage, self.config, self.resolved = stage, config, resolved
+        #: what it hands the model processes is sealed by value (they may run on other hosts)
+        self.by_value = by_value
         self.on_done, self.on_dead = on_done, on_dead
         self.model_bytes: dict[str, int] = {}
         self.device: str | None = None
@@ -46,9 +48,10 @@ class StageProcess:
         from omni_core.processes import child_environment
 
         stage, config, resolved, parent, env = self.stage, self.config, self.resolved, os.getpid(), child_environment()
+        by_value = self.by_value
 
         def args_for(rank: int, task_q: Any, result_q: Any, abort_q: Any) -> tuple:
-            return (stage, config, resolved, task_q, result_q, parent, env)  # aborts ride in order with the work
+            return (stage, config, resolved, task_q, result_q, parent, env, by_value)  # aborts ride with the work
 
         self.group = LocalProcessGroup(f"{stage} stage", stage_main, args_for, [f"omni-{stage}-stage"],
                                        on_message=self._on_message, background_send=True, start_hint=START_HINT)
@@ -110,11 +113,11 @@ START_HINT = ("see its traceback above; processes import the caller's main modul
 
 
 def launch_stage(stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
-                 on_dead: Callable[[str], None]) -> StageProcess | None:
+                 on_dead: Callable[[str], None], by_value: bool = False) -> StageProcess | None:
     """Stage ``stage``'s process of ``config``, launched (None when the stage runs in line); ``wait_ready`` it."""
     if not getattr(config, f"{stage}_workers", 0):
         return None
-    process = StageProcess(stage, config, resolved, on_done, on_dead)
+    process = StageProcess(stage, config, resolved, on_done, on_dead, by_value)
     process.launch()
     return process
 

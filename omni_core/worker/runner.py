@@ -65,7 +65,7 @@ class ModelRunner(RankAgreement):
     def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
                  world_size: int = 1, on_progress: Callable[[list[tuple[str, int, int]]], None] | None = None,
                  poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None,
-                 progress_interval_s: float = 0.0, recovery: Any = None) -> None:
+                 progress_interval_s: float = 0.0, recovery: Any = None, seal_by_value: bool = False) -> None:
         self.config = config
         self.resolved = resolved
         self.device = device
@@ -90,6 +90,9 @@ class ModelRunner(RankAgreement):
         #: aborts and rebuilds the process groups when a rank fails mid-step (``omni_core.distributed.recovery``;
         #: None: failures are agreed on the groups as they are, which a peer blocked in a collective never joins)
         self.recovery = recovery
+        #: what this rank hands another process is sealed with its tensors' bytes, not shared-memory handles (a
+        #: rank on another host than the engine's: Ray)
+        self.seal_by_value = seal_by_value
         self.pipeline: Any = None
         self.cache_backend: Any = None
         self.model_bytes: dict[str, int] = {}
@@ -115,7 +118,8 @@ class ModelRunner(RankAgreement):
         if DECODE in self.stages_apart:
             from omni_core.worker.stage_contract import defer_decode
 
-            defer_decode(self.pipeline)  # both modes: post_decode_batch hands back DecodePayloads
+            # both modes: post_decode_batch hands back sealed DecodePayloads (by value for a decode stage elsewhere)
+            defer_decode(self.pipeline, by_value=self.seal_by_value)
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
         from omni_core.pipelines.embedding_cache import embedding_cache_snapshot
 
@@ -157,6 +161,11 @@ class ModelRunner(RankAgreement):
 
     def new_state(self, request: OmniDiffusionRequest) -> StepState:
         import torch
+
+        from omni_core.worker.transport import Sealed
+
+        if isinstance(request.text_encodings, Sealed):  # the encode stage's, opened here only (never in the engine)
+            request.text_encodings = request.text_encodings.open()
 
         gen = torch.Generator(device=self.device).manual_seed(request.seed)
         if request.sampling_params.lora is not None and getattr(self, "lora", None) is not None:

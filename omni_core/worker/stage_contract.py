@@ -34,7 +34,8 @@ def _plain(value: Any) -> bool:
 @attrs.define
 class DecodePayload:
     """What the decode stage needs of a finished request: its final latents, request and plain state fields.
-    Rides in ``DiffusionOutput.tensor`` from the model process to the engine (pending decode); ``group`` and
+    Rides sealed in ``DiffusionOutput.tensor`` from the model process through the engine (pending decode, never
+    opened there) to the decode stage; ``group`` and
     ``group_size`` keep the requests one ``post_decode_batch`` call decoded together in line together."""
 
     request: Any
@@ -69,21 +70,31 @@ class DecodePayload:
 _groups = itertools.count()
 
 
-def defer_decode(pipeline: Any) -> None:
-    """Make ``pipeline``'s decode hand back payloads (both execution modes go through ``post_decode_batch``)."""
+def defer_decode(pipeline: Any, by_value: bool = False) -> None:
+    """Make ``pipeline``'s decode hand back payloads (both execution modes go through ``post_decode_batch``), each
+    :class:`~omni_core.worker.transport.Sealed` here: the engine passes it to the decode stage without rebuilding
+    its latents (``by_value``: for a decode stage on another host)."""
     from omni_core.outputs import DiffusionOutput
+    from omni_core.worker.transport import Sealed
 
     def post_decode_batch(states: list) -> list:
         group = f"{os.getpid()}-{next(_groups)}"
-        return [DiffusionOutput(request_id=s.request_id, tensor=DecodePayload.of(s, group, len(states)),
-                                finished=True, step_index=s.step_index, num_steps=s.num_steps) for s in states]
+        return [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
+                                num_steps=s.num_steps,
+                                tensor=Sealed.seal(DecodePayload.of(s, group, len(states)), by_value=by_value,
+                                                   decode=True, group=group, request_id=s.request_id))
+                for s in states]
 
     pipeline.post_decode_batch = post_decode_batch
     pipeline.post_decode = lambda state: post_decode_batch([state])[0]
 
 
 def pending_decode(out: Any) -> bool:
-    return isinstance(getattr(out, "tensor", None), DecodePayload)
+    """Whether a runner's output is a sealed decode payload (the decode stage makes the pixels)."""
+    from omni_core.worker.transport import Sealed
+
+    tensor = getattr(out, "tensor", None)
+    return isinstance(tensor, Sealed) and tensor.meta.get("decode", False)
 
 
 __all__ = ["DECODE", "DENOISE", "ENCODE", "STAGES", "DecodePayload", "check_stage_config", "config_only_component",

@@ -9,12 +9,13 @@ diffusers model: ``vae_scale_factor``, the preview's VAE config; a text encoder 
 
 * **encode**: the engine sends each admitted request to the encode process first, which runs the pipeline's own
   ``encoded_prompts`` window on it (every text through the stage's embedding cache, each text alone: what the
-  in-line pipeline computes with its cache) and sends back ``{text key: encoding}``; the engine attaches them to
+  in-line pipeline computes with its cache) and sends back ``{text key: encoding}`` sealed
+  (:class:`~omni_core.worker.transport.Sealed`: shared-memory handles the engine passes on unopened); it attaches them to
   the request (``request.text_encodings``) and only then queues it, so the encoder works on the next requests
   while the denoiser runs the current wave, and the pipeline's ``encoded_prompts`` in the model process reads
   the carried encodings instead of a text encoder. The encodings ride in the request through whatever executor
   carries requests (``mp``'s queues, Ray's object transfer across hosts).
-* **decode**: a request that finishes denoising comes back as a :class:`DecodePayload` (its final latents and the
+* **decode**: a request that finishes denoising comes back as a sealed :class:`DecodePayload` (its final latents and the
   state fields decode reads) instead of pixels; the engine sends it to the decode process, which decodes it with
   the pipeline's own ``post_decode_batch`` exactly as in line (one call per call the runner made, so outputs are
   bit-equal) and the engine delivers what comes back. The denoiser's next wave runs meanwhile.
@@ -34,16 +35,19 @@ import time
 from typing import Any, Callable
 
 from omni_core.worker.stage_contract import DECODE, ENCODE, DecodePayload, model_bytes_of_stage, stage_device
+from omni_core.worker.transport import Sealed
 
 logger = logging.getLogger("omni_core.worker")
 
 
 # ---------------------------------------------------------------------------------------------- the process
 def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int,
-               environment: dict[str, str] | None = None) -> None:
+               environment: dict[str, str] | None = None, by_value: bool = False) -> None:
     """A stage's process: load that stage's components only, then run each batch of work it is sent (what
     waits in its inbox is taken together; the encode stage takes it by priority, then arrival, and sends each
-    submit's requests back together as soon as they are encoded)."""
+    submit's requests back together as soon as they are encoded). Encodings leave sealed
+    (:class:`~omni_core.worker.transport.Sealed`; ``by_value`` for model processes on other hosts), decode payloads
+    arrive sealed: the engine passes both on without rebuilding a tensor."""
     from omni_core.processes import child_setup
 
     child_setup(parent_pid, environment, f"omni-{stage}")  # first of all: never outlive the engine
@@ -84,7 +88,11 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
         # an abort always follows its request's work (one queue, the engine's lock): one that finds no work in
         # this batch came after the work was done, and is moot
         dropped = {rid for msg in msgs if msg[0] == "abort" for rid in msg[1]}
-        work = [[x for x in msg[1] if x.request_id not in dropped] for msg in msgs if msg[0] == "work"]
+        work = [[x for x in msg[1] if _request_id(x) not in dropped] for msg in msgs if msg[0] == "work"]
+        for msg in msgs:  # a dropped sealed payload is opened once and let go: that frees its shared memory
+            for x in msg[1] if msg[0] == "work" else ():
+                if _request_id(x) in dropped and isinstance(x, Sealed):
+                    x.discard()
         if gauge is not None and torch.get_num_threads() != (n := gauge.threads(budget)):
             torch.set_num_threads(n)  # only when it changes: it also empties oneDNN's primitive cache
         if stage == ENCODE:
@@ -94,7 +102,7 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
                 return r.sampling_params.priority, r.arrival_time
 
             for group in sorted((sorted(items, key=rank) for items in work if items), key=lambda g: rank(g[0])):
-                sender.put(("done", _encode(pipeline, group)))
+                sender.put(("done", _encode(pipeline, group, by_value)))
         else:
             for payloads in work:
                 if payloads:
@@ -131,8 +139,12 @@ def _place(config: Any, stage: str) -> tuple[Any, Any]:
     return platform, device
 
 
-def _encode(pipeline: Any, requests: list) -> dict:
-    """``{"results": {request id: ("ok", {text key: encoding on the host}) or ("error", message)}, "cache":
+def _request_id(item: Any) -> str:
+    return item.meta["request_id"] if isinstance(item, Sealed) else item.request_id
+
+
+def _encode(pipeline: Any, requests: list, by_value: bool = False) -> dict:
+    """``{"results": {request id: ("ok", sealed {text key: encoding on the host}) or ("error", message)}, "cache":
     the stage's embedding-cache stats}``: each request's texts through the pipeline's own window, as the model
     process would have encoded them with its cache."""
     import torch
@@ -145,8 +157,8 @@ def _encode(pipeline: Any, requests: list) -> dict:
     for request in requests:
         try:
             with torch.inference_mode(), pipeline.encoded_prompts([StepState(request=request)]) as memo:
-                results[request.request_id] = ("ok", {k: map_tensors(v, lambda t: t.detach().to("cpu"))
-                                                      for k, v in dict(memo or {}).items()})
+                encodings = {k: map_tensors(v, lambda t: t.detach().to("cpu")) for k, v in dict(memo or {}).items()}
+                results[request.request_id] = ("ok", Sealed.seal(encodings, by_value=by_value))
         except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
             results[request.request_id] = ("error", f"encode stage: {type(exc).__name__}: {exc}")
     cache = getattr(pipeline, "embedding_cache", None)
@@ -154,11 +166,12 @@ def _encode(pipeline: Any, requests: list) -> dict:
             "encode_time_s": time.perf_counter() - t0}
 
 
-def _decode(pipeline: Any, platform: Any, device: Any, payloads: list[DecodePayload]) -> Any:
+def _decode(pipeline: Any, platform: Any, device: Any, sealed: list[Sealed]) -> Any:
     """One group decoded as the runner would have in line (a failing batch retried one by one), outputs packed
-    for the trip back."""
+    for the trip back. The payloads are opened here, where they are used."""
     import torch
 
+    payloads: list[DecodePayload] = [p.open() for p in sealed]
     from omni_core.waves import RunnerOutput
     from omni_core.worker.failures import batched_then_one_by_one, error_output
     from omni_core.worker.transport import pack_outputs

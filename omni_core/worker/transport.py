@@ -1,5 +1,5 @@
-"""How a wave's output tensors cross from a worker to the engine: small ones by value, large ones in shared
-memory.
+"""How tensors cross between Omni's processes: a wave's outputs from a worker to the engine (small ones by value,
+large ones in shared memory), and what one child makes for another (:class:`Sealed`).
 
 ``torch.multiprocessing`` moves every tensor through shared memory, which pays a segment and a descriptor
 hand-over per tensor: four 3x32x32 images took 3.6 ms per round trip on the 2-core CI machine, against
@@ -40,6 +40,55 @@ class TensorBytes:
         if not self.data:
             return torch.empty(self.shape, dtype=dtype)
         return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape)
+
+
+@attrs.frozen
+class Sealed:
+    """A value pickled where it was made and unpickled only where it is used, so a process that passes it on never
+    rebuilds its tensors: the encode stage's text encodings on their way to the model process, a finished
+    request's latents on their way to the decode stage (the engine's process holds only these bytes and ``meta``).
+
+    ``seal(value)`` pickles with ``multiprocessing``'s pickler, which moves tensors to shared memory and sends a
+    handle (a few hundred bytes, whatever the tensor's size); the handle is good once, on this host, while the
+    sealing process lives: ``open()`` it exactly once. ``seal(value, by_value=True)`` pickles the tensors'
+    bytes instead, for a consumer on another host (Ray actors). A sealed value that will never be used is
+    ``open()``-ed and dropped, which frees its shared memory (an unopened handle holds it until its maker exits).
+    """
+
+    data: bytes
+    meta: dict = attrs.field(factory=dict)
+    by_value: bool = False
+
+    @classmethod
+    def seal(cls, value: Any, *, by_value: bool = False, **meta: Any) -> Sealed:
+        import io
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers the shared-memory reductions of tensors
+
+        if by_value:
+            return cls(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), meta, True)
+        buf = io.BytesIO()
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(value)
+        return cls(buf.getvalue(), meta, False)
+
+    def open(self) -> Any:
+        import pickle
+
+        import torch.multiprocessing  # noqa: F401 - the reductions that rebuild shared tensors
+
+        return pickle.loads(self.data)
+
+    def discard(self) -> None:
+        """Let a value that will never be used go: opened and dropped, which frees its shared memory; never raises
+        (a maker that has exited took its memory with it)."""
+        if self.by_value:
+            return
+        try:
+            self.open()
+        except Exception:  # noqa: BLE001 - the maker is gone, or the handle was used
+            pass
 
 
 def _small_cpu_tensor(t: Any) -> bool:

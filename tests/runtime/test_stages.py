@@ -360,3 +360,37 @@ def test_bad_stage_devices_are_refused():
     with pytest.raises(ConfigError, match="'auto'.*'cpu'") as err:
         Omni("shapes", warmup=False, decode_workers=1, decode_device="gpu")
     assert err.value.field == "decode_device"
+
+
+@pytest.mark.parametrize("step", MODES)
+def test_the_engine_process_rebuilds_no_encoding_and_no_latent_only_the_outputs(monkeypatch, step):
+    """Encodings go from the encode process to the model process, latents from the model process to the decode
+    process, sealed (``omni_core.worker.transport.Sealed``): the engine's process passes them on and rebuilds
+    only the finished images it delivers. Counted at every way a tensor is rebuilt from a message here: a
+    shared-memory tensor (``torch.multiprocessing``), a pickled one, and the small outputs sent as bytes."""
+    import torch._utils
+    import torch.multiprocessing.reductions as reductions
+
+    from omni_core.worker.transport import TensorBytes
+
+    rebuilt: list[str] = []
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            rebuilt.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    requests = [_request(seed, output_type="pt") for seed in range(4)]
+    with Omni("shapes", warmup=False, executor="mp", step_execution=step, max_num_seqs=4, encode_workers=1,
+              decode_workers=1) as omni:
+        monkeypatch.setattr(reductions, "rebuild_tensor", counting("shared", reductions.rebuild_tensor))
+        monkeypatch.setattr(torch._utils, "_rebuild_tensor_v2", counting("pickled", torch._utils._rebuild_tensor_v2))
+        monkeypatch.setattr(TensorBytes, "tensor", counting("bytes", TensorBytes.tensor))
+        handles = omni.engine.submit([omni.engine.prepare_request(r) for r in requests])
+        outs = [h.result(timeout=120) for h in handles]
+        stages = omni.engine.stats()["stages"]
+    assert [o.status for o in outs] == ["completed"] * 4
+    assert stages["encode"]["done"] >= 4 and stages["decode"]["done"] >= 4  # both stages did the work
+    # one image per request, and nothing else (each request's encodings and latents would add more)
+    assert len(rebuilt) == 4, rebuilt

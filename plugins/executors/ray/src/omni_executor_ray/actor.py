@@ -56,7 +56,7 @@ class RankActor:
             try:
                 run_worker(self.rank, world_size, config, resolved, master_port, self.tasks, self.results,
                            self.aborts, master_addr=master_addr, local_rank=local_rank,
-                           local_world_size=local_world_size, pack=pack_for_ray)
+                           local_world_size=local_world_size, pack=pack_for_ray, seal_by_value=True)
             finally:
                 self._done.set()
 

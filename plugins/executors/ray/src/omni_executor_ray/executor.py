@@ -113,6 +113,9 @@ def _disconnect() -> None:
 class RayExecutor(MultiProcExecutor):
     """The ``mp`` executor's wave routing over a :class:`~omni_executor_ray.group.RayProcessGroup`."""
 
+    #: ranks may sit on other nodes: what they and the stage processes hand each other travels by value
+    same_host = False
+
     def start(self) -> None:
         from omni_core.platforms import platform_for
 
