@@ -21,8 +21,6 @@ class StageLinks:
     """Requests waiting for a stage process, and the processes' results on their way to the engine."""
 
     def __init__(self, core: Any) -> None:
-        from omni_core.executor.stage_process import launch_stage
-
         self.core = core
         #: request id -> the request, until its encodings come back
         self.encoding: dict[str, Any] = {}
@@ -31,13 +29,11 @@ class StageLinks:
         self.decoding: dict[str, DiffusionOutput] = {}
         self._groups: dict[Any, list] = {}
         self.encode = self.decode = None
-        try:  # launched together: each loads while the others and the model do
-            config, resolved = core.config, core.plan.resolved
-            by_value = not getattr(core.executor, "same_host", True)  # model processes on other hosts
-            self.encode = launch_stage(ENCODE, config, resolved, lambda r: core.post(self.encoded, r),
-                                       lambda why: core.post(self.died, why), by_value)
-            self.decode = launch_stage(DECODE, config, resolved, lambda r: core.post(self.decoded, r),
-                                       lambda why: core.post(self.died, why), by_value)
+        try:  # the executor's processes, launched together: each loads while the others and the model do
+            self.encode = core.executor.launch_stage(ENCODE, lambda r: core.post(self.encoded, r),
+                                                     lambda why: core.post(self.died, why))
+            self.decode = core.executor.launch_stage(DECODE, lambda r: core.post(self.decoded, r),
+                                                     lambda why: core.post(self.died, why))
         except BaseException:
             self.shutdown()
             raise
@@ -157,9 +153,7 @@ class StageLinks:
         return {"stages": stages} if stages else {}
 
     def shutdown(self) -> None:
-        for process in (self.encode, self.decode):
-            if process is not None:
-                process.shutdown()
+        self.core.executor.stop_stages()
 
 
 __all__ = ["StageLinks"]

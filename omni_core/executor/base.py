@@ -33,6 +33,23 @@ class DiffusionExecutor:
         """Load the model (in every worker); raise if that fails."""
         raise NotImplementedError
 
+    def launch_stage(self, stage: str, on_done: Callable[[Any], None], on_dead: Callable[[str], None]) -> Any:
+        """Start stage ``stage``'s process (``encode_workers`` / ``decode_workers``) as one of this executor's
+        processes, so it loads while the model does (``wait_ready`` it); :meth:`stop_stages` stops it with the rest.
+        What it and the model processes hand each other is sealed by value when they are not on one host
+        (``same_host``). None when the stage runs in line."""
+        from omni_core.executor.stage_process import launch_stage
+
+        process = launch_stage(stage, self.config, self.resolved, on_done, on_dead, by_value=not self.same_host)
+        if process is not None:
+            self.__dict__.setdefault("_stage_processes", []).append(process)
+        return process
+
+    def stop_stages(self) -> None:
+        """Stop the stage processes :meth:`launch_stage` started (safe twice)."""
+        for process in self.__dict__.pop("_stage_processes", []):
+            process.shutdown()
+
     def run_async(self, call: Callable[[], Any], done: DoneFn) -> None:
         """Run ``call()`` (one of this executor's blocking methods) off the engine's loop, then ``done(result,
         error)`` on the same thread (:mod:`omni_core.executor.calls`); calls run in the order given."""
