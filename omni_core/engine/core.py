@@ -34,15 +34,14 @@ from omni_core.outputs import DiffusionOutput
 from omni_core.request import OmniDiffusionRequest
 from omni_core.sched.interface import DiffusionRequestStatus as Status
 from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
+from omni_core.pipelines.stages import DECODE, ENCODE
 from omni_core.worker.stage_contract import pending_decode
 from omni_core.worker.transport import Sealed
 
 logger = logging.getLogger("omni_core.engine")
 
-#: how long the loop waits for an event with no deadline due: it then checks that the executor lives
-IDLE_CHECK_S = 0.5
-#: how long a closing loop waits for the waves still in flight (they were aborted) before it stops anyway
-CLOSE_WAIT_S = 30.0
+IDLE_CHECK_S = 0.5  # the loop's longest wait for an event: it then checks that the executor lives
+CLOSE_WAIT_S = 30.0  # how long a closing loop waits for its (aborted) waves in flight before it stops anyway
 
 
 class EngineCore:
@@ -203,7 +202,7 @@ class EngineCore:
             if rid in self._records or ids.count(rid) > 1:
                 raise ConfigError(f"request_id {rid!r} is already in use", field="request_id")
         limit = self.config.max_waiting_requests
-        waiting = self.scheduler.num_waiting + len(self.stages.encoding)
+        waiting = self.scheduler.num_waiting + self.stages.waiting[ENCODE]
         if limit is not None and waiting + len(requests) > limit:
             raise QueueFullError(f"the engine has {waiting} waiting requests "
                                  f"(max_waiting_requests={limit}); retry later")
@@ -217,13 +216,13 @@ class EngineCore:
                 if timeout is not None:
                     record.deadline = now + timeout
                     self._deadlines.add(request.request_id, record.deadline)
-                if not self.stages.admit(request):  # queued now, or once the encode stage encoded it
-                    self.scheduler.add_request(request)
                 self._records[request.request_id] = record
                 handles.append(RequestHandle(request, record.stream, self._abort_from_handle))
+                if not self.stages.admit(record):  # queued now, or once the encode stage encoded it
+                    self.scheduler.add_request(request)
         except BaseException:  # all or none: nothing half-queued that no caller holds a handle for
             for handle in handles:  # still waiting: the scheduler ends them now (the runner never saw them)
-                if self.stages.drop(handle.request_id) is None:
+                if self.stages.drop(self._records[handle.request_id]) is None:
                     self.scheduler.abort_request(handle.request_id)
                 del self._records[handle.request_id]
             raise
@@ -247,7 +246,8 @@ class EngineCore:
         """Have the scheduler end a request: a waiting one ends now; True for a running one, which ends at the
         next step boundary once the runner has let it go (request mode: ``mode.stop_running``). One waiting for
         its encode or decode ends now; the stage drops it."""
-        aborted = self.stages.drop(request_id)
+        record = self._records.get(request_id)
+        aborted = self.stages.drop(record) if record is not None else None
         if aborted is not None:
             self.finalize(request_id, aborted)
             return False
@@ -319,7 +319,7 @@ class EngineCore:
         go (``finalize_aborted``); a later request reusing an id is not one of them."""
         for rid in request_ids:
             record = self._records.get(rid)
-            if record is not None and rid not in self.stages.decoding:  # a decoding one ended its denoise
+            if record is not None and record.stage != DECODE:  # a decoding one ended its denoise
                 record.ending = True
 
     def mark_started(self, sched: DiffusionSchedulerOutput) -> None:
@@ -369,14 +369,14 @@ class EngineCore:
                 elif ended[rid] == Status.FINISHED_COMPLETED and self.mode.final_output_is_a_step:
                     record.step(record.last_step_preview(out))  # the finishing step counts like the others
                 if ended[rid] == Status.FINISHED_COMPLETED and pending_decode(out):
-                    self.stages.hold(rid, out)
+                    self.stages.hold(record, out)
                 else:
                     self.finalize(rid, out)
             elif not out.finished:
                 record.step(out)
         self.stages.flush()
         for rid in ended:  # ended without an output (lost by the runner)
-            if rid in self._records and rid not in self.stages:
+            if rid in self._records and self._records[rid].stage is None:
                 self.finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR,
                                                    error="the runner returned no output for this request"))
         # a wave that only releases ended requests (the pipelined loop sends those as waves) is no step wave

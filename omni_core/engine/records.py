@@ -40,6 +40,10 @@ class RequestRecord:
     ending: bool = False
     #: its steps' previews are streamed (``streaming_output`` and the request's ``stream_previews``)
     previews: bool = False
+    #: the stage process it waits for (``"encode"`` before it is queued, ``"decode"`` after it denoised), or None
+    stage: str | None = None
+    #: the runner's output while it waits for its decode (its tensor a sealed decode payload)
+    decoding: DiffusionOutput | None = None
 
     def step(self, out: DiffusionOutput) -> None:
         """A denoising step of it ran: progress, and (streaming previews) the step's output."""

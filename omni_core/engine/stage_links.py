@@ -18,15 +18,15 @@ from omni_core.worker.stage_contract import DECODE, ENCODE
 
 
 class StageLinks:
-    """Requests waiting for a stage process, and the processes' results on their way to the engine."""
+    """Requests waiting for a stage process, and the processes' results on their way to the engine. What a request
+    waits for lives on its record (``RequestRecord.stage``, ``RequestRecord.decoding``: the one request table);
+    here are only the counts and what is to be sent at the next flush."""
 
     def __init__(self, core: Any) -> None:
         self.core = core
-        #: request id -> the request, until its encodings come back
-        self.encoding: dict[str, Any] = {}
+        #: requests waiting for each stage
+        self.waiting = {ENCODE: 0, DECODE: 0}
         self._to_encode: list = []
-        #: request id -> the runner's output (its tensor a sealed DecodePayload), until the decode comes back
-        self.decoding: dict[str, DiffusionOutput] = {}
         self._groups: dict[Any, list] = {}
         self.encode = self.decode = None
         try:  # the executor's processes, launched together: each loads while the others and the model do
@@ -56,36 +56,40 @@ class StageLinks:
             raise
 
     # ------------------------------------------------------------------ encode
-    def admit(self, request: Any) -> bool:
-        """Hold a new request for the encode stage; False without one (queue it now). Sent
-        by :meth:`flush`, all of one ``submit`` together."""
+    def admit(self, record: Any) -> bool:
+        """Hold a new request for the encode stage; False without one (queue it now). Sent by :meth:`flush`, all of
+        one ``submit`` together."""
         if self.encode is None:
             return False
-        self.encoding[request.request_id] = request
-        self._to_encode.append(request)
+        record.stage = ENCODE
+        self.waiting[ENCODE] += 1
+        self._to_encode.append(record.request)
         return True
 
     def encoded(self, result: dict) -> None:
-        """The encode stage's results (on the loop): each request queued with its encodings, or failed."""
+        """The encode stage's results (on the loop): each request queued with its encodings (sealed: opened in the
+        model process), or failed."""
         core = self.core
         if result.get("cache") is not None:  # stats()["embedding_cache"] sums it with the model processes'
             core.note_embedding_cache(result["cache"])
         for rid, (kind, value) in result["results"].items():
-            request = self.encoding.pop(rid, None)
-            if request is None or core.record(rid) is None:
+            record = core.record(rid)
+            if record is None or record.stage != ENCODE:
                 continue  # aborted (or timed out) while it waited
+            self._leave(record)
             if kind == "ok":
-                request.text_encodings = value
-                core.scheduler.add_request(request)
+                record.request.text_encodings = value
+                core.scheduler.add_request(record.request)
             else:
                 core.finalize(rid, DiffusionOutput(request_id=rid, status=Status.FINISHED_ERROR, error=value))
         core.steps.send_now()
 
     # ------------------------------------------------------------------ decode
-    def hold(self, request_id: str, out: DiffusionOutput) -> None:
-        """A request that finished denoising; sent by :meth:`flush` after the wave, one message
-        per group the runner's decode call made."""
-        self.decoding[request_id] = out
+    def hold(self, record: Any, out: DiffusionOutput) -> None:
+        """A request that finished denoising; sent by :meth:`flush` after the wave, one message per group the
+        runner's decode call made."""
+        record.stage, record.decoding = DECODE, out
+        self.waiting[DECODE] += 1
         self._groups.setdefault(out.tensor.meta["group"], []).append(out.tensor)
 
     def decoded(self, outputs: dict[str, DiffusionOutput]) -> None:
@@ -93,15 +97,21 @@ class StageLinks:
         (``peak_memory_mb``: the higher of the two processes)."""
         core = self.core
         for rid, out in outputs.items():
-            pending = self.decoding.pop(rid, None)
-            if pending is None or core.record(rid) is None:
+            record = core.record(rid)
+            if record is None or record.stage != DECODE:
                 continue  # aborted (or timed out) while it waited
+            pending = record.decoding
+            self._leave(record)
             peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
             # no preview to carry over: step mode delivers a request's previews before it waits for its decode
             out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
             core.finalize(rid, out)
 
     # ------------------------------------------------------------------ both
+    def _leave(self, record: Any) -> None:
+        self.waiting[record.stage] -= 1
+        record.stage, record.decoding = None, None
+
     def flush(self) -> None:
         """Send what was held since the last flush."""
         if self._to_encode:
@@ -111,31 +121,27 @@ class StageLinks:
             self.decode.submit(payloads)
         self._groups = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.encoding or request_id in self.decoding
-
-    def drop(self, request_id: str) -> DiffusionOutput | None:
-        """End a request waiting for a stage: the stage forgets it; its aborted output (None
-        when it waits for none)."""
-        if request_id in self.encoding:
-            request = self.encoding.pop(request_id)
-            if request in self._to_encode:
-                self._to_encode.remove(request)
-            else:
-                self.encode.abort([request_id])
-            return DiffusionOutput(request_id=request_id, status=Status.FINISHED_ABORTED)
-        pending = self.decoding.pop(request_id, None)
-        if pending is None:
+    def drop(self, record: Any) -> DiffusionOutput | None:
+        """End a request waiting for a stage: the stage forgets it; its aborted output (None when it waits for
+        none)."""
+        rid, stage, pending = record.request.request_id, record.stage, record.decoding
+        if stage is None:
             return None
-        self.decode.abort([request_id])
-        return DiffusionOutput(request_id=request_id, status=Status.FINISHED_ABORTED, step_index=pending.step_index,
+        self._leave(record)
+        if stage == ENCODE:
+            if record.request in self._to_encode:
+                self._to_encode.remove(record.request)
+            else:
+                self.encode.abort([rid])
+            return DiffusionOutput(request_id=rid, status=Status.FINISHED_ABORTED)
+        self.decode.abort([rid])
+        return DiffusionOutput(request_id=rid, status=Status.FINISHED_ABORTED, step_index=pending.step_index,
                                num_steps=pending.num_steps, metrics=dict(pending.metrics))
 
     def clear(self) -> None:
         """Forget every waiting request (their records are finalized by the caller: death or close)."""
-        self.encoding.clear()
+        self.waiting = {ENCODE: 0, DECODE: 0}
         self._to_encode = []
-        self.decoding.clear()
         self._groups = {}
 
     def died(self, reason: str) -> None:
@@ -145,10 +151,10 @@ class StageLinks:
     def stats(self) -> dict[str, Any]:
         """``stats()["stages"]``: each stage process, what it holds and does (nothing when all run in line)."""
         stages = {}
-        for name, process, waiting in ((ENCODE, self.encode, self.encoding), (DECODE, self.decode, self.decoding)):
+        for name, process in ((ENCODE, self.encode), (DECODE, self.decode)):
             if process is not None:
                 stages[name] = {"pid": process.pid(), "device": process.device, "model_bytes": dict(process.model_bytes),
-                                "waiting": len(waiting), "unsent": process.unsent, "done": process.done,
+                                "waiting": self.waiting[name], "unsent": process.unsent, "done": process.done,
                                 "dead": process.dead}
         return {"stages": stages} if stages else {}
 
