@@ -31,6 +31,9 @@ class StepState:
     prompt_mask: Any = None
     negative_prompt_embeds: Any = None
     negative_prompt_mask: Any = None
+    #: this request's texts encoded by the window it started in (``TextEncodingWindow``: the wave's batched
+    #: encoding, the embedding cache, or the encode stage's), by text key; ``prepare_encode`` reads them
+    text_encodings: dict = attrs.field(factory=dict)
     #: per-request state of the cache backend (keyed by branch/expert)
     cache_state: dict = attrs.field(factory=dict)
     #: per-request state of module hooks (``omni_core.hooks.ModuleHook.request_state``), keyed by the hook

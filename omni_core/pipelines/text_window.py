@@ -8,11 +8,11 @@ plugin, ours or a third party's, should get both by declaring them rather than b
 * ``text_keys(state)``: the hashable texts ``prepare_encode`` will encode for ``state``, each holding everything
   its encoding depends on besides the encoder (the text, ``max_sequence_length``);
 * ``encode_prompts(keys) -> {key: encoding}``: the text encoder on those keys;
-* ``prepare_encode`` reads ``self._text_memo[key]`` while the window is open (falling back to encoding alone).
+* ``prepare_encode`` reads each text through :meth:`TextEncodingWindow.encoded_text`: the window put every
+  state's encodings on the state (``StepState.text_encodings``); a text it did not encode is encoded alone.
 
 ``DiffusersStepPipeline`` mixes it in; another pipeline writes ``class MyPipeline(TextEncodingWindow,
-OmniPipeline)``. The window keeps per-call state on the instance (``_text_memo``), so such a pipeline leaves
-``concurrent_calls_safe`` False (no CPU lanes), or writes its own window as ``shapes`` does.
+OmniPipeline)``. The window keeps nothing on the pipeline: what it encoded travels with each request's state.
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ from omni_core.pipelines.embedding_cache import carried_encodings, text_encoders
 class TextEncodingWindow:
     """``encoded_prompts`` from ``text_keys`` / ``encode_prompts`` (see the module's docstring)."""
 
-    #: the open window's encodings by text key (None outside a window)
-    _text_memo: dict | None = None
-
     @contextlib.contextmanager
     def encoded_prompts(self, states: list):
-        """While active, ``_text_memo`` holds one batched :meth:`encode_prompts` over the wave's distinct
-        texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as diffusers does
+        """Each state gets its texts' encodings (``state.text_encodings``, by key; yielded too, all of the wave's)
+        from one batched :meth:`encode_prompts` over the wave's distinct texts (keys from :meth:`text_keys`). A request alone encodes its texts one by one, as diffusers does
         (a batch of prompts of different lengths is padded and masked).
 
         With the process's embedding cache (``embedding_cache``) every text of the wave, a lone request's too,
@@ -44,11 +41,16 @@ class TextEncodingWindow:
         memo = carried_encodings(states, getattr(self, "device", "cpu"))
         if memo is None:
             memo = self._encode_window(states)
-        self._text_memo = memo
-        try:
-            yield memo
-        finally:
-            self._text_memo = None
+        for state in states:
+            state.text_encodings = {k: memo[k] for k in self.text_keys(state) if k in memo}
+        yield memo
+
+    @staticmethod
+    def encoded_text(state: Any, key: Any, encode: Any) -> Any:
+        """``key``'s encoding for ``state`` as the window made it (``state.text_encodings``), else ``encode()``:
+        the text alone. What ``prepare_encode`` calls for each text of :meth:`text_keys`."""
+        encodings = getattr(state, "text_encodings", None) or {}
+        return encodings[key] if key in encodings else encode()
 
     def _encode_window(self, states: list) -> dict:
         cache = getattr(self, "embedding_cache", None)

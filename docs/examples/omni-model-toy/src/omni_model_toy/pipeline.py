@@ -101,7 +101,7 @@ class ToyPipeline(TextEncodingWindow, OmniPipeline):
         return self.text_encoder(ids), ids != 0
 
     # the texts a request encodes and how: the window (TextEncodingWindow) runs them through the embedding cache,
-    # or reads what the encode stage computed, and prepare_encode finds them in self._text_memo
+    # or reads what the encode stage computed, and puts them on the state, where encoded_text finds them
     def text_keys(self, state: StepState) -> list:
         guided = state.sampling_params.guidance_scale > 1
         return [state.request.prompt] + ([state.request.negative_prompt or ""] if guided else [])
@@ -109,9 +109,8 @@ class ToyPipeline(TextEncodingWindow, OmniPipeline):
     def encode_prompts(self, keys: list) -> dict:
         return {text: self.encode(text) for text in keys}
 
-    def _encoded(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
-        memo = self._text_memo
-        return memo[text] if memo is not None and text in memo else self.encode(text)
+    def _encoded(self, state: StepState, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encoded_text(state, text, lambda: self.encode(text))
 
     def prepare_encode(self, state: StepState) -> StepState:
         sp = state.sampling_params
@@ -122,10 +121,10 @@ class ToyPipeline(TextEncodingWindow, OmniPipeline):
         state.scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
         state.scheduler.set_timesteps(sp.num_inference_steps, device=self.device)
         state.timesteps, state.num_steps, state.step_index = state.scheduler.timesteps, sp.num_inference_steps, 0
-        state.prompt_embeds, state.prompt_mask = self._encoded(state.request.prompt)
+        state.prompt_embeds, state.prompt_mask = self._encoded(state, state.request.prompt)
         state.extra["scale"] = sp.guidance_scale
         if sp.guidance_scale > 1:
-            negative = self._encoded(state.request.negative_prompt or "")
+            negative = self._encoded(state, state.request.negative_prompt or "")
             state.negative_prompt_embeds, state.negative_prompt_mask = negative
         return state
 

@@ -146,9 +146,10 @@ class FluxPipeline(DiffusersStepPipeline):
         msl = sp.max_sequence_length
         do_cfg = self._do_cfg(state)
         with torch.no_grad():
-            state.prompt_embeds, pooled = self._encode(req.prompt, msl)
+            state.prompt_embeds, pooled = self._encode(state, req.prompt, msl)
             if do_cfg:
-                state.negative_prompt_embeds, state.extra["negative_pooled"] = self._encode(req.negative_prompt, msl)
+                state.negative_prompt_embeds, state.extra["negative_pooled"] = self._encode(state, req.negative_prompt,
+                                                                                           msl)
         self.seed_generator(state)
         state.latents, img_ids = pipe.prepare_latents(
             sp.num_outputs_per_prompt, self.transformer.config.in_channels // 4, sp.height, sp.width,
@@ -171,13 +172,13 @@ class FluxPipeline(DiffusersStepPipeline):
         scale = state.sampling_params.true_cfg_scale
         return (scale if scale is not None else TRUE_CFG_SCALE.default) > 1 and state.request.negative_prompt is not None
 
-    def _encode(self, text: str, msl: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, state: StepState, text: str, msl: int) -> tuple[torch.Tensor, torch.Tensor]:
         """diffusers' ``encode_prompt([text])``: T5 states ``[1, msl, D]`` (padded to ``msl`` by the tokenizer,
         so every prompt has the same length and needs no mask) and the pooled CLIP output ``[1, P]``; from the
         wave's batched encoding when there is one."""
-        memo = self._text_memo
-        if memo is not None and (text, msl) in memo:
-            return memo[(text, msl)]
+        encodings = state.text_encodings
+        if (text, msl) in encodings:
+            return encodings[(text, msl)]
         embeds, pooled, _ = self.pipe.encode_prompt(prompt=[text], prompt_2=None, device=self.device,
                                                     num_images_per_prompt=1, max_sequence_length=msl)
         return embeds, pooled

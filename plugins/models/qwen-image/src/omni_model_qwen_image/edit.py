@@ -131,8 +131,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
     def _encode(self, state: StepState, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """diffusers' edit ``encode_prompt``: no ``max_sequence_length`` cut (it ignores it)."""
         key = self.text_key(state, text)
-        memo = self._text_memo
-        return (memo[key] if memo is not None and key in memo else self.encode_prompts([key])[key]), None
+        return self.encoded_text(state, key, lambda: self.encode_prompts([key])[key]), None
 
     def text_key(self, state: StepState, text: str) -> TextImageKey:
         cond = self.condition(state)

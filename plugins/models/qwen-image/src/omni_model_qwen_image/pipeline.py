@@ -195,8 +195,7 @@ class QwenImagePipeline(DiffusersStepPipeline):
         mask (one prompt has no padding); from the wave's batched encoding when there is one."""
         msl = state.sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         key = self.text_key(state, text)
-        memo = self._text_memo
-        embeds = memo[key] if memo is not None and key in memo else self.encode_prompts([key])[key]
+        embeds = self.encoded_text(state, key, lambda: self.encode_prompts([key])[key])
         return embeds[:, :msl], None
 
     def text_key(self, state: StepState, text: str) -> Any:

@@ -160,8 +160,8 @@ class WanPipeline(DiffusersStepPipeline):
         do_cfg = guidance_scale > 1.0
         msl = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         with torch.no_grad():
-            pe = self._encode(req.prompt, msl)
-            ne = self._encode(req.negative_prompt or "", msl) if do_cfg else None  # diffusers: "" when None
+            pe = self._encode(state, req.prompt, msl)
+            ne = self._encode(state, req.negative_prompt or "", msl) if do_cfg else None  # diffusers: "" when None
         state.prompt_embeds = pe.to(self.transformer_dtype)
         state.negative_prompt_embeds = ne.to(self.transformer_dtype) if ne is not None else None
         scheduler = self.new_scheduler()
@@ -189,13 +189,10 @@ class WanPipeline(DiffusersStepPipeline):
         sp = state.sampling_params
         return (sp.guidance_scale if sp.guidance_scale is not None else self.default_guidance_scale) > 1.0
 
-    def _encode(self, text: str, msl: int) -> torch.Tensor:
+    def _encode(self, state: StepState, text: str, msl: int) -> torch.Tensor:
         """diffusers' T5 embedding of one prompt (zero-padded to ``msl``); from the wave's batched encoding
         when there is one."""
-        memo = self._text_memo
-        if memo is not None and (text, msl) in memo:
-            return memo[(text, msl)]
-        return self.t5_embeds([text], msl)
+        return self.encoded_text(state, (text, msl), lambda: self.t5_embeds([text], msl))
 
     def text_keys(self, state: StepState) -> list:
         msl = state.sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH

@@ -128,9 +128,9 @@ class ZImagePipeline(DiffusersStepPipeline):
         pipe, sp, req = self.pipe, state.sampling_params, state.request
         guided = sp.guidance_scale > 0  # diffusers: CFG whenever the scale is positive, "" as default negative
         with torch.no_grad():
-            state.prompt_embeds = self._encode(req.prompt, sp.max_sequence_length)
+            state.prompt_embeds = self._encode(state, req.prompt, sp.max_sequence_length)
             if guided:
-                state.negative_prompt_embeds = self._encode(req.negative_prompt or "", sp.max_sequence_length)
+                state.negative_prompt_embeds = self._encode(state, req.negative_prompt or "", sp.max_sequence_length)
         self.seed_generator(state)
         state.latents = pipe.prepare_latents(sp.num_outputs_per_prompt, self.transformer.in_channels, sp.height,
                                              sp.width, torch.float32, self.device, state.generator)
@@ -148,13 +148,11 @@ class ZImagePipeline(DiffusersStepPipeline):
                            cfg_truncation=sp.cfg_truncation, height=sp.height, width=sp.width)
         return state
 
-    def _encode(self, text: str, msl: int) -> torch.Tensor:
+    def _encode(self, state: StepState, text: str, msl: int) -> torch.Tensor:
         """diffusers' ``_encode_prompt([text])[0]``: the ``[L, D]`` states of the prompt's own tokens; from the
         wave's batched encoding when there is one."""
-        memo = self._text_memo
-        if memo is not None and (text, msl) in memo:
-            return memo[(text, msl)]
-        return self.pipe._encode_prompt([text], device=self.device, max_sequence_length=msl)[0]
+        return self.encoded_text(state, (text, msl), lambda: self.pipe._encode_prompt(
+            [text], device=self.device, max_sequence_length=msl)[0])
 
     def text_keys(self, state: StepState) -> list:
         sp, req = state.sampling_params, state.request
