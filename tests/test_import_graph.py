@@ -267,3 +267,14 @@ def test_no_import_cycle_in_omni_core():
 def test_no_private_imports_across_packages():
     found = private_imports(ROOT)
     assert not found, "private names imported from outside the importer's package:\n" + "\n".join(found)
+
+
+#: the most lines a module of the core or of a first-party plugin may have: past it, it holds more than one concept
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_the_line_limit():
+    files = [*ROOT.rglob("*.py"), *ROOT.parent.glob("plugins/*/*/src/**/*.py")]
+    long = {str(p.relative_to(ROOT.parent)): n for p in files if (n := len(p.read_text(encoding="utf-8").splitlines()))
+            > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"

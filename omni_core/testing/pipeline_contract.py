@@ -30,14 +30,11 @@ from typing import Any, ClassVar
 import pytest
 
 from omni_core.testing._model import contract_model, load_model
+from omni_core.testing.contract_helpers import (_two_values, final_output, load_model_cls, omni_layers,  # noqa: F401
+                                               torch_equal)
 from omni_core.testing.driver import make_state, run_step_batch
 
 __all__ = ["PipelineContract", "make_state", "run_step_batch"]
-
-
-def final_output(handle: Any, timeout: float = 300) -> Any:
-    """The last (finished) output of an engine request handle."""
-    return handle.result(timeout)
 
 
 class PipelineContract:
@@ -411,43 +408,3 @@ class PipelineContract:
         if first is not None and hasattr(first, "size") and not callable(first.size):  # a PIL image
             assert first.mode == "RGB" and first.size[0] * height == first.size[1] * width, \
                 f"a {height} x {width} request gave a {first.size[1]} x {first.size[0]} image"
-
-
-def _two_values(field: Any) -> tuple[Any, Any]:
-    """Two different valid values of a declared ``SamplingField`` (the default first where it has one)."""
-    if field.type == "choice":
-        return field.choices[0], field.choices[-1]
-    if field.type == "bool":
-        return False, True
-    if field.type == "str":
-        return "a", "b"
-    lo = field.min if field.min is not None else 0
-    hi = field.max if field.max is not None else lo + 2
-    first = field.default if field.default is not None else lo + (hi - lo) / 4
-    second = lo + (hi - lo) / 2 if first != lo + (hi - lo) / 2 else lo + (hi - lo) / 4
-    return (int(first), int(second) if int(second) != int(first) else int(first) + 1) if field.type == "int" \
-        else (float(first), float(second))
-
-
-def omni_layers(pipeline: Any) -> list[Any]:
-    """The ``OmniAttention`` layers inside the pipeline's declared denoisers, in module order."""
-    from omni_core.attention import Attention
-    from omni_core.pipelines.denoiser import denoisers_of
-
-    seen: dict[int, Any] = {}
-    for spec in denoisers_of(pipeline):
-        seen.update((id(m), m) for m in spec.module.modules() if isinstance(m, Attention))
-    return list(seen.values())
-
-
-def torch_equal(a: Any, b: Any) -> bool:
-    import torch
-
-    return a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def load_model_cls(model: str) -> type:
-    """The pipeline class behind ``model`` (resolved, not loaded)."""
-    from omni_core.pipelines import resolve_model
-
-    return resolve_model(model).pipeline_cls()
