@@ -1,8 +1,10 @@
 """Which engine features combine, declared once as data: the pairs the engine refuses before any worker starts.
 
-A *feature* is a named predicate on :class:`~omni_core.config.OmniDiffusionConfig` (``tea_cache`` is
-``cache_backend="tea_cache"``, ``ulysses`` is ``parallel_config.ulysses_degree > 1``, ...). :data:`REFUSED` lists
-the pairs of features that cannot run together, each with the reason; :func:`check_combinations` raises a
+A *feature* is a named predicate on :class:`~omni_core.config.OmniDiffusionConfig` (``ulysses`` is
+``parallel_config.ulysses_degree > 1``, ...): the core's own in :data:`FEATURES`, and one per installed cache
+backend (``cache_backend=<name>``), made from its record. :data:`REFUSED` lists the pairs of core features that
+cannot run together, each with the reason; a cache backend's record declares its own (``CacheBackendSpec.refuses``),
+so this module names no plugin; :func:`check_combinations` raises a
 :class:`~omni_core.errors.ConfigError` naming both options and the reason for the first such pair a config turns
 on. The engine calls it with the rest of its start-up checks (``DiffusionEngine.__init__``), after the
 performance preset has filled its options, so a preset cannot produce a refused pair either.
@@ -39,10 +41,8 @@ class Feature:
     enabled: Callable[[Any], bool] = attrs.field(repr=False)
 
 
-#: every feature of the combination matrix that a config decides (``lora`` is per request: nothing to check)
+#: the core's features a config decides (``lora`` is per request: nothing to check; cache backends: :func:`all_features`)
 FEATURES: dict[str, Feature] = {f.name: f for f in (
-    Feature("tea_cache", "cache_backend='tea_cache'", lambda c: c.cache_backend == "tea_cache"),
-    Feature("cache_dit", "cache_backend='cache_dit'", lambda c: c.cache_backend == "cache_dit"),
     Feature("int8", "quantization='int8' (of the denoiser)", _quantizes_denoiser),
     Feature("gguf", "denoiser_weights='<file>.gguf'", lambda c: c.denoiser_weights is not None),
     Feature("offload_model", "offload='model'", lambda c: c.offload == "model"),
@@ -59,10 +59,6 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
 
 #: pairs refused on every machine: ``(feature, feature) -> why`` (the ConfigError's reason)
 REFUSED: dict[tuple[str, str], str] = {
-    ("cache_dit", "ulysses"): "cache_dit takes its skip decisions on each rank's share of the sequence and they are "
-                              "not agreed across the sequence-parallel group (tea_cache's are: use it instead)",
-    ("cache_dit", "ring"): "cache_dit takes its skip decisions on each rank's share of the sequence and they are "
-                           "not agreed across the sequence-parallel group (tea_cache's are: use it instead)",
     ("int8", "gguf"): "the GGUF file's denoiser weights are already quantized (dequantized per forward) and torchao "
                       "cannot quantize them again; quantize other components (quantize_components without "
                       "'denoiser') or drop one of the two",
@@ -70,7 +66,6 @@ REFUSED: dict[tuple[str, str], str] = {
 
 #: pairs that are two values of one option, so no config can ask for both
 ONE_OPTION: dict[tuple[str, str], str] = {
-    ("tea_cache", "cache_dit"): "one option (cache_backend): one cache backend per engine",
     ("offload_model", "offload_group"): "one option (offload)",
     ("step", "request"): "one option (step_execution)",
 }
@@ -105,20 +100,49 @@ def tensor_parallel(config: Any) -> bool:
     return pc is not None and pc.tensor_parallel_size > 1
 
 
+def _cache_records() -> dict[str, Any]:
+    from omni_core.plugins.manager import get_plugin_manager
+
+    return dict(get_plugin_manager().components("cache"))
+
+
+def all_features() -> dict[str, Feature]:
+    """:data:`FEATURES` and one feature per installed cache backend but ``none`` (``cache_backend=<name>``)."""
+    caches = {name: Feature(name, f"cache_backend={name!r}", lambda c, n=name: c.cache_backend == n)
+              for name in _cache_records() if name != "none"}
+    return {**caches, **FEATURES}
+
+
 def refusal(a: str, b: str) -> str | None:
-    """The reason ``a`` and ``b`` are refused together on every machine (either order), or None."""
-    return REFUSED.get((a, b)) or REFUSED.get((b, a))
+    """The reason ``a`` and ``b`` are refused together on every machine (either order), or None: the core's
+    :data:`REFUSED`, or what a cache backend's record declares."""
+    why = REFUSED.get((a, b)) or REFUSED.get((b, a))
+    if why is None:
+        records = _cache_records()
+        for mine, other in ((a, b), (b, a)):
+            if mine in records:
+                why = why or dict(getattr(records[mine], "refuses", ())).get(other)
+    return why
+
+
+def one_option(a: str, b: str) -> str | None:
+    """Why no config can ask for both (two values of one option: two cache backends too), or None."""
+    why = ONE_OPTION.get((a, b)) or ONE_OPTION.get((b, a))
+    if why is None and {a, b} <= set(_cache_records()):
+        why = "one option (cache_backend): one cache backend per engine"
+    return why
 
 
 def enabled_features(config: Any) -> list[str]:
-    """Names of the features ``config`` turns on, in :data:`FEATURES` order."""
-    return [name for name, f in FEATURES.items() if f.enabled(config)]
+    """Names of the features ``config`` turns on, in :func:`all_features` order."""
+    return [name for name, f in all_features().items() if f.enabled(config)]
 
 
 def check_combinations(config: Any) -> None:
     """Raise :class:`ConfigError` for the first refused pair ``config`` turns on: the message names both
     options and why (``field`` is the second option's config field)."""
     on = enabled_features(config)
+    features = all_features()
     if tensor_parallel(config):
         for name in on:
             if name in TENSOR_PARALLEL_REFUSED:
@@ -131,11 +155,12 @@ def check_combinations(config: Any) -> None:
         for b in on[i + 1:]:
             why = refusal(a, b)
             if why is not None:
-                raise ConfigError(f"{FEATURES[a].option} cannot be combined with {FEATURES[b].option}: {why}",
+                raise ConfigError(f"{features[a].option} cannot be combined with {features[b].option}: {why}",
                                   field=_field(b))
 
 
 def _field(feature: str) -> str:
-    return {"cache_dit": "cache_backend", "tea_cache": "cache_backend", "int8": "quantization",
-            "gguf": "denoiser_weights", "ulysses": "parallel_config", "ring": "parallel_config",
-            "cfg_parallel": "parallel_config"}.get(feature, feature)
+    if feature not in FEATURES:
+        return "cache_backend"  # a cache backend's feature
+    return {"int8": "quantization", "gguf": "denoiser_weights", "ulysses": "parallel_config",
+            "ring": "parallel_config", "cfg_parallel": "parallel_config"}.get(feature, feature)

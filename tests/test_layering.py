@@ -58,3 +58,17 @@ def test_the_core_names_no_attention_kernel_in_code():
     found = [f"{path.relative_to(REPO)}:{line}" for path in sorted((REPO / "omni_core").rglob("*.py"))
              for line, text in _code_strings(path) if any(k in text for k in kernels)]
     assert not found, f"the core names an attention kernel (records decide the default): {found}"
+
+
+def test_the_core_names_no_plugin_in_its_combination_rules():
+    """Which features a cache backend cannot run with is its record's to say (``CacheBackendSpec.refuses``): the
+    core's table of combinations names no component of any installed plugin."""
+    from omni_core.plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    names = {name for kind in ("cache", "attention", "executor", "pipeline") for name, rec in pm.components(kind).items()
+             if getattr(rec, "provider", "") not in ("", "omni-core")}
+    assert {"tea_cache", "cache_dit"} <= names  # the check reads the plugins it means to
+    text = (REPO / "omni_core" / "combinations.py").read_text(encoding="utf-8")
+    named = sorted(n for n in names if n in text)
+    assert not named, f"omni_core/combinations.py names plugin components: {named}"

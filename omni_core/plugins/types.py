@@ -122,6 +122,10 @@ class CacheBackendSpec(ComponentSpec):
     #: the keys its ``cache_config`` takes (:class:`~omni_core.options.Option` records): checked by the core when
     #: the config is built, listed by ``omni env`` and ``--help``; a backend with none checks its own
     options: tuple[Option, ...] = attrs.field(default=(), converter=tuple, validator=option_tuple())
+    #: the engine features it cannot run with (names of ``omni_core.combinations.FEATURES``: ``"ulysses"``,
+    #: ``"ring"``, ...) and why, as ``{feature: reason}``: the core refuses the pair before any worker starts and
+    #: the combination matrix's table shows it, with no cache backend named in the core
+    refuses: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=lambda d: tuple(sorted(dict(d).items())))
 
 
 @attrs.frozen(kw_only=True)

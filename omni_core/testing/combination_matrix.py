@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from omni_core.combinations import FEATURES, ONE_OPTION, PLATFORM_REFUSED, refusal
+from omni_core.combinations import PLATFORM_REFUSED, all_features, one_option, refusal
 
 #: the features of the matrix, in the table's order (``lora`` is per request, all others are engine options)
 ORDER = ("tea_cache", "cache_dit", "lora", "int8", "gguf", "offload_model", "offload_group", "compile",
@@ -220,13 +220,16 @@ def status(a: str, b: str) -> tuple[str, str]:
     """``(status, note)`` of a pair: ``refused`` (core), ``one option``, ``platform`` (refused where ranks
     outnumber devices) or ``combines``."""
     a, b = pair(a, b)
-    why = refusal(a, b) if a in FEATURES and b in FEATURES else None
+    features = all_features()
+    why = refusal(a, b) if a in features and b in features else None
     if why:
         return "refused", why
-    for table, kind in ((ONE_OPTION, "one option"), (PLATFORM_REFUSED, "platform")):
-        note = table.get((a, b)) or table.get((b, a))
-        if note:
-            return kind, note
+    note = one_option(a, b)
+    if note:
+        return "one option", note
+    note = PLATFORM_REFUSED.get((a, b)) or PLATFORM_REFUSED.get((b, a))
+    if note:
+        return "platform", note
     return "combines", ""
 
 
@@ -247,12 +250,14 @@ def render_table() -> str:
     for a, b in itertools.combinations(ORDER, 2):
         counts[status(a, b)[0]] += 1
     lines += ["", f"{len(ORDER)} features, {sum(counts.values())} pairs: {counts['combines']} combine, "
-              f"{counts['refused']} are refused by `omni_core/combinations.py`, {counts['platform']} are refused "
+              f"{counts['refused']} are refused (`omni_core/combinations.py`, or a cache backend's record), "
+              f"{counts['platform']} are refused "
               f"where ranks outnumber devices (`no*`), {counts['one option']} are two values of one option (`-`).",
               "", "| feature | options | tolerance (max \\|diff\\|) | what |", "|---|---|---|---|"]
+    features = all_features()
     for name in ORDER:
         f = MATRIX[name]
-        opts = FEATURES[name].option if name in FEATURES else "per request: `lora=` (a mixed batch)"
+        opts = features[name].option if name in features else "per request: `lora=` (a mixed batch)"
         lines.append(f"| `{name}` | {opts} | {f.tolerance:g} | {f.why} |")
     lines += ["", "| refused pair | why |", "|---|---|"]
     for a, b in itertools.combinations(ORDER, 2):

@@ -197,7 +197,7 @@ REFUSED = [(a, b) for a, b in M.coverage() if M.status(a, b)[0] in ("refused", "
 @pytest.mark.parametrize(("a", "b"), REFUSED, ids=[f"{a}+{b}" for a, b in REFUSED])
 def test_refused_pair_before_any_worker(a, b, qwen4_dir, matrix_files, monkeypatch):
     from omni_core import Omni
-    from omni_core.combinations import FEATURES
+    from omni_core.combinations import all_features
     from omni_core.errors import ConfigError
     from omni_core.executor.mp import MultiProcExecutor
     from omni_core.executor.uni import UniProcExecutor
@@ -212,7 +212,8 @@ def test_refused_pair_before_any_worker(a, b, qwen4_dir, matrix_files, monkeypat
     message = str(exc.value)
     kind, _ = M.status(a, b)
     if kind == "refused":
-        assert FEATURES[a].option in message and FEATURES[b].option in message, message
+        features = all_features()
+        assert features[a].option in message and features[b].option in message, message
     else:  # check_offload: names offload and the parallel strategy it cannot place
         strategy = {"ulysses": "ulysses 2", "ring": "ring 2", "cfg_parallel": "cfg 2"}[b if b in ("ulysses", "ring", "cfg_parallel") else a]
         assert "offload=" in message and f"parallel_config {strategy}" in message, message

@@ -15,4 +15,7 @@ def omni_register_cache_backends():
         description="cache-dit DBCache (Fn/Bn compute blocks, residual threshold, warmup, TaylorSeer, SCM); "
                     "a cache context per request, CFG branch and expert",
         options=OPTIONS,
+        # decisions on each rank's share of the sequence are not agreed across the group (the core refuses the pair)
+        refuses={sp: "cache_dit takes its skip decisions on each rank's share of the sequence and they are not agreed "
+                     "across the sequence-parallel group (tea_cache's are: use it instead)" for sp in ("ulysses", "ring")},
     )]
