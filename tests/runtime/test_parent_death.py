@@ -120,7 +120,7 @@ ORPHAN = textwrap.dedent("""
     import multiprocessing, os, subprocess, sys, time
 
     def forked_child(armed):  # a fork-server child: its parent PID is the server's, its creator is the script
-        from omni_core.worker import parent_watch
+        from omni_core.processes import parent_watch
         creator = multiprocessing.parent_process()
         parent_watch.watch_creator(creator.sentinel, creator.pid)
         open(armed, "w").close()
@@ -138,7 +138,7 @@ ORPHAN = textwrap.dedent("""
         print("CHILD", child.pid, flush=True)
         time.sleep(600)
     else:
-        from omni_core.worker import parent_watch
+        from omni_core.processes import parent_watch
         mode, armed = sys.argv[2], sys.argv[3]
         if mode == "death-signal":
             assert parent_watch.set_death_signal()
