@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from typing import Any, Callable
 from omni_core.engine.collective_calls import CollectiveCalls
 from omni_core.engine.deadlines import Deadlines
 from omni_core.engine.handle import RequestHandle
+from omni_core.engine.inbox import Inbox
 from omni_core.engine.model_info import ProgressFn
 from omni_core.engine.records import (RequestRecord, close_output, count_wave, embedding_cache_summary, new_timing,
                                       timing_summary)
@@ -53,7 +53,7 @@ class EngineCore:
         self.scheduler = scheduler or plan.scheduler_cls(plan.capacity)
         if scheduler is None:  # the policy knobs (docs/scheduling.md)
             self.scheduler.configure(plan.config)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox = Inbox()
         #: every admitted request that has not ended, by id: the engine's only per-request table
         self._records: dict[str, RequestRecord] = {}
         self._deadlines = Deadlines(self._watched)
@@ -76,6 +76,9 @@ class EngineCore:
         self.applying = False
         #: collective calls asked for and not yet answered: waves pause until each has run
         self._calls = CollectiveCalls()
+        #: set once the loop has handled the last progress tick (written by the thread that sends ticks)
+        self._tick_handled = threading.Event()
+        self._tick_handled.set()
         self.executor = executor or plan.executor_cls(plan.config, plan.resolved, on_progress=self._progress_tick)
         #: the stage processes' links (``encode_workers`` / ``decode_workers``), launched to load while the model does
         self.stages = StageLinks(self)
@@ -89,21 +92,14 @@ class EngineCore:
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop, in posting order; nothing waits for it (dropped once the loop stopped)."""
-        self._inbox.put((fn, args, None))
+        self._inbox.post(fn, *args)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the loop and return its result (or raise its exception). On the loop's thread, or
         once the loop has stopped (nothing else owns the state then), it runs here."""
         if threading.current_thread() is self._thread or self._stopped_for_good():
             return fn(*args)
-        reply: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((fn, args, reply))
-        while True:
-            try:
-                return reply.result(timeout=0.1)
-            except concurrent.futures.TimeoutError:
-                if self._stopped_for_good() and not reply.done():  # posted after the loop's last drain
-                    return fn(*args)
+        return self._inbox.call(fn, args, self._stopped_for_good)
 
     def _stopped_for_good(self) -> bool:
         return self._stopped and not self._thread.is_alive()
@@ -115,14 +111,25 @@ class EngineCore:
         return not self._thread.is_alive()
 
     def _progress_tick(self, request_id: str, step: int, total: int) -> None:
-        """The runner's per-step callback (request mode; the executor's call thread)."""
-        self.post(self.progress, request_id, step, total)
+        """The runner's per-step callback (request mode; the executor's call thread or its watcher).
+
+        It runs at most one tick ahead of the loop: it waits until the loop has handled the previous tick. A
+        small model's step is shorter than the GIL's switch interval (5 ms), so on a busy machine an unbounded
+        runner ran several steps before the loop saw the first tick; bounded, a listener that aborts on step k
+        stops the request by step k + 1. On a real model the loop is always done long before the next step."""
+        previous = self._tick_handled
+        while not previous.wait(0.1):
+            if self._stopped or self.dead is not None:  # a stopped loop drops posts: never wait on one
+                break
+        handled = threading.Event()
+        self._tick_handled = handled
+        self.post(self.progress, request_id, step, total, handled)
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         try:
             while True:
-                self._drain(self._wait_s())
+                self._inbox.drain(self._wait_s())
                 if self.dead is None and not self.executor.is_alive():
                     self.die(self.executor.death_reason or "the engine is dead: a worker died")
                 self._expire()
@@ -148,33 +155,6 @@ class EngineCore:
         wait = IDLE_CHECK_S if due is None else min(IDLE_CHECK_S, max(0.0, due - time.monotonic()))
         return min(wait, 0.05) if self._closing is not None else wait
 
-    def _drain(self, timeout: float) -> None:
-        """Handle the events posted since the last drain, waiting up to ``timeout`` for the first."""
-        try:
-            item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    @staticmethod
-    def _handle(item: tuple) -> None:
-        fn, args, reply = item
-        if reply is None:
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 - one bad event must not stop the loop
-                logger.exception("an engine event failed")
-            return
-        try:
-            reply.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            reply.set_exception(exc)
-
     def _stop(self) -> None:
         """The loop ends: every request still recorded gets its final output, every pending call an answer."""
         if self.dead is None:
@@ -187,7 +167,7 @@ class EngineCore:
             self._runner_held = set()
         self._calls.fail_all(EngineDeadError(self.dead) if self.dead else OmniError("the engine was closed"))
         self._stopped = True
-        self._drain(0)  # calls posted before ``_stopped`` was seen: admit refuses, stats answers
+        self._inbox.drain(0)  # calls posted before ``_stopped`` was seen: admit refuses, stats answers
 
     # ------------------------------------------------------------------ admission
     def admit(self, requests: list[OmniDiffusionRequest], on_progress: ProgressFn | None = None
@@ -386,12 +366,15 @@ class EngineCore:
             # the scheduler learns each shape's step cost (docs/scheduling.md)
             self.scheduler.observe_wave(sched, result.metrics.get("denoise_s") or wall_s)
 
-    def progress(self, request_id: str, step: int, total: int) -> None:
+    def progress(self, request_id: str, step: int, total: int, handled: threading.Event) -> None:
         """A request-mode step ran (posted by ``_progress_tick``)."""
-        record = self._records.get(request_id)
-        if record is not None:
-            record.progress(step, total)
-        self.counters["denoise_steps"] += self.mode.steps_per_progress
+        try:
+            record = self._records.get(request_id)
+            if record is not None:
+                record.progress(step, total)
+            self.counters["denoise_steps"] += self.mode.steps_per_progress
+        finally:
+            handled.set()
 
     def finalize(self, request_id: str, out: DiffusionOutput) -> None:
         """Deliver the final output and forget the request."""
