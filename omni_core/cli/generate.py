@@ -114,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
     t0 = time.perf_counter()
     # what needs no model is refused before it loads (importing torch and loading take seconds)
-    check_before_loading(args.model, sampling, names=FLAG_OF_FIELD)
+    check_before_loading(args.model, sampling, names=FLAG_OF_FIELD, pipeline=args.pipeline)
     if args.image:  # read before the model loads: a bad path fails at once
         prompt["image"] = [open_image(path) for path in args.image]
     progress(f"loading {args.model} (importing torch, reading the weights) ...")

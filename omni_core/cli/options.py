@@ -12,6 +12,9 @@ from omni_core.errors import ConfigError
 def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the "engine options" group; returns it so a command can add its own engine flags to it."""
     eng = parser.add_argument_group("engine options")
+    eng.add_argument("--pipeline", default=None,
+                     help="the pipeline that runs the model (default: the folder's model_index.json class, else the "
+                          "installed pipeline that serves any folder); e.g. diffusers: diffusers' own pipeline")
     eng.add_argument("--attention-backend", default=None,
                      help="default attention backend (one of the names `omni env` lists under attention)")
     eng.add_argument("--cache-backend", default=None, help="cache backend (e.g. cache_dit, tea_cache; default none)")
@@ -77,7 +80,7 @@ def _json_arg(value: str | None, name: str) -> Any:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``OmniDiffusionConfig`` keyword arguments from the engine options that were given."""
-    opts = {"attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
+    opts = {"pipeline": getattr(args, "pipeline", None), "attention_backend": args.attention_backend, "cache_backend": args.cache_backend,
             "cache_config": _json_arg(args.cache_config, "cache-config"), "dtype": args.dtype,
             "executor": args.executor, "cpu_threads": args.cpu_threads,
             **{f"{stage}_{what}": getattr(args, f"{stage}_{what}", None) for stage in ("encode", "decode")

@@ -170,7 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.no_warmup:
         opts["warmup"] = False
     # what needs no model is refused before it loads: the model name or folder, the limits, the engine options
-    resolved = check_before_loading(args.model)
+    resolved = check_before_loading(args.model, pipeline=args.pipeline)
     if limits:
         try:
             RequestLimits.coerce(limits)

@@ -117,6 +117,9 @@ class OmniDiffusionConfig(_FromKwargs):
     """Everything the engine needs to start: model, device, parallelism, kernels, caching, batching."""
 
     model: str = attrs.field(validator=str_field())
+    #: the pipeline (a registered name) that runs ``model``; None: the folder's ``model_index.json`` class, else
+    #: the installed pipeline that serves any folder (``pipeline="diffusers"`` forces diffusers' own pipeline)
+    pipeline: str | None = attrs.field(default=None, validator=_component_name("pipeline", optional=True))
     dtype: str = attrs.field(default="auto", converter=_normalise_dtype, validator=choice_field(DTYPES))
     #: platform name (``cpu``, ``cuda``, ...); None resolves it (``OMNI_PLATFORM``, detection, CPU fallback)
     platform: str | None = attrs.field(default=None, validator=_component_name("platform", optional=True))

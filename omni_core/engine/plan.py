@@ -69,7 +69,7 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
 
     pm = get_plugin_manager()
     _start_process_server(config, pm)  # loads the libraries for the model processes while the checks below run
-    resolved = resolved if resolved is not None else resolve_model(config.model, pm)
+    resolved = resolved if resolved is not None else resolve_model(config.model, pm, config.pipeline)
     check_parallel_support(resolved, config.parallel_config)
     pipeline_cls = resolved.pipeline_cls()
     limits = pipeline_cls.request_limits(config.limits)

@@ -22,26 +22,41 @@ class ResolvedModel:
     model_path: str
 
     def pipeline_cls(self) -> type:
-        """The pipeline class, checked against its record."""
-        return self.spec.load()
+        """The pipeline class, checked against its record; a class with ``for_folder`` (a pipeline that serves any
+        folder, ``PipelineSpec.serves_any_folder``) is specialized for this folder (its call's parameters, sizes,
+        input images), which also refuses a folder it cannot run before any weight is read."""
+        cls = self.spec.load()
+        specialize = getattr(cls, "for_folder", None)
+        return specialize(self.model_path) if specialize is not None else cls
 
 
-def resolve_model(model: str, pm=None) -> ResolvedModel:
+def resolve_model(model: str, pm=None, pipeline: str | None = None) -> ResolvedModel:
+    """``model`` (a folder or a registered model name) with the pipeline that runs it: ``pipeline`` when given
+    (a registered name), else the pipeline named after the folder's ``model_index.json`` class, else the one
+    installed pipeline that serves any folder (``PipelineSpec.serves_any_folder``)."""
     from omni_core.plugins.manager import get_plugin_manager
 
     pm = pm or get_plugin_manager()
     pipelines = pm.components("pipeline")
     installed = ", ".join(sorted(pipelines)) or "(none: install a model plugin, e.g. omni-model-shapes)"
+    if pipeline is not None:
+        spec = pm.get_component("pipeline", pipeline)
+        path = os.path.abspath(model) if os.path.isdir(model) else resolve_model(model, pm).model_path
+        return ResolvedModel(spec, path)
     if os.path.isdir(model):
         index = read_model_index(model)
         if index is None:
             raise ConfigError(f"model folder {model!r} has no model_index.json; a diffusers-format folder is "
                               f"expected. Installed pipelines: {installed}", field="model")
         class_name = index.get("_class_name")
-        if class_name not in pipelines:
-            raise ConfigError(f"model folder {model!r} needs pipeline {class_name!r}, which no installed plugin "
-                              f"provides. Installed pipelines: {installed}", field="model")
-        return ResolvedModel(pm.get_component("pipeline", class_name), os.path.abspath(model))
+        if class_name in pipelines:
+            return ResolvedModel(pm.get_component("pipeline", class_name), os.path.abspath(model))
+        fallback = sorted(name for name, spec in pipelines.items() if spec.serves_any_folder)
+        if fallback:
+            return ResolvedModel(pm.get_component("pipeline", fallback[0]), os.path.abspath(model))
+        raise ConfigError(f"model folder {model!r} needs pipeline {class_name!r}, which no installed plugin "
+                          f"provides (pip install omni-model-diffusers runs any diffusers pipeline). Installed "
+                          f"pipelines: {installed}", field="model")
     names = {n: spec for spec in pipelines.values() for n in spec.model_names}
     if model in names:
         spec = names[model]

@@ -65,14 +65,14 @@ def round_frames(num_frames: int, frame_multiple: int) -> int:
 
 
 def check_before_loading(model: str, sampling: dict[str, Any] | None = None,
-                         names: dict[str, str] | None = None) -> Any:
+                         names: dict[str, str] | None = None, pipeline: str | None = None) -> Any:
     """Everything about ``model`` and a request's ``sampling`` keywords that can be checked without the model:
     the model name or folder resolves to an installed pipeline, the core fields are valid (``SamplingParams``),
     and height, width and frames follow the record's rules. Returns the ``ResolvedModel``."""
     from omni_core.config import SamplingParams
     from omni_core.pipelines.loader import resolve_model
 
-    resolved = resolve_model(model)
+    resolved = resolve_model(model, pipeline=pipeline)
     if sampling:
         try:
             params = SamplingParams.from_kwargs(**sampling)

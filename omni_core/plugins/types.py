@@ -158,6 +158,10 @@ class PipelineSpec(ComponentSpec):
     #: function (no torch) of the model folder returning ``(height multiple, width multiple, frame multiple)``,
     #: called before the model loads; the pipeline's ``check_sampling_params`` should use the same function
     size_rules: str | None = attrs.field(default=None, validator=_check_impl)
+    #: the pipeline serves any diffusers folder whose ``_class_name`` no installed record is named after (the
+    #: generic diffusers backend); such a pipeline's class specializes itself for each folder with a classmethod
+    #: ``for_folder(model_path) -> class`` (:meth:`~omni_core.pipelines.loader.ResolvedModel.pipeline_cls`)
+    serves_any_folder: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,1 @@
+"""Omni model plugin: any diffusers pipeline folder, run through the pipeline's own call."""

@@ -1,0 +1,341 @@
+"""Any diffusers pipeline, run through its own ``__call__`` (the generic backend, "tier 1").
+
+Omni's native pipelines run their own step-wise denoise loop; a folder that no native plugin serves still runs
+here, with the engine around it: admission checks, queueing, deadlines, aborts, batching, the server and the CLI.
+What Omni writes itself, and why diffusers cannot do it:
+
+* **the per-folder contract.** The engine checks a request before any work, so the call's signature becomes the
+  class's rules (:func:`specialize`): which knobs a request may set (``extra_args``, checked by name and type),
+  whether the pipeline takes an input image or makes videos, its default size, steps and guidance.
+* **batching with per-request seeds.** Requests that share a call (same size, steps and options) go through one
+  call, with one generator per request, so each row equals that request run alone: diffusers draws each row's
+  noise from its own generator when given a list (``randn_tensor``).
+* **aborts between steps.** The step-end callback reports progress and asks the runner which requests were
+  aborted; a call whose requests are all aborted stops at once (a request aborted in a call shared with live
+  ones comes back aborted when that call ends: rows of one diffusers call cannot be dropped mid-call).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import inspect
+import types
+import typing
+from typing import Any, ClassVar
+
+from omni_core.errors import ConfigError
+from omni_core.images import ImageInput
+from omni_core.outputs import DiffusionOutput
+from omni_core.pipelines.base import OmniPipeline
+from omni_core.utils.diffusers_folder import check_model_index, read_model_index
+
+from omni_model_diffusers.folder import default_side, size_rules
+
+logger = logging.getLogger("omni_model_diffusers")
+
+#: call parameters Omni sets itself (from the request's core fields, or as the runner needs them)
+OWN_PARAMETERS = frozenset({
+    "self", "prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale", "num_frames",
+    "generator", "output_type", "return_dict", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
+    "callback", "callback_steps", "image", "num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length",
+    "latents", "kwargs"})
+#: the scalar kinds a request may set through ``extra_args`` (lists and tensors are not request fields)
+SCALARS = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+class _AllStopped(Exception):
+    """Raised from the step-end callback when every request of the call was aborted: the call ends now."""
+
+
+def scalar_kind(parameter: inspect.Parameter) -> str | None:
+    """``bool``/``int``/``float``/``str`` when a request may set this call parameter, else None: from its default,
+    or from its annotation when the default is None (``Optional[float]``)."""
+    default = parameter.default
+    if type(default) in SCALARS:
+        return SCALARS[type(default)]
+    if default is not None:
+        return None
+    annotation = parameter.annotation
+    if isinstance(annotation, str):
+        text = annotation.replace("typing.", "").replace(" ", "")
+        for kind in ("float", "int", "bool", "str"):
+            if text in (kind, f"Optional[{kind}]", f"{kind}|None", f"None|{kind}"):
+                return kind
+        return None
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # Optional[float], float | None
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
+    return SCALARS.get(annotation) if isinstance(annotation, type) else None
+
+
+def check_value(kind: str, value: Any) -> bool:
+    """``kind`` "null": a parameter whose default is a list or dict (e.g. Sana's ``complex_human_instruction``),
+    which a request may only turn off (None); None is also accepted for every scalar (the pipeline's default)."""
+    if value is None:
+        return True
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def pipeline_class(model_path: str) -> type:
+    """The diffusers class the folder names, after refusing what Omni will not load (components from other
+    libraries, i.e. remote code; pickled weights; a class or component class the installed libraries lack)."""
+    import diffusers
+
+    index = read_model_index(model_path) or {}
+    name = index.get("_class_name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{model_path!r}: model_index.json names no pipeline class (_class_name)", field="model")
+    if "custom_pipeline" in index:
+        raise ConfigError(f"{model_path!r} asks for a custom pipeline ({index['custom_pipeline']!r}): remote code is "
+                          f"never run; use a folder of a pipeline diffusers ships", field="model")
+    check_model_index(model_path, name)
+    cls = getattr(diffusers, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise ConfigError(f"{model_path!r} needs pipeline class {name!r}, which diffusers {diffusers.__version__} "
+                          f"does not have: upgrade diffusers (pip install -U diffusers), or install the model plugin "
+                          f"that provides {name}", field="model")
+    for component, value in index.items():
+        if component.startswith("_") or not isinstance(value, list) or value[0] is None:
+            continue
+        library, class_name = value[0], value[1]
+        if getattr(importlib.import_module(library), class_name, None) is None:
+            version = getattr(importlib.import_module(library), "__version__", "?")
+            raise ConfigError(f"component {component!r} of {model_path!r} is a {library} {class_name}, which "
+                              f"{library} {version} does not have: upgrade it (pip install -U {library})",
+                              field="model")
+    return cls
+
+
+@functools.lru_cache(maxsize=None)
+def specialize(base: type, model_path: str) -> type:
+    """``base`` specialized for the folder's pipeline: the call's parameters become the class's rules."""
+    cls = pipeline_class(model_path)
+    parameters = inspect.signature(cls.__call__).parameters
+    if "prompt" not in parameters:
+        raise ConfigError(f"{cls.__name__} takes no prompt: the diffusers backend serves text-conditioned pipelines",
+                          field="model")
+
+    def default(name: str, fallback: Any) -> Any:
+        p = parameters.get(name)
+        return p.default if p is not None and type(p.default) in (int, float) else fallback
+
+    height, width, frames = size_rules(model_path)
+    is_video = "num_frames" in parameters
+    side = default_side(model_path)
+    options = {name: scalar_kind(p) or "null" for name, p in parameters.items()
+               if name not in OWN_PARAMETERS and p.kind is not p.VAR_KEYWORD and
+               (scalar_kind(p) is not None or isinstance(p.default, (list, tuple, dict)))}
+    attrs = {
+        "diffusers_class": cls.__name__,
+        "call_parameters": frozenset(parameters),
+        "call_options": options,
+        "is_video": is_video,
+        "size_multiple": max(height, width),
+        "frame_multiple": frames if is_video else 1,
+        "default_height": default("height", side),
+        "default_width": default("width", side),
+        "default_num_frames": default("num_frames", 1 + 4 * frames) if is_video else None,
+        "default_num_inference_steps": default("num_inference_steps", 50),
+        "default_guidance_scale": default("guidance_scale", None),
+        "image_input": ImageInput(role="the input image") if "image" in parameters else None,
+        "per_prompt_outputs": next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters),
+                                   None),
+        "__module__": base.__module__,
+        "__doc__": f"{cls.__name__} from {model_path}, run through its own call.",
+    }
+    return type(cls.__name__, (base,), attrs)
+
+
+class DiffusersCallPipeline(OmniPipeline):
+    """A diffusers pipeline run through its own ``__call__``; specialized per folder (:func:`specialize`)."""
+
+    supports_step_execution: ClassVar[bool] = False
+    supports_request_batch: ClassVar[bool] = True
+    #: set by :func:`specialize`: the diffusers class, its call's parameter names, the scalar ones a request may
+    #: set through ``extra_args`` (name -> kind) and the name of its outputs-per-prompt parameter
+    diffusers_class: ClassVar[str] = ""
+    call_parameters: ClassVar[frozenset] = frozenset()
+    call_options: ClassVar[dict] = {}
+    per_prompt_outputs: ClassVar[str | None] = None
+
+    @classmethod
+    def for_folder(cls, model_path: str) -> type:
+        return specialize(cls if not cls.diffusers_class else cls.__mro__[1], model_path)
+
+    # ------------------------------------------------------------------ engine process
+    @classmethod
+    def check_sampling_params(cls, params: Any, model_path: str | None = None) -> Any:
+        params = super().check_sampling_params(params, model_path)
+        for name, field in (("guidance_scale", "guidance_scale"), ("max_sequence_length", "max_sequence_length")):
+            if getattr(params, field) is not None and name not in cls.call_parameters:
+                raise ConfigError(f"{field} is not a parameter of {cls.diffusers_class}.__call__; leave it unset",
+                                  field=field)
+        if (params.num_outputs_per_prompt or 1) > 1 and cls.per_prompt_outputs is None:
+            raise ConfigError(f"{cls.diffusers_class} makes one output per prompt: num_outputs_per_prompt must be 1",
+                              field="num_outputs_per_prompt")
+        if params.lora is not None:
+            raise ConfigError("lora: the diffusers backend does not load adapters per request yet; serve the folder "
+                              "with its adapter fused, or use a native model plugin", field="lora")
+        accepted = ", ".join(sorted(cls.call_options)) or "(none)"
+        for name, value in params.extra_args.items():
+            kind = cls.call_options.get(name)
+            if kind is None:
+                why = ("Omni sets it from the request's own field" if name in OWN_PARAMETERS else
+                       "it is not a scalar parameter of the call" if name in cls.call_parameters else
+                       "it is not a parameter of the call")
+                raise ConfigError(f"extra_args {name!r} is refused for {cls.diffusers_class}: {why}; the call "
+                                  f"parameters a request may set: {accepted}", field="extra_args")
+            if not check_value(kind, value):
+                kind = "null (to turn it off)" if kind == "null" else f"{kind} or null"
+                raise ConfigError(f"extra_args {name!r} must be {kind} ({cls.diffusers_class}.__call__), got "
+                                  f"{type(value).__name__} {value!r}", field="extra_args")
+        return params
+
+    @classmethod
+    def check_images(cls, request: Any, limits: Any) -> Any:
+        """Also key the batch on what one call shares beyond the core key: guidance and the call options."""
+        request = super().check_images(request, limits)
+        sp = request.sampling_params
+        request.batch_extra = (*request.batch_extra, sp.guidance_scale, tuple(sorted(sp.extra_args.items())))
+        return request
+
+    # ------------------------------------------------------------------ worker process
+    def __init__(self, pipe: Any, device: Any, dtype: Any) -> None:
+        self.pipe, self.device, self.dtype = pipe, device, dtype
+
+    @classmethod
+    def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> OmniPipeline:
+        import diffusers
+        import torch
+
+        from omni_core.utils.diffusers_folder import dtype_kwarg
+
+        kwargs = dict(getattr(config, "model_kwargs", None) or {})
+        pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(
+            model_path, **dtype_kwarg(dtype or torch.float32), use_safetensors=True, **kwargs)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(torch.device(device))
+        return cls(pipe, torch.device(device), dtype)
+
+    def forward(self, batch: list, control: Any = None) -> list[DiffusionOutput]:
+        from omni_core.pipelines.base import _NoControl
+
+        control = control or _NoControl()
+        for state in batch:
+            state.num_steps = state.sampling_params.num_inference_steps
+            control.on_encoded(state)
+        stopped = control.stopped([s.request_id for s in batch])
+        outs: dict[str, DiffusionOutput] = {}
+        groups: dict[tuple, list] = {}
+        for state in batch:
+            if state.request_id not in stopped:
+                groups.setdefault(self.call_key(state), []).append(state)
+        for group in groups.values():
+            outs.update(self.run_call(group, control))
+        return [outs.get(s.request_id) or DiffusionOutput(request_id=s.request_id, status="aborted", finished=True,
+                                                          step_index=s.step_index, num_steps=s.num_steps)
+                for s in batch]
+
+    @staticmethod
+    def call_key(state: Any) -> tuple:
+        """What requests sharing one call must agree on (everything but prompt and seed)."""
+        sp, request = state.sampling_params, state.request
+        images = tuple(tuple(im.shape) for im in request.images)
+        return (sp.height, sp.width, sp.num_frames, sp.num_inference_steps, sp.guidance_scale, sp.max_sequence_length,
+                sp.num_outputs_per_prompt or 1, request.negative_prompt is None, images,
+                tuple(sorted(sp.extra_args.items())))
+
+    def call_kwargs(self, group: list) -> dict[str, Any]:
+        """The call's arguments for requests sharing it: a lone request's exactly as a user would pass them."""
+        sp, alone = group[0].sampling_params, len(group) == 1
+        kwargs: dict[str, Any] = dict(sp.extra_args)
+        prompts = [s.request.prompt for s in group]
+        kwargs["prompt"] = prompts[0] if alone else prompts
+        if group[0].request.negative_prompt is not None:
+            negatives = [s.request.negative_prompt for s in group]
+            kwargs["negative_prompt"] = negatives[0] if alone else negatives
+        kwargs.update(height=sp.height, width=sp.width, num_inference_steps=sp.num_inference_steps)
+        for name in ("guidance_scale", "max_sequence_length", "num_frames"):
+            if getattr(sp, name) is not None and name in self.call_parameters:
+                kwargs[name] = getattr(sp, name)
+        if (sp.num_outputs_per_prompt or 1) > 1:
+            kwargs[self.per_prompt_outputs] = sp.num_outputs_per_prompt
+        kwargs["generator"] = group[0].generator if alone else [s.generator for s in group]
+        if group[0].request.images:  # uint8 [3, H, W] as checked by the engine: the caller's pixels, as PIL
+            from PIL import Image
+
+            images = [Image.fromarray(s.request.images[0].permute(1, 2, 0).contiguous().numpy()) for s in group]
+            kwargs["image"] = images[0] if alone else images
+        return kwargs
+
+    #: the pipeline accepts a list of input images (one per prompt); found out by the first batched call that
+    #: carries images (Wan's image-to-video takes exactly one image per call), then remembered
+    takes_image_lists: bool | None = None
+
+    def run_call(self, group: list, control: Any) -> dict[str, DiffusionOutput]:
+        """``group`` through one call, or one call each where the pipeline takes one input image per call."""
+        if len(group) == 1 or not group[0].request.images or self.takes_image_lists is False:
+            return self.call(group, control) if len(group) == 1 or not group[0].request.images else {
+                k: v for s in group for k, v in self.call([s], control).items()}
+        try:
+            outs = self.call(group, control)
+        except (TypeError, ValueError) as exc:
+            if self.takes_image_lists:
+                raise
+            logger.info("%s takes one input image per call (%s): its image requests run one call each",
+                        self.diffusers_class, exc)
+            self.takes_image_lists = False
+            return self.run_call(group, control)
+        self.takes_image_lists = True
+        return outs
+
+    def call(self, group: list, control: Any) -> dict[str, DiffusionOutput]:
+        """One call of the diffusers pipeline for ``group``; progress and aborts through its step callback."""
+        gone: set[str] = set()
+
+        def at_step(step: int) -> None:
+            total = getattr(self.pipe, "_num_timesteps", None)
+            for state in group:
+                state.step_index = step + 1
+                if isinstance(total, int) and total > 0:
+                    state.num_steps = total
+                control.on_step(state)
+            live = [s.request_id for s in group if s.request_id not in gone]
+            gone.update(control.stopped(live))
+            if len(gone) == len(group):
+                raise _AllStopped
+
+        kwargs = self.call_kwargs(group)
+        if "callback_on_step_end" in self.call_parameters:
+            def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+                at_step(step)
+                return tensors
+            kwargs["callback_on_step_end"] = on_step_end
+        elif "callback" in self.call_parameters:  # the older per-step callback (callback_steps)
+            kwargs.update(callback=lambda step, timestep, latents: at_step(step), callback_steps=1)
+        try:
+            result = self.pipe(**kwargs, output_type="pt", return_dict=True)
+        except _AllStopped:
+            return {}
+        tensor = result.frames if self.is_video else result.images
+        n = group[0].sampling_params.num_outputs_per_prompt or 1
+        outs = {}
+        for i, state in enumerate(group):
+            if state.request_id in gone:
+                continue
+            state.step_index = state.num_steps
+            outs[state.request_id] = DiffusionOutput(request_id=state.request_id, tensor=tensor[i * n:(i + 1) * n],
+                                                     finished=True, step_index=state.step_index,
+                                                     num_steps=state.num_steps)
+        return outs
+
+
+__all__ = ["DiffusersCallPipeline", "specialize"]
