@@ -48,7 +48,7 @@ IMAGE_FIELDS = {
     "prompt": "str", "model": "str", "n": "int", "size": "str", "response_format": "str", "stream": "bool",
     "partial_images": "int", "step_previews": "bool",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
-    "extra_args": "object", "lora": "str", "lora_scale": "number",
+    "extra_args": "object", "lora": "str", "lora_scale": "number", "max_sequence_length": "int",
 }
 #: OpenAI's bound on ``partial_images`` (0 to 3 previews before the final image)
 MAX_PARTIAL_IMAGES = 3
@@ -60,7 +60,8 @@ IMAGE_UNSUPPORTED = {"output_compression": "images are PNG", "svg": "images are 
 #: request field -> SamplingParams keyword (model-declared fields keep their name)
 _IMAGE_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
-                   "lora": "lora", "lora_scale": "lora_scale"}
+                   "lora": "lora", "lora_scale": "lora_scale",
+                   "max_sequence_length": "max_sequence_length"}
 
 
 @attrs.frozen
@@ -151,7 +152,7 @@ def parse_edit_request(form: Any, *, model_fields: Sequence[Any] | None = None) 
 CHAT_GENERATION_FIELDS = {
     "n": "int", "size": "str", "width": "int", "height": "int", "num_inference_steps": "int",
     "guidance_scale": "number", "negative_prompt": "str", "seed": "int", "num_frames": "int", "fps": "int",
-    "extra_args": "object", "lora": "str", "lora_scale": "number",
+    "extra_args": "object", "lora": "str", "lora_scale": "number", "max_sequence_length": "int",
     # vLLM-Omni's spellings: its older chat server read ``num_outputs_per_prompt`` (its text_to_image client sends
     # it in ``extra_body``); its newer protocol calls the model options ``extra_params``
     "num_outputs_per_prompt": "int", "extra_params": "object",
@@ -163,7 +164,8 @@ CHAT_IGNORED = ("user", "temperature", "top_p", "max_tokens", "max_completion_to
                 "presence_penalty", "stop", "modalities", "response_format")
 _CHAT_SAMPLING = {"n": "num_outputs_per_prompt", "num_inference_steps": "num_inference_steps",
                   "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
-                  "num_frames": "num_frames", "lora": "lora", "lora_scale": "lora_scale"}
+                  "num_frames": "num_frames", "lora": "lora", "lora_scale": "lora_scale",
+                   "max_sequence_length": "max_sequence_length"}
 
 
 @attrs.frozen
@@ -274,6 +276,7 @@ VIDEO_FIELDS = {
     "prompt": "str", "model": "str", "size": "str", "seconds": "str|number", "num_frames": "int", "fps": "int",
     "negative_prompt": "str", "num_inference_steps": "int", "guidance_scale": "number", "seed": "int",
     "extra_args": "object", "width": "int", "height": "int", "lora": "str", "lora_scale": "number",
+    "max_sequence_length": "int",
     # vLLM-Omni's video protocol: ``extra_params`` is its name for extra_args; ``video_params`` a block of
     # width/height/num_frames/fps (the top-level fields win, as there); ``image_reference`` the input image as
     # ``{"image_url": "data:..."}`` (JSON text in a form)
@@ -287,7 +290,8 @@ _VIDEO_PARAMS_BLOCK = ("width", "height", "num_frames", "fps")
 VIDEO_UNSUPPORTED = {"remixed_from_video_id": "remixing is not supported"}
 _VIDEO_SAMPLING = {"num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
                    "guidance_scale": "guidance_scale", "seed": "seed", "extra_args": "extra_args",
-                   "lora": "lora", "lora_scale": "lora_scale"}
+                   "lora": "lora", "lora_scale": "lora_scale",
+                   "max_sequence_length": "max_sequence_length"}
 MAX_FPS = 120
 DEFAULT_FPS = 16
 
