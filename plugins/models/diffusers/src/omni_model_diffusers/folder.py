@@ -8,6 +8,7 @@ and ``% vae_scale_factor`` for UNets; the rule here is that one, so whatever pas
 
 from __future__ import annotations
 
+import math
 import os
 
 from omni_core.utils.diffusers_folder import read_json, read_model_index
@@ -51,12 +52,26 @@ def patch_size(model_path: str, denoiser: str | None) -> int:
     return int(value[-1] if isinstance(value, (list, tuple)) else value)
 
 
+def packs_latents(model_path: str, denoiser: str | None) -> bool:
+    """The transformer takes 2x2 latent patches packed into channels (FLUX, Qwen-Image: ``in_channels`` is four
+    times the VAE's ``latent_channels``), so sizes must be even in latents."""
+    if denoiser != "transformer":
+        return False
+    latent = component_config(model_path, "vae").get("latent_channels") or component_config(
+        model_path, "vae").get("z_dim")
+    return bool(latent) and component_config(model_path, denoiser).get("in_channels") == 4 * latent
+
+
 def size_rules(model_path: str) -> tuple[int, int, int]:
-    """(height multiple, width multiple, frame multiple) of the folder's pipeline: the VAE's factor, times 2 or the
-    patch size for a transformer (diffusers packs 2x2 latents or patches them), and the VAE's temporal factor."""
+    """(height multiple, width multiple, frame multiple) of the folder's pipeline: the VAE's factor times the
+    transformer's patch size, or 2 where it packs latents; a UNet pipeline's at least 8 (Stable Diffusion's
+    ``check_inputs`` asks for 8 whatever the VAE); and the VAE's temporal factor."""
     denoiser = denoiser_of(model_path)
     spatial, temporal = vae_scales(model_path)
-    multiple = spatial * (max(2, patch_size(model_path, denoiser)) if denoiser == "transformer" else 1)
+    if denoiser == "transformer":
+        multiple = spatial * (2 if packs_latents(model_path, denoiser) else patch_size(model_path, denoiser))
+    else:
+        multiple = math.lcm(8, spatial)
     return multiple, multiple, temporal
 
 

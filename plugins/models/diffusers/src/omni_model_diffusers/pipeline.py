@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import math
 import inspect
 import types
 import typing
@@ -146,6 +147,9 @@ def specialize(base: type, model_path: str) -> type:
         "default_num_inference_steps": default("num_inference_steps", 50),
         "default_guidance_scale": default("guidance_scale", None),
         "image_input": ImageInput(role="the input image") if "image" in parameters else None,
+        # warm up at 32 px (a multiple of every size rule diffusers' pipelines hard-code: SD's 8, LTX's and Sana's 32)
+        "warmup_params": {"height": math.lcm(32, height), "width": math.lcm(32, width),
+                          **({"num_frames": 1 + frames} if is_video else {})},
         "per_prompt_outputs": next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters),
                                    None),
         "__module__": base.__module__,

@@ -103,11 +103,12 @@ def _save(pipeline_class: str, components: dict, path) -> str:
 
 
 # -------------------------------------------------------------------------------------------------- families
-def _sd_components() -> dict:
-    """diffusers' SD test components (2-level UNet of 4/8 channels, x2 VAE), with the offline CLIP tokenizer."""
+def _sd_components(channels: tuple[int, int] = (4, 8)) -> dict:
+    """diffusers' SD test components (2-level UNet of 4/8 channels, x2 VAE), with the offline CLIP tokenizer;
+    ``channels``: a wider UNet (the benchmark's, so a call costs more than the engine around it)."""
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
-    unet = _seeded(UNet2DConditionModel, block_out_channels=(4, 8), layers_per_block=1, sample_size=16,
+    unet = _seeded(UNet2DConditionModel, block_out_channels=channels, layers_per_block=1, sample_size=16,
                    in_channels=4, out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32, norm_num_groups=2)
     vae = _seeded(AutoencoderKL, block_out_channels=[4, 8], in_channels=3, out_channels=3,
@@ -121,8 +122,8 @@ def _sd_components() -> dict:
             "requires_safety_checker": False}
 
 
-def build_sd(path) -> str:
-    return _save("StableDiffusionPipeline", _sd_components(), path)
+def build_sd(path, channels: tuple[int, int] = (4, 8)) -> str:
+    return _save("StableDiffusionPipeline", _sd_components(channels), path)
 
 
 def build_sd_img2img(path) -> str:
