@@ -30,6 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--model", default=None,
                    help="also print what each performance_mode (speed, memory, auto) would choose for this model here")
+    p.add_argument("--diffusers", action="store_true",
+                   help="list every pipeline class of the installed diffusers and how it runs here (natively, through "
+                        "the pipeline that serves any folder, or not at all); imports diffusers")
     p.add_argument("--plan", action="store_true",
                    help="with --model: print the load plan (where the weights are at each step, in which order the "
                         "options apply) for the engine options given")
@@ -79,8 +82,11 @@ def _backend_rows(pm, kind: str, platform, conflicts: dict, default: str | None 
     return rows
 
 
-def collect_env(pm=None, model: str | None = None, plan_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``omni env --json`` payload; with ``plan_options`` (engine options) and ``model``, the load plan."""
+def collect_env(pm=None, model: str | None = None, plan_options: dict[str, Any] | None = None,
+                diffusers: bool = False) -> dict[str, Any]:
+    """The ``omni env --json`` payload; with ``plan_options`` (engine options) and ``model``, the load plan; with
+    ``diffusers``, how each diffusers pipeline class runs here."""
+    from omni_core.cli.coverage import coverage_rows, summary_line
     from omni_core.plugins.manager import ACTIVE, get_plugin_manager
 
     pm = pm or get_plugin_manager()
@@ -117,6 +123,8 @@ def collect_env(pm=None, model: str | None = None, plan_options: dict[str, Any] 
         "cache_backends": cache,
         "executors": executors,
         "pipelines": pipelines,
+        "any_folder": summary_line(pm),
+        **({"diffusers_classes": coverage_rows(pm)} if diffusers else {}),
         "quantization": _quantization_rows(platform),
         **({"performance_modes": _preset_report(pm, model, platform)} if model else {}),
         **({"load_plan": _plan_report(pm, model, platform, plan_options)} if model and plan_options is not None
@@ -237,6 +245,17 @@ def format_env(env: dict[str, Any]) -> str:
     lines.append("pipelines (model= takes a short name, or a diffusers folder naming the pipeline):")
     lines += _pipeline_lines(env["pipelines"]) if env["pipelines"] else ["  (none: install a model plugin, e.g. "
                                                                          "omni-model-shapes)"]
+    if env.get("any_folder"):
+        lines.append(f"  {env['any_folder']}")
+    if "diffusers_classes" in env:
+        rows = env["diffusers_classes"]
+        counts = {k: sum(r["runs"] == k for r in rows) for k in ("native", "own call", "not served")}
+        lines.append("")
+        lines.append(f"diffusers pipeline classes ({len(rows)}: {counts['native']} native, {counts['own call']} "
+                     f"through their own call, {counts['not served']} not served):")
+        width = max((len(r["class"]) for r in rows), default=0)
+        lines += [f"  {r['class'].ljust(width)}  {r['runs']:<10}  {r['by']}"
+                  + (f": {r['gives']}" if r["runs"] == "not served" else "") for r in rows]
     lines.append("")
     lines.append("quantization methods (usable here?):")
     lines += [f"  {r['name']:<5} {'yes' if r['usable'] else 'no '}  {r['reason']}" for r in env["quantization"]]
@@ -279,6 +298,7 @@ def run_env(args: argparse.Namespace) -> int:
         raise ConfigError("omni env --plan needs --model (the plan depends on the model's folder and the options)",
                           field="model")
     env = collect_env(model=getattr(args, "model", None),
-                      plan_options=engine_options(args) if getattr(args, "plan", False) else None)
+                      plan_options=engine_options(args) if getattr(args, "plan", False) else None,
+                      diffusers=getattr(args, "diffusers", False))
     print(json.dumps(env, indent=2) if args.json else format_env(env))
     return 0

@@ -89,8 +89,14 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     print(format_table(rows))
     if any("pipeline" in r["kinds"] for r in rows):
+        from omni_core.cli.coverage import summary_line
+        from omni_core.plugins.manager import get_plugin_manager
+
         print("\nmodel= takes a name shown as (model=...), or a diffusers folder whose model_index.json names a "
               "pipeline")
+        line = summary_line(get_plugin_manager())
+        if line:
+            print(line)
     if not args.all:
         print("\n(built-in plugins are hidden; --all shows them)")
     return 0

@@ -162,6 +162,9 @@ class PipelineSpec(ComponentSpec):
     #: generic diffusers backend); such a pipeline's class specializes itself for each folder with a classmethod
     #: ``for_folder(model_path) -> class`` (:meth:`~omni_core.pipelines.loader.ResolvedModel.pipeline_cls`)
     serves_any_folder: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: with ``serves_any_folder``: ``"module:attr"`` of a function ``(diffusers class name) -> str | None`` saying
+    #: why it cannot run folders of that class (None: it can); ``omni env --diffusers`` asks it for every class
+    class_refusal: str | None = attrs.field(default=None, validator=_check_impl)
 
 
 @attrs.frozen(kw_only=True)

@@ -115,14 +115,52 @@ def pipeline_class(model_path: str) -> type:
     return cls
 
 
+#: call inputs a request cannot carry (beyond the prompt, one input ``image`` and the scalar options): a pipeline
+#: that needs one is refused by name rather than failing at its first request
+INPUTS_NOT_CARRIED = {"mask_image": "a mask image", "control_image": "a control image",
+                      "control_video": "a control video", "image_embeds": "image embeddings (a prior's output)"}
+#: an input ``video`` is optional in some text-to-video pipelines (Cosmos 3); these names say it is the input
+VIDEO_INPUT_NAMES = ("VideoToVideo", "VideoToWorld", "V2V")
+#: call parameters that mark an audio pipeline (Omni serves images and videos)
+AUDIO_MARKS = ("audio_length_in_s", "num_waveforms_per_prompt", "audio_end_in_s")
+
+
+def call_refusal(cls: type) -> str | None:
+    """Why the diffusers backend cannot serve pipelines of class ``cls`` (from its call's signature), or None."""
+    parameters = inspect.signature(cls.__call__).parameters
+    if "prompt" not in parameters:
+        return f"{cls.__name__} takes no prompt: the diffusers backend serves text-conditioned pipelines"
+    if any(mark in parameters for mark in AUDIO_MARKS):
+        return f"{cls.__name__} makes audio: Omni serves images and videos"
+    needed = [f"{what} ({name})" for name, what in INPUTS_NOT_CARRIED.items() if name in parameters]
+    if "video" in parameters and any(part in cls.__name__ for part in VIDEO_INPUT_NAMES):
+        needed.append("an input video (video)")
+    if needed:
+        return f"{cls.__name__} takes {', '.join(needed)}, which a request cannot carry yet"
+    return None
+
+
+def class_refusal(class_name: str) -> str | None:
+    """The record's ``class_refusal``: :func:`call_refusal` of diffusers' class of that name."""
+    import diffusers
+
+    try:
+        cls = getattr(diffusers, class_name)
+    except Exception as exc:  # noqa: BLE001 - a class whose optional dependencies are missing here
+        return f"cannot be imported here: {type(exc).__name__}: {exc}"
+    if not (inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline)):
+        return "not a DiffusionPipeline"
+    return call_refusal(cls)
+
+
 @functools.lru_cache(maxsize=None)
 def specialize(base: type, model_path: str) -> type:
     """``base`` specialized for the folder's pipeline: the call's parameters become the class's rules."""
     cls = pipeline_class(model_path)
     parameters = inspect.signature(cls.__call__).parameters
-    if "prompt" not in parameters:
-        raise ConfigError(f"{cls.__name__} takes no prompt: the diffusers backend serves text-conditioned pipelines",
-                          field="model")
+    refusal = call_refusal(cls)
+    if refusal:
+        raise ConfigError(f"{model_path!r}: {refusal}", field="model")
 
     def default(name: str, fallback: Any) -> Any:
         p = parameters.get(name)
@@ -342,4 +380,4 @@ class DiffusersCallPipeline(OmniPipeline):
         return outs
 
 
-__all__ = ["DiffusersCallPipeline", "specialize"]
+__all__ = ["DiffusersCallPipeline", "call_refusal", "class_refusal", "specialize"]
