@@ -89,6 +89,10 @@ class OmniPipeline:
     #: the input images a request carries (edit and image-to-video models); None: the model takes none, and a
     #: request with images is refused naming the ``image`` field
     image_input: ClassVar[ImageInput | None] = None
+    #: the diffusers pipeline whose own ``__call__`` runs each wave (the diffusers backend), or None (Omni's own
+    #: loop: ``denoisers()`` declares what accelerators hook). A cache backend that works on a whole diffusers
+    #: pipeline (cache-dit's own adapters) attaches here when no denoiser is declared
+    diffusers_call_pipeline: Any = None
 
     #: base defaults: 200 steps is 4x the usual 50-step schedule; 4 outputs per prompt; 4096 characters is
     #: far beyond what a text encoder reads (Qwen-Image and Wan truncate at 512-1024 tokens)

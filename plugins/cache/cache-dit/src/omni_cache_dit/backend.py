@@ -93,6 +93,8 @@ class CacheDiTBackend(CacheBackend):
         self._fallback: dict[tuple, DiTState] = {}
         #: denoiser calls split into one call per row group
         self.split_calls = 0
+        #: the diffusers pipeline cached whole (``_enable_whole``), or None
+        self.whole: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:
@@ -101,6 +103,10 @@ class CacheDiTBackend(CacheBackend):
         if get_sp_group().world_size > 1:
             raise ConfigError("cache_dit cannot run with Omni's sequence parallelism: its skip decisions are not "
                               "agreed across ranks (use tea_cache, whose decisions are)", field="cache_backend")
+        whole = getattr(pipeline, "diffusers_call_pipeline", None)
+        if whole is not None:
+            self._enable_whole(whole)
+            return
         specs = denoisers_of(pipeline)
         folder = model_folder_of(pipeline)
         made: list[_Denoiser] = []
@@ -154,6 +160,30 @@ class CacheDiTBackend(CacheBackend):
                          init_kwargs=copy.deepcopy(manager.get_context(context_name)._init_kwargs), stack=stack,
                          stand_ins=build_stand_ins(spec, stack), signature=inspect.signature(spec.module.forward))
 
+    def _enable_whole(self, pipe: Any) -> None:
+        """cache-dit's own adapter for a whole diffusers pipeline (the diffusers backend runs its call): cache-dit
+        finds the block stack for the pipeline's family and refreshes its context at each call, so the requests of
+        one call share one context (their rows decide together)."""
+        import cache_dit
+        from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+        opts = self.options
+        config = DBCacheConfig(
+            Fn_compute_blocks=opts.Fn_compute_blocks, Bn_compute_blocks=opts.Bn_compute_blocks,
+            residual_diff_threshold=opts.residual_diff_threshold, max_warmup_steps=opts.max_warmup_steps,
+            warmup_interval=opts.warmup_interval, max_cached_steps=opts.max_cached_steps,
+            max_continuous_cached_steps=opts.max_continuous_cached_steps,
+            steps_computation_policy=opts.scm_steps_policy)
+        calibrator = (TaylorSeerCalibratorConfig(taylorseer_order=opts.taylorseer_order)
+                      if opts.enable_taylorseer else None)
+        try:
+            cache_dit.enable_cache(pipe, cache_config=config, calibrator_config=calibrator)
+        except Exception as exc:  # noqa: BLE001 - a family cache-dit has no adapter for
+            raise ConfigError(f"cache_dit cannot cache {type(pipe).__name__}: {type(exc).__name__}: {exc}",
+                              field="cache_backend") from exc
+        self.whole = pipe
+        self.enabled = True
+
     def _release(self, dens: Any) -> None:
         import cache_dit
 
@@ -163,6 +193,11 @@ class CacheDiTBackend(CacheBackend):
             cache_dit.disable_cache(den.stack)
 
     def disable(self, pipeline: Any = None) -> None:
+        if self.whole is not None:
+            import cache_dit
+
+            cache_dit.disable_cache(self.whole)
+            self.whole = None
         self._release(self.denoisers.values())
         self.denoisers.clear()
         self.enabled = False
@@ -172,6 +207,14 @@ class CacheDiTBackend(CacheBackend):
         self._fallback.clear()
 
     def request_metrics(self, state: Any) -> dict[str, Any]:
+        if self.whole is not None:  # the last call's steps (a request's call is the last of its wave's calls)
+            import cache_dit
+
+            stats = [s for s in cache_dit.summary(self.whole, details=False) or []
+                     if getattr(s, "cached_steps", None) is not None][:1]
+            cached = list(stats[0].cached_steps) if stats else []
+            return {"cache_backend": self.name, "steps_reused": len(cached),
+                    "steps_computed": max(0, state.num_steps - len(cached)), "cached_steps": cached}
         dits = {k: v for k, v in state.cache_state.items() if isinstance(v, DiTState)}
         if not dits:
             dits = {k[1]: v for k, v in self._fallback.items()}

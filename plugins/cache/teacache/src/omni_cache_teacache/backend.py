@@ -150,6 +150,10 @@ class TeaCacheBackend(CacheBackend):
 
     # ------------------------------------------------------------------ lifecycle
     def enable(self, pipeline: Any) -> None:
+        if getattr(pipeline, "diffusers_call_pipeline", None) is not None:
+            raise ConfigError(f"tea_cache: {type(pipeline).__name__} runs a diffusers pipeline's own call and "
+                              f"declares no denoiser (DenoiserSpec) whose steps tea_cache could skip; use "
+                              f"cache_backend='cache_dit' (cache-dit's own adapters)", field="cache_backend")
         specs = denoisers_of(pipeline)
         if self.denoisers:
             self.disable(pipeline)

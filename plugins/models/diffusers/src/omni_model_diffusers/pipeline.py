@@ -252,6 +252,7 @@ class DiffusersCallPipeline(OmniPipeline):
     # ------------------------------------------------------------------ worker process
     def __init__(self, pipe: Any, device: Any, dtype: Any) -> None:
         self.pipe, self.device, self.dtype = pipe, device, dtype
+        self.diffusers_call_pipeline = pipe
 
     @classmethod
     def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> OmniPipeline:
