@@ -116,13 +116,12 @@ class CompiledBlock(ModuleHook):
 
 def compile_denoisers(pipeline: Any, *, dynamic: bool = True) -> dict[str, Any]:
     """Compile every declared denoiser's blocks in place; returns what was done (for the start-up log)."""
-    from omni_core.utils.denoisers import denoisers_of
+    from omni_core.utils.denoisers import repeated_blocks
 
     blocks, names = [], []
-    for spec in denoisers_of(pipeline):
-        for block in spec.blocks:
-            blocks.append(block)
-        names.append(f"{spec.name}.{'+'.join(spec.blocks_attr)}")
+    for name, region_blocks in repeated_blocks(pipeline):
+        blocks += region_blocks
+        names.append(name)
     # CPU lanes run a wave's requests concurrently with fewer torch threads each; dynamo guards on the thread
     # count, so every lane change would recompile (and two lanes compile the same frame at once): one call per wave
     pipeline.concurrent_calls_safe = False

@@ -105,11 +105,11 @@ def check_quantization(config: Any, device_type: str) -> None:
 def resolve_components(names: Any, pipeline: Any, components: dict[str, Any]) -> list[str]:
     """Component names to quantize: ``"denoiser"`` stands for every declared denoiser; an unknown name is a
     ConfigError listing the pipeline's components."""
-    from omni_core.utils.denoisers import denoisers_of
+    from omni_core.utils.denoisers import denoiser_components
 
     out: list[str] = []
     for name in names:
-        wanted = [s.name for s in denoisers_of(pipeline)] if name == DENOISER else [name]
+        wanted = denoiser_components(pipeline) if name == DENOISER else [name]
         for w in wanted:
             if w not in components:
                 raise ConfigError(f"quantize_components names {w!r}, which {type(pipeline).__name__} does not have; "
