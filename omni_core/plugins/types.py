@@ -113,6 +113,10 @@ class AttentionBackendSpec(ComponentSpec):
     #: a portable reference implementation (every device the platform runs, every float dtype and head size):
     #: the default where a platform allows no fast kernel, and the last resort when no backend passes the walk
     portable: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: the same kernel's name in diffusers' attention dispatcher (``"native"``, ``"flash"``, ``"sage"``), or None:
+    #: a pipeline that runs a diffusers pipeline's own call (the diffusers backend) sets its denoisers to it
+    diffusers_backend: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(str)))
 
 
 @attrs.frozen(kw_only=True)

@@ -42,3 +42,19 @@ def test_compile_takes_diffusers_repeated_blocks(family, monkeypatch):
     plain, _ = _run(family("flux"), "flux")
     assert len(region.blocks) == 2 and not region.failed  # FLUX's double and single blocks
     assert (out.images[0] - plain).abs().max() < 5e-4
+
+
+def test_omni_attention_backend_names_map_to_diffusers_dispatcher(family):
+    """TORCH_SDPA is diffusers' "native" (the default: same pixels); FLASH_ATTN is "flash", which diffusers refuses
+    here (no flash-attn on CPU) and Omni reports naming the option; per-role choices have no meaning there."""
+    from omni_core.errors import OmniError
+
+    plain, _ = _run(family("flux"), "flux")
+    sdpa, _ = _run(family("flux"), "flux", attention_backend="TORCH_SDPA")
+    assert torch.equal(sdpa, plain)
+    with pytest.raises(OmniError) as err:
+        _run(family("flux"), "flux", attention_backend="FLASH_ATTN")
+    assert "'FLASH_ATTN' (diffusers' 'flash') cannot run transformer here" in str(err.value)
+    with pytest.raises(OmniError) as err:
+        _run(family("flux"), "flux", attention_config={"per_role": {"cross": "TORCH_SDPA"}})
+    assert "per_role" in str(err.value)

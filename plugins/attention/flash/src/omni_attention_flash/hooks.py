@@ -10,6 +10,7 @@ def omni_register_attention_backends():
     # and FlashAttentionBackend.is_available() says which one is missing and why.
     return [AttentionBackendSpec(
         name="FLASH_ATTN",
+        diffusers_backend="flash",  # diffusers' dispatcher name (the diffusers backend sets it)
         impl="omni_attention_flash.backend:FlashAttentionBackend",
         requires=("torch",),
         # preferred over the portable kernel wherever it runs (its own checks: library, dtype, head size, arch)

@@ -11,6 +11,7 @@ def omni_register_attention_backends():
     # numbers differ from the reference's, so it runs only where a configuration names it.
     return [AttentionBackendSpec(
         name="SAGE_ATTN",
+        diffusers_backend="sage",  # diffusers' dispatcher name (the diffusers backend sets it)
         impl="omni_attention_sage.backend:SageAttentionBackend",
         requires=("torch",),
         description="SageAttention 2 (quantized QK/PV) on CUDA sm80+; fp16/bf16, head sizes 64/96/128; no masks",

@@ -8,6 +8,7 @@ from omni_core.plugins.types import AttentionBackendSpec
 def omni_register_attention_backends():
     return [AttentionBackendSpec(
         name="TORCH_SDPA",
+        diffusers_backend="native",  # diffusers' dispatcher name (the diffusers backend sets it)
         impl="omni_attention_sdpa.backend:TorchSDPABackend",
         requires=("torch",),
         # the portable kernel: the default wherever no faster backend passes its checks (CPU, NPU, float32)
