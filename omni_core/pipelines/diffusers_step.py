@@ -341,8 +341,10 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
         module = self.experts[expert]
         branches = {b for _, b in segments}
         context = branches.pop() if len(branches) == 1 else "cond+uncond"
+        # diffusers' CacheMixin names the branch for its own caches; a transformer without the mixin has none
+        cache_context = getattr(module, "cache_context", None)
         with use_denoise_call([(s, r, b) for (s, b), r in zip(segments, rows)], expert=expert, text_mask=text_mask), \
-                module.cache_context(context):
+                (cache_context(context) if cache_context is not None else contextlib.nullcontext()):
             out = module(**kwargs, return_dict=False)[0]
         return list(out.split(rows)) if len(rows) > 1 else [out]
 

@@ -375,23 +375,24 @@ class TeaCacheBackend(CacheBackend):
             for seg in call.segments:
                 seg.tea.residual = h_out[seg.start:seg.stop] - in0[seg.start:seg.stop]
             return out
-        pieces: dict[str, list] = {name: [] for name in outs}
+        # a stream the last block drops (returns None for: a last joint block that keeps only the image) stays None
+        pieces: dict[str, list] = {name: [] for name, value in outs.items() if value is not None}
         pos = 0
         for seg in call.segments:
             n = seg.stop - seg.start
             if seg.compute:
                 lo, hi = (pos, pos + n) if call.mode == "slice" else (seg.start, seg.stop)
                 pos += n
-                for name, value in outs.items():
-                    pieces[name].append(value[lo:hi])
+                for name in pieces:
+                    pieces[name].append(outs[name][lo:hi])
                 seg.tea.residual = h_out[lo:hi] - in0[seg.start:seg.stop]
             else:
-                for name in outs:
+                for name in pieces:
                     if name == hidden:
                         pieces[name].append(in0[seg.start:seg.stop] + seg.tea.residual)
                     else:
                         pieces[name].append(call.in0[name][seg.start:seg.stop])
-        full = {name: torch.cat(parts) for name, parts in pieces.items()}
+        full = {name: torch.cat(pieces[name]) if name in pieces else None for name in outs}
         return tuple(full[n] for n in spec.block_outputs) if multi else full[hidden]
 
     # ------------------------------------------------------------------ calibration
