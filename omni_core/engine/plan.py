@@ -46,9 +46,10 @@ class EnginePlan:
     def model_info(self) -> ModelInfo:
         """What front ends are told about the served model (``EngineClient.model_info``)."""
         cls, spec = self.pipeline_cls, self.resolved.spec
+        height, width, frames = cls.size_multiples(self.resolved.model_path)
         return ModelInfo(model=self.config.model, pipeline=spec.name, provider=spec.provider,
                          model_path=self.resolved.model_path, is_video=bool(getattr(cls, "is_video", False)),
-                         frame_multiple=getattr(cls, "frame_multiple", 1), size_multiple=cls.size_multiple,
+                         frame_multiple=frames, size_multiple=max(height, width),
                          streaming=bool(self.config.streaming_output), sampling_fields=tuple(spec.sampling_fields),
                          image_input=cls.image_input)
 

@@ -19,8 +19,8 @@ from omni_core.utils.tracebacks import innermost_frame
 def warmup_params(pipeline_cls: Any, model_path: str) -> SamplingParams:
     """One step at the smallest valid shape (not the model's default size, which costs a full-size step
     and may not fit a small model), or the pipeline's own ``warmup_params`` (a class attribute dict)."""
-    m = pipeline_cls.size_multiple
-    values: dict[str, Any] = {"height": m, "width": m, "num_inference_steps": 1, "output_type": "latent", "seed": 0}
+    hm, wm, _ = pipeline_cls.size_multiples(model_path)
+    values: dict[str, Any] = {"height": hm, "width": wm, "num_inference_steps": 1, "output_type": "latent", "seed": 0}
     if pipeline_cls.is_video:
         values["num_frames"] = 1  # (num_frames - 1) % frame_multiple == 0 holds for any multiple
     declared = getattr(pipeline_cls, "warmup_params", None)

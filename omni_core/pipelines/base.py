@@ -117,13 +117,31 @@ class OmniPipeline:
 
     # ------------------------------------------------------------------ engine process
     @classmethod
+    def size_multiples(cls, model_path: str | None = None) -> tuple[int, int, int]:
+        """``(height multiple, width multiple, frame multiple)`` for the folder. Default: the class's
+        ``size_multiple`` (16 unless set) and ``frame_multiple``. A model whose folder decides (a VAE factor, a
+        patch size) overrides this with the same function its record's ``size_rules`` names, so the base
+        ``check_sampling_params`` and the start-up warm-up follow the folder too."""
+        return cls.size_multiple, cls.size_multiple, cls.frame_multiple
+
+    @classmethod
+    def default_size(cls, model_path: str | None = None) -> tuple[int, int]:
+        """``(height, width)`` a request gets when it gives none. Default: the class's ``default_height`` and
+        ``default_width``; override to read the folder (diffusers' ``sample_size * vae_scale_factor``)."""
+        return cls.default_height, cls.default_width
+
+    @classmethod
     def check_sampling_params(cls, params: SamplingParams, model_path: str | None = None) -> SamplingParams:
-        """Fill in the model's defaults and reject what the model cannot do (before any work starts)."""
+        """Fill in the model's defaults and reject what the model cannot do (before any work starts). The size
+        defaults and multiples come from :meth:`default_size` and :meth:`size_multiples` of the folder, so an
+        override of those two keeps this usable through ``super()``."""
         changes: dict[str, Any] = {}
-        if params.height is None:
-            changes["height"] = cls.default_height
-        if params.width is None:
-            changes["width"] = cls.default_width
+        if params.height is None or params.width is None:
+            height, width = cls.default_size(model_path)
+            if params.height is None:
+                changes["height"] = height
+            if params.width is None:
+                changes["width"] = width
         if params.num_inference_steps is None:
             changes["num_inference_steps"] = cls.default_num_inference_steps
         if params.guidance_scale is None and cls.default_guidance_scale is not None:
@@ -132,8 +150,8 @@ class OmniPipeline:
             changes["num_frames"] = cls.default_num_frames
         params = params.replace(**changes) if changes else params
         params = cls.check_model_fields(params)
-        m = cls.size_multiple
-        for name in ("height", "width"):
+        hm, wm, frame_multiple = cls.size_multiples(model_path)
+        for name, m in (("height", hm), ("width", wm)):
             value = getattr(params, name)
             if value % m:
                 lo, hi = value // m * m, (value // m + 1) * m
@@ -143,10 +161,10 @@ class OmniPipeline:
             if not cls.is_video and params.num_frames != 1:
                 raise ConfigError(f"num_frames={params.num_frames} is not allowed: {cls.__name__} makes images "
                                   f"(leave num_frames unset or 1)", field="num_frames")
-            if cls.is_video and (params.num_frames - 1) % cls.frame_multiple:
+            if cls.is_video and (params.num_frames - 1) % frame_multiple:
                 raise ConfigError(f"num_frames={params.num_frames} is not allowed for {cls.__name__}: num_frames - 1 "
-                                  f"must be a multiple of {cls.frame_multiple} (e.g. "
-                                  f"{(params.num_frames - 1) // cls.frame_multiple * cls.frame_multiple + 1})",
+                                  f"must be a multiple of {frame_multiple} (e.g. "
+                                  f"{(params.num_frames - 1) // frame_multiple * frame_multiple + 1})",
                                   field="num_frames")
         return params
 

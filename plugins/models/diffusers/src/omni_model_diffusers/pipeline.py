@@ -132,7 +132,8 @@ def call_refusal(cls: type) -> str | None:
         return f"{cls.__name__} takes no prompt: the diffusers backend serves text-conditioned pipelines"
     if any(mark in parameters for mark in AUDIO_MARKS):
         return f"{cls.__name__} makes audio: Omni serves images and videos"
-    needed = [f"{what} ({name})" for name, what in INPUTS_NOT_CARRIED.items() if name in parameters]
+    needed = [f"{what} ({name})" for name, what in INPUTS_NOT_CARRIED.items() if name in parameters
+              and not (name == "image_embeds" and "image" in parameters)]  # computed from the image when absent
     if "video" in parameters and any(part in cls.__name__ for part in VIDEO_INPUT_NAMES):
         needed.append("an input video (video)")
     if needed:
