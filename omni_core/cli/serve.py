@@ -183,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
     progress(f"loading {args.model} (importing torch, reading the weights) ...")
     if not args.no_stream_previews:
         # previews need step execution; a pipeline without it is served without them
-        opts["streaming_output"] = bool(resolved.pipeline_cls().supports_step_execution)
+        cls = resolved.pipeline_cls()
+        opts["streaming_output"] = bool(cls.supports_step_execution or cls.previews_in_request_mode)
     from omni_core.engine.plan import plan_engine
 
     # planned once, with the model resolved above: the engine runs the plan and resolves nothing again

@@ -110,7 +110,7 @@ class EngineCore:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _progress_tick(self, request_id: str, step: int, total: int) -> None:
+    def _progress_tick(self, request_id: str, step: int, total: int, preview: Any = None) -> None:
         """The runner's per-step callback (request mode; the executor's call thread or its watcher).
 
         It runs at most one tick ahead of the loop: it waits until the loop has handled the previous tick. A
@@ -123,7 +123,7 @@ class EngineCore:
                 break
         handled = threading.Event()
         self._tick_handled = handled
-        self.post(self.progress, request_id, step, total, handled)
+        self.post(self.progress, request_id, step, total, handled, preview)
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -366,12 +366,16 @@ class EngineCore:
             # the scheduler learns each shape's step cost (docs/scheduling.md)
             self.scheduler.observe_wave(sched, result.metrics.get("denoise_s") or wall_s)
 
-    def progress(self, request_id: str, step: int, total: int, handled: threading.Event) -> None:
-        """A request-mode step ran (posted by ``_progress_tick``)."""
+    def progress(self, request_id: str, step: int, total: int, handled: threading.Event, preview: Any = None) -> None:
+        """A request-mode step ran (posted by ``_progress_tick``), with its preview when the pipeline streams them
+        from its own loop (``previews_in_request_mode``)."""
         try:
             record = self._records.get(request_id)
             if record is not None:
                 record.progress(step, total)
+                if preview is not None and record.previews:
+                    record.stream.put(DiffusionOutput(request_id=request_id, finished=False, preview=preview,
+                                                      step_index=step, num_steps=total))
             self.counters["denoise_steps"] += self.mode.steps_per_progress
         finally:
             handled.set()

@@ -102,7 +102,14 @@ class StepBatchMode(ExecutionStrategy):
 
 
 def mode_for(config: Any, pipeline_cls: Any, pipeline_name: str) -> ExecutionStrategy:
-    """The strategy of ``config`` (step execution or streaming output -> step mode), checked against the pipeline."""
-    mode = StepBatchMode() if config.uses_step_execution else RequestBatchMode()
+    """The strategy of ``config`` (step execution or streaming output -> step mode), checked against the pipeline.
+    Streaming output alone stays in request mode for a pipeline that streams previews from its own loop
+    (``previews_in_request_mode``: the diffusers backend) and has no step mode."""
+    step = config.uses_step_execution
+    streaming_only = getattr(config, "streaming_output", False) and not getattr(config, "step_execution", False)
+    if step and streaming_only and not pipeline_cls.supports_step_execution \
+            and getattr(pipeline_cls, "previews_in_request_mode", False):
+        step = False
+    mode = StepBatchMode() if step else RequestBatchMode()
     mode.check(pipeline_cls, pipeline_name)
     return mode

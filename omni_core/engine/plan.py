@@ -98,9 +98,11 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
     from omni_core.sched.capacity import wave_limits
 
     capacity = mode.capacity(pipeline_cls, wave_limits(config)[0])  # unset: batching by default
-    scheduler_cls = pm.load_component("scheduler", config.scheduler_name)
+    # the scheduler the mode needs unless one is named (streaming may stay in request mode: modes.mode_for)
+    scheduler_name = config.scheduler or ("step" if mode.mode.value == "step_batch" else "request")
+    scheduler_cls = pm.load_component("scheduler", scheduler_name)
     if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, SchedulerInterface)):
-        raise ConfigError(f"scheduler {config.scheduler_name!r} is {scheduler_cls!r}, which does not subclass "
+        raise ConfigError(f"scheduler {scheduler_name!r} is {scheduler_cls!r}, which does not subclass "
                           f"omni_core.sched.SchedulerInterface (subclass omni_core.sched.BaseScheduler for the "
                           f"lifecycle; docs/scheduling.md)", field="scheduler")
     executor_cls = pm.load_component("executor", config.executor_name)

@@ -89,6 +89,10 @@ class OmniPipeline:
     #: the input images a request carries (edit and image-to-video models); None: the model takes none, and a
     #: request with images is refused naming the ``image`` field
     image_input: ClassVar[ImageInput | None] = None
+    #: ``forward`` computes ``preview(state)`` at the steps it reports through ``control.on_step`` when asked
+    #: (``streaming_output``): a pipeline without step mode (its loop is its own) then streams previews in request
+    #: mode; the runner sends them with the progress events
+    previews_in_request_mode: ClassVar[bool] = False
     #: the diffusers pipeline whose own ``__call__`` runs each wave (the diffusers backend), or None (Omni's own
     #: loop: ``denoisers()`` declares what accelerators hook). A cache backend that works on a whole diffusers
     #: pipeline (cache-dit's own adapters) attaches here when no denoiser is declared

@@ -57,8 +57,13 @@ class _Control:
 
     def on_step(self, state: StepState) -> None:
         if self.runner.on_progress is not None:
+            event: tuple = (state.request_id, state.step_index, state.num_steps)
+            if self.runner.pipeline.previews_in_request_mode and self.runner.config.streaming_output \
+                    and state.request.stream_previews and state.request.wants_preview(state.step_index,
+                                                                                      state.num_steps):
+                event += (self.runner.pipeline.preview(state),)  # streamed by the engine with the progress
             with self.runner.progress_lock:
-                self.runner.progress.append((state.request_id, state.step_index, state.num_steps))
+                self.runner.progress.append(event)
 
 
 class ModelRunner(RankAgreement):

@@ -1,6 +1,6 @@
 """``omni serve`` on a diffusers folder no native plugin needs, for real (a subprocess), with the OpenAI client: an
-image family gives diffusers' own pixels and takes the call's parameters as ``extra_args``; a video family (forced
-with ``--pipeline diffusers``) makes a video job."""
+image family gives diffusers' own pixels, takes the call's parameters as ``extra_args`` and streams partial images;
+a video family (forced with ``--pipeline diffusers``) makes a video job."""
 
 from __future__ import annotations
 
@@ -28,12 +28,16 @@ def test_openai_client_image_through_the_diffusers_backend(family):
     with ServeProcess(path, "--no-warmup", "--cpu-threads", "1") as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         got = client.images.generate(prompt="a cat", size="32x32", response_format="b64_json", extra_body=body)
+        events = list(client.images.generate(prompt="a cat", size="32x32", stream=True, partial_images=2,
+                                             extra_body={**body, "num_inference_steps": 4}))
         with pytest.raises(openai.BadRequestError) as info:
             client.images.generate(prompt="a cat", size="32x32", extra_body={"extra_args": {"strenght": 0.5}})
     pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(got.data[0].b64_json))).convert("RGB"))
     ref = reference_call(reference(path), FAMILIES["sd"], ["a cat"], [7], guidance_rescale=0.7)[0]
     assert np.array_equal(pixels, np.asarray(unit_float_to_pil(ref)))
     assert info.value.body["param"] == "extra_args" and "'strenght'" in info.value.body["message"]
+    # previews stream from the pipeline's own loop (request mode): two partial images, then the image
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
 
 
 def test_openai_client_video_job_through_the_diffusers_backend(family, tmp_path):

@@ -242,6 +242,8 @@ class DiffusersCallPipeline(OmniPipeline):
 
     supports_step_execution: ClassVar[bool] = False
     supports_request_batch: ClassVar[bool] = True
+    #: previews come from the step-end callback's latents (``streaming_output`` stays in request mode)
+    previews_in_request_mode: ClassVar[bool] = True
     #: set by :func:`specialize`: the diffusers class, its call's parameter names, the scalar ones a request may
     #: set through ``extra_args`` (name -> kind) and the name of its outputs-per-prompt parameter
     diffusers_class: ClassVar[str] = ""
@@ -331,6 +333,40 @@ class DiffusersCallPipeline(OmniPipeline):
                                                           step_index=s.step_index, num_steps=s.num_steps)
                 for s in batch]
 
+    def preview_latents(self, state: Any) -> Any:
+        """The first row of the step's latents as a latent image (``[C, h, w]``, a video's ``[C, F, h, w]``);
+        packed latents (FLUX's ``[seq, C * 4]``) unpacked by the pipeline's own ``_unpack_latents``; None when
+        the layout is not one of these."""
+        latents = state.latents
+        if latents is None:
+            return None
+        if latents.dim() == 3:  # packed: [rows, seq, channels]
+            unpack = getattr(self.pipe, "_unpack_latents", None)
+            scale = getattr(self.pipe, "vae_scale_factor", None)
+            if unpack is None or scale is None:
+                return None
+            sp = state.sampling_params
+            try:
+                latents = unpack(latents[:1], sp.height, sp.width, scale)
+            except Exception:  # noqa: BLE001 - an unpacker of another signature: no preview, never a failure
+                return None
+            if latents.dim() == 5 and latents.shape[2] == 1:  # Qwen-Image's [B, C, 1, h, w]
+                latents = latents[:, :, 0]
+        return latents[0] if latents.dim() in (4, 5) else None
+
+    def preview(self, state: Any) -> Any:
+        """The step's preview (:func:`omni_core.pipelines.preview.render_preview`: the model folder's or plugin's
+        latent projection, else the latent channels scaled); None when the latents cannot be shown."""
+        from omni_core.pipelines.preview import render_latents
+
+        latents = self.preview_latents(state)
+        if latents is None:
+            return None
+        import torch
+
+        with torch.no_grad():
+            return render_latents(self, latents)
+
     @staticmethod
     def call_key(state: Any) -> tuple:
         """What requests sharing one call must agree on (everything but prompt and seed)."""
@@ -388,12 +424,16 @@ class DiffusersCallPipeline(OmniPipeline):
         """One call of the diffusers pipeline for ``group``; progress and aborts through its step callback."""
         gone: set[str] = set()
 
-        def at_step(step: int) -> None:
+        rows = group[0].sampling_params.num_outputs_per_prompt or 1
+
+        def at_step(step: int, latents: Any) -> None:
             total = getattr(self.pipe, "_num_timesteps", None)
-            for state in group:
+            for i, state in enumerate(group):
                 state.step_index = step + 1
                 if isinstance(total, int) and total > 0:
                     state.num_steps = total
+                if latents is not None:  # this request's rows, for its preview (a view: no copy)
+                    state.latents = latents[i * rows:(i + 1) * rows]
                 control.on_step(state)
             live = [s.request_id for s in group if s.request_id not in gone]
             gone.update(control.stopped(live))
@@ -403,15 +443,17 @@ class DiffusersCallPipeline(OmniPipeline):
         kwargs = self.call_kwargs(group)
         if "callback_on_step_end" in self.call_parameters:
             def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
-                at_step(step)
+                at_step(step, tensors.get("latents"))
                 return tensors
             kwargs["callback_on_step_end"] = on_step_end
         elif "callback" in self.call_parameters:  # the older per-step callback (callback_steps)
-            kwargs.update(callback=lambda step, timestep, latents: at_step(step), callback_steps=1)
+            kwargs.update(callback=lambda step, timestep, latents: at_step(step, latents), callback_steps=1)
         try:
             result = self.pipe(**kwargs, output_type="pt", return_dict=True)
         except _AllStopped:
             return {}
+        for state in group:
+            state.latents = None  # the call's latents: not kept past it
         tensor = result.frames if self.is_video else result.images
         n = group[0].sampling_params.num_outputs_per_prompt or 1
         outs = {}
