@@ -104,7 +104,9 @@ def load_state_dict(path: str, pipeline_cls: Any) -> tuple[dict, dict | None]:
     import diffusers
 
     loader = getattr(diffusers, pipeline_cls.diffusers_class)
-    state_dict, metadata = loader.lora_state_dict(path, return_lora_metadata=True)
+    # DiT loaders return (state_dict, metadata); the UNet ones (SD, SDXL) also the kohya network alphas in between
+    result = loader.lora_state_dict(path, return_lora_metadata=True)
+    state_dict, metadata = result[0], result[-1]
     return dict(state_dict), metadata
 
 

@@ -30,6 +30,7 @@ from omni_core.errors import ConfigError
 from omni_core.images import ImageInput
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.base import OmniPipeline
+from omni_core.utils.denoisers import DIFFUSERS_DENOISERS
 from omni_core.utils.diffusers_folder import check_model_index, read_model_index
 
 from omni_model_diffusers.folder import default_side, size_rules
@@ -189,6 +190,7 @@ def specialize(base: type, model_path: str) -> type:
         # warm up at 32 px (a multiple of every size rule diffusers' pipelines hard-code: SD's 8, LTX's and Sana's 32)
         "warmup_params": {"height": math.lcm(32, height), "width": math.lcm(32, width),
                           **({"num_frames": 1 + frames} if is_video else {})},
+        "denoiser_names": tuple(n for n in DIFFUSERS_DENOISERS if n in (read_model_index(model_path) or {})),
         "per_prompt_outputs": next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters),
                                    None),
         "__module__": base.__module__,
@@ -224,8 +226,6 @@ def dispatcher_backend(config: Any) -> tuple[str, str] | None:
 
 def set_dispatcher_backend(pipe: Any, omni_name: str, name: str) -> None:
     """Every denoiser of ``pipe`` on diffusers' dispatcher backend ``name`` (its own availability check runs)."""
-    from omni_core.utils.denoisers import DIFFUSERS_DENOISERS
-
     for component in DIFFUSERS_DENOISERS:
         module = getattr(pipe, component, None)
         if module is None or not hasattr(module, "set_attention_backend"):
@@ -266,9 +266,6 @@ class DiffusersCallPipeline(OmniPipeline):
         if (params.num_outputs_per_prompt or 1) > 1 and cls.per_prompt_outputs is None:
             raise ConfigError(f"{cls.diffusers_class} makes one output per prompt: num_outputs_per_prompt must be 1",
                               field="num_outputs_per_prompt")
-        if params.lora is not None:
-            raise ConfigError("lora: the diffusers backend does not load adapters per request yet; serve the folder "
-                              "with its adapter fused, or use a native model plugin", field="lora")
         accepted = ", ".join(sorted(cls.call_options)) or "(none)"
         for name, value in params.extra_args.items():
             kind = cls.call_options.get(name)
@@ -289,13 +286,16 @@ class DiffusersCallPipeline(OmniPipeline):
         """Also key the batch on what one call shares beyond the core key: guidance and the call options."""
         request = super().check_images(request, limits)
         sp = request.sampling_params
-        request.batch_extra = (*request.batch_extra, sp.guidance_scale, tuple(sorted(sp.extra_args.items())))
+        request.batch_extra = (*request.batch_extra, sp.guidance_scale, tuple(sorted(sp.extra_args.items())),
+                               sp.lora, sp.lora_scale if sp.lora is not None else None)
         return request
 
     # ------------------------------------------------------------------ worker process
-    def __init__(self, pipe: Any, device: Any, dtype: Any) -> None:
+    def __init__(self, pipe: Any, device: Any, dtype: Any, loras: Any = None) -> None:
         self.pipe, self.device, self.dtype = pipe, device, dtype
         self.diffusers_call_pipeline = pipe
+        #: the adapters of this pipeline (one per call: :mod:`omni_model_diffusers.loras`), or None
+        self.loras = loras
 
     @classmethod
     def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> OmniPipeline:
@@ -312,7 +312,13 @@ class DiffusersCallPipeline(OmniPipeline):
         backend = dispatcher_backend(config)
         if backend is not None:
             set_dispatcher_backend(pipe, *backend)
-        return cls(pipe, torch.device(device), dtype)
+        loras = None
+        if config is not None and hasattr(pipe, "load_lora_weights"):
+            from omni_model_diffusers.loras import CallLoras
+
+            loras = CallLoras(pipe, config)
+            loras.preload()
+        return cls(pipe, torch.device(device), dtype, loras)
 
     def forward(self, batch: list, control: Any = None) -> list[DiffusionOutput]:
         from omni_core.pipelines.base import _NoControl
@@ -374,7 +380,7 @@ class DiffusersCallPipeline(OmniPipeline):
         images = tuple(tuple(im.shape) for im in request.images)
         return (sp.height, sp.width, sp.num_frames, sp.num_inference_steps, sp.guidance_scale, sp.max_sequence_length,
                 sp.num_outputs_per_prompt or 1, request.negative_prompt is None, images,
-                tuple(sorted(sp.extra_args.items())))
+                tuple(sorted(sp.extra_args.items())), sp.lora, float(sp.lora_scale) if sp.lora is not None else None)
 
     def call_kwargs(self, group: list) -> dict[str, Any]:
         """The call's arguments for requests sharing it: a lone request's exactly as a user would pass them."""
@@ -441,6 +447,9 @@ class DiffusersCallPipeline(OmniPipeline):
                 raise _AllStopped
 
         kwargs = self.call_kwargs(group)
+        sp = group[0].sampling_params
+        if self.loras is not None:
+            self.loras.use(sp.lora, float(sp.lora_scale))
         if "callback_on_step_end" in self.call_parameters:
             def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
                 at_step(step, tensors.get("latents"))
