@@ -34,6 +34,7 @@ from omni_core.utils.denoisers import DIFFUSERS_DENOISERS
 from omni_core.utils.diffusers_folder import check_model_index, read_model_index
 
 from omni_model_diffusers.folder import default_side, size_rules
+from omni_model_diffusers.modular import ModularRun, load_modular, modular_available
 
 logger = logging.getLogger("omni_model_diffusers")
 
@@ -191,6 +192,8 @@ def specialize(base: type, model_path: str) -> type:
         "warmup_params": {"height": math.lcm(32, height), "width": math.lcm(32, width),
                           **({"num_frames": 1 + frames} if is_video else {})},
         "denoiser_names": tuple(n for n in DIFFUSERS_DENOISERS if n in (read_model_index(model_path) or {})),
+        # tier 2: step mode through diffusers' modular blocks, where diffusers offers the family as such
+        "supports_step_execution": modular_available(model_path),
         "per_prompt_outputs": next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters),
                                    None),
         "__module__": base.__module__,
@@ -312,13 +315,18 @@ class DiffusersCallPipeline(OmniPipeline):
         backend = dispatcher_backend(config)
         if backend is not None:
             set_dispatcher_backend(pipe, *backend)
+        modular = None
+        if config is not None and config.uses_step_execution and cls.supports_step_execution:
+            modular = load_modular(model_path, pipe)  # step mode: the modular blocks over the same components
         loras = None
         if config is not None and hasattr(pipe, "load_lora_weights"):
             from omni_model_diffusers.loras import CallLoras
 
             loras = CallLoras(pipe, config)
             loras.preload()
-        return cls(pipe, torch.device(device), dtype, loras)
+        pipeline = cls(pipe, torch.device(device), dtype, loras)
+        pipeline.modular = modular
+        return pipeline
 
     def forward(self, batch: list, control: Any = None) -> list[DiffusionOutput]:
         from omni_core.pipelines.base import _NoControl
@@ -338,6 +346,56 @@ class DiffusersCallPipeline(OmniPipeline):
         return [outs.get(s.request_id) or DiffusionOutput(request_id=s.request_id, status="aborted", finished=True,
                                                           step_index=s.step_index, num_steps=s.num_steps)
                 for s in batch]
+
+    # ------------------------------------------------------------------ step mode (tier 2: modular blocks)
+    #: diffusers' modular pipeline over the same components (step mode only), or None
+    modular: Any = None
+
+    def modular_inputs(self, state: Any) -> dict[str, Any]:
+        """The request as the modular pipeline's inputs (only those its blocks take)."""
+        sp, request = state.sampling_params, state.request
+        accepted = set(self.modular.blocks.input_names)
+        inputs: dict[str, Any] = {"prompt": request.prompt, "generator": state.generator, "output_type": "pt"}
+        if request.negative_prompt is not None:
+            inputs["negative_prompt"] = request.negative_prompt
+        for name, field in (("height", "height"), ("width", "width"), ("num_inference_steps", "num_inference_steps"),
+                            ("num_frames", "num_frames"), ("max_sequence_length", "max_sequence_length"),
+                            ("guidance_scale", "guidance_scale")):
+            if getattr(sp, field) is not None:
+                inputs[name] = getattr(sp, field)
+        if (sp.num_outputs_per_prompt or 1) > 1 and self.per_prompt_outputs:
+            inputs[self.per_prompt_outputs] = sp.num_outputs_per_prompt
+        if request.images:
+            from PIL import Image
+
+            inputs["image"] = Image.fromarray(request.images[0].permute(1, 2, 0).contiguous().numpy())
+        refused = [k for k in sp.extra_args if k not in accepted]
+        if refused:
+            raise ValueError(f"extra_args {refused} are not inputs of {type(self.modular).__name__}'s blocks (step "
+                             f"mode); they take: {', '.join(sorted(accepted))}")
+        inputs.update(sp.extra_args)
+        return {k: v for k, v in inputs.items() if k in accepted or k == "generator"}
+
+    def prepare_encode(self, state: Any) -> Any:
+        run = ModularRun(self.modular, self.modular_inputs(state), state.sampling_params.guidance_scale)
+        state.num_steps = run.prepare()
+        state.step_index = 0
+        state.extra["modular"] = run
+        return state
+
+    def denoise_step(self, states: list) -> list:
+        """One loop step of each request's own blocks (each its own denoiser call)."""
+        for state in states:
+            state.latents = state.extra["modular"].step(state.step_index)
+        return [None] * len(states)
+
+    def step_scheduler(self, state: Any, noise_pred: Any) -> None:
+        state.step_index += 1  # the loop step advanced the latents with the request's own scheduler
+
+    def post_decode(self, state: Any) -> DiffusionOutput:
+        tensor = state.extra.pop("modular").finish()  # state.latents stay: the last step's preview reads them
+        return DiffusionOutput(request_id=state.request_id, tensor=tensor, finished=True,
+                               step_index=state.step_index, num_steps=state.num_steps)
 
     def preview_latents(self, state: Any) -> Any:
         """The first row of the step's latents as a latent image (``[C, h, w]``, a video's ``[C, F, h, w]``);

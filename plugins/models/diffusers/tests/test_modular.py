@@ -1,0 +1,55 @@
+"""Tier 2: a family diffusers offers as a modular pipeline runs in step mode through its blocks: requests
+arriving at different steps (one joining a running wave) each equal the request-mode output (the pipeline's own
+call) bit for bit, on FLUX.1 and Wan; previews stream per step; a family without modular blocks refuses step mode
+naming the option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_model_diffusers.parity import omni_fields
+from omni_model_diffusers.testing import FAMILIES
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_step_mode_with_staggered_arrivals_equals_request_mode(family, name):
+    import threading
+
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+    from omni_core.testing.contract_helpers import final_output
+
+    fields = {**omni_fields(FAMILIES[name].call_kwargs), "num_inference_steps": 4}
+    prompts, seeds = ["a cat", "a red car on a long street at night"], [5, 6]
+    with Omni(family(name), pipeline="diffusers", warmup=False, cpu_threads=1) as omni:
+        alone = [omni.generate(p, seed=s, output_type="pt", use_tqdm=False, **fields)[0] for p, s in zip(prompts, seeds)]
+    with Omni(family(name), pipeline="diffusers", warmup=False, cpu_threads=1, step_execution=True,
+              max_num_seqs=2) as omni:
+        assert omni.engine.mode.mode.value == "step_batch"
+        second: list = []
+        joined = threading.Event()
+
+        def join_late(rid: str, step: int, total: int) -> None:  # the second request arrives at step 2
+            if step == 2 and not joined.is_set():
+                joined.set()
+                req = OmniDiffusionRequest(prompt=prompts[1], sampling_params=SamplingParams(
+                    seed=seeds[1], output_type="pt", **fields))
+                second.extend(omni.engine.submit([req]))
+
+        first = OmniDiffusionRequest(prompt=prompts[0], sampling_params=SamplingParams(
+            seed=seeds[0], output_type="pt", **fields))
+        (handle,) = omni.engine.submit([first], on_progress=join_late)
+        outs = [final_output(handle), final_output(second[0])]
+    for out, ref in zip(outs, alone):
+        assert out.status == "completed" and torch.equal(out.images[0], ref.images[0])
+
+
+def test_a_family_without_modular_blocks_refuses_step_mode(family):
+    from omni_core import Omni
+    from omni_core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Omni(family("sd"), pipeline="diffusers", warmup=False, step_execution=True)
+    assert err.value.field == "step_execution"
