@@ -42,3 +42,16 @@ def test_tea_cache_is_refused_naming_cache_dit(family):
     with pytest.raises(OmniError) as err:
         Omni(family("flux"), pipeline="diffusers", warmup=False, cpu_threads=1, cache_backend="tea_cache")
     assert "cache_dit" in str(err.value) and "declares no denoiser" in str(err.value)
+
+
+def test_cache_dit_in_step_mode_is_refused_naming_it(family):
+    """Step mode runs the modular blocks, never the pipeline's call that refreshes cache-dit's context: a second
+    request would reuse the first one's residuals, so the pair is refused."""
+    pytest.importorskip("omni_cache_dit")
+    from omni_core import Omni
+    from omni_core.errors import OmniError
+
+    with pytest.raises(OmniError) as err:
+        Omni(family("flux"), pipeline="diffusers", warmup=False, cpu_threads=1, step_execution=True,
+             cache_backend="cache_dit")
+    assert "cache_backend='cache_dit' cannot run in step mode" in str(err.value)

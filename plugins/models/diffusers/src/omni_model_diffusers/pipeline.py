@@ -316,7 +316,14 @@ class DiffusersCallPipeline(OmniPipeline):
         if backend is not None:
             set_dispatcher_backend(pipe, *backend)
         modular = None
-        if config is not None and config.uses_step_execution and cls.supports_step_execution:
+        # step mode (modes.mode_for): asked for, or streaming with modular blocks to stream from
+        step_mode = config is not None and config.uses_step_execution and cls.supports_step_execution
+        if step_mode and config.cache_backend != "none":
+            raise ConfigError(f"cache_backend={config.cache_backend!r} cannot run in step mode on the diffusers "
+                              f"backend: cache-dit's adapter refreshes its context per pipeline call, and the modular "
+                              f"blocks' steps make none; use request mode (step_execution=False, no "
+                              f"streaming_output)", field="cache_backend")
+        if step_mode:
             modular = load_modular(model_path, pipe)  # step mode: the modular blocks over the same components
         loras = None
         if config is not None and hasattr(pipe, "load_lora_weights"):
