@@ -14,5 +14,5 @@ def omni_register_pipelines():
                     "through the pipeline's own call, batched when they share one",
         serves_any_folder=True,
         size_rules="omni_model_diffusers.folder:size_rules",
-        class_refusal="omni_model_diffusers.pipeline:class_refusal",
+        class_refusal="omni_model_diffusers.signature:class_refusal",
     )]

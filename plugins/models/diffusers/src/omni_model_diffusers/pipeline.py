@@ -18,12 +18,9 @@ What Omni writes itself, and why diffusers cannot do it:
 from __future__ import annotations
 
 import functools
-import importlib
+import inspect
 import logging
 import math
-import inspect
-import types
-import typing
 from typing import Any, ClassVar
 
 from omni_core.errors import ConfigError
@@ -31,129 +28,17 @@ from omni_core.images import ImageInput
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.base import OmniPipeline
 from omni_core.utils.denoisers import DIFFUSERS_DENOISERS
-from omni_core.utils.diffusers_folder import check_model_index, read_model_index
+from omni_core.utils.diffusers_folder import read_model_index
 
+from omni_model_diffusers.attention import dispatcher_backend, set_dispatcher_backend
 from omni_model_diffusers.folder import default_side, size_rules
 from omni_model_diffusers.modular import ModularRun, load_modular, modular_available
+from omni_model_diffusers.signature import OWN_PARAMETERS, call_refusal, check_value, pipeline_class, scalar_kind
 
 logger = logging.getLogger("omni_model_diffusers")
 
-#: call parameters Omni sets itself (from the request's core fields, or as the runner needs them)
-OWN_PARAMETERS = frozenset({
-    "self", "prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale", "num_frames",
-    "generator", "output_type", "return_dict", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
-    "callback", "callback_steps", "image", "num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length",
-    "latents", "kwargs"})
-#: the scalar kinds a request may set through ``extra_args`` (lists and tensors are not request fields)
-SCALARS = {bool: "bool", int: "int", float: "float", str: "str"}
-
-
 class _AllStopped(Exception):
     """Raised from the step-end callback when every request of the call was aborted: the call ends now."""
-
-
-def scalar_kind(parameter: inspect.Parameter) -> str | None:
-    """``bool``/``int``/``float``/``str`` when a request may set this call parameter, else None: from its default,
-    or from its annotation when the default is None (``Optional[float]``)."""
-    default = parameter.default
-    if type(default) in SCALARS:
-        return SCALARS[type(default)]
-    if default is not None:
-        return None
-    annotation = parameter.annotation
-    if isinstance(annotation, str):
-        text = annotation.replace("typing.", "").replace(" ", "")
-        for kind in ("float", "int", "bool", "str"):
-            if text in (kind, f"Optional[{kind}]", f"{kind}|None", f"None|{kind}"):
-                return kind
-        return None
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # Optional[float], float | None
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        annotation = args[0] if len(args) == 1 else None
-    return SCALARS.get(annotation) if isinstance(annotation, type) else None
-
-
-def check_value(kind: str, value: Any) -> bool:
-    """``kind`` "null": a parameter whose default is a list or dict (e.g. Sana's ``complex_human_instruction``),
-    which a request may only turn off (None); None is also accepted for every scalar (the pipeline's default)."""
-    if value is None:
-        return True
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, str)
-
-
-def pipeline_class(model_path: str) -> type:
-    """The diffusers class the folder names, after refusing what Omni will not load (components from other
-    libraries, i.e. remote code; pickled weights; a class or component class the installed libraries lack)."""
-    import diffusers
-
-    index = read_model_index(model_path) or {}
-    name = index.get("_class_name")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{model_path!r}: model_index.json names no pipeline class (_class_name)", field="model")
-    if "custom_pipeline" in index:
-        raise ConfigError(f"{model_path!r} asks for a custom pipeline ({index['custom_pipeline']!r}): remote code is "
-                          f"never run; use a folder of a pipeline diffusers ships", field="model")
-    check_model_index(model_path, name)
-    cls = getattr(diffusers, name, None)
-    if not (inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline)):
-        raise ConfigError(f"{model_path!r} needs pipeline class {name!r}, which diffusers {diffusers.__version__} "
-                          f"does not have: upgrade diffusers (pip install -U diffusers), or install the model plugin "
-                          f"that provides {name}", field="model")
-    for component, value in index.items():
-        if component.startswith("_") or not isinstance(value, list) or value[0] is None:
-            continue
-        library, class_name = value[0], value[1]
-        if getattr(importlib.import_module(library), class_name, None) is None:
-            version = getattr(importlib.import_module(library), "__version__", "?")
-            raise ConfigError(f"component {component!r} of {model_path!r} is a {library} {class_name}, which "
-                              f"{library} {version} does not have: upgrade it (pip install -U {library})",
-                              field="model")
-    return cls
-
-
-#: call inputs a request cannot carry (beyond the prompt, one input ``image`` and the scalar options): a pipeline
-#: that needs one is refused by name rather than failing at its first request
-INPUTS_NOT_CARRIED = {"mask_image": "a mask image", "control_image": "a control image",
-                      "control_video": "a control video", "image_embeds": "image embeddings (a prior's output)"}
-#: an input ``video`` is optional in some text-to-video pipelines (Cosmos 3); these names say it is the input
-VIDEO_INPUT_NAMES = ("VideoToVideo", "VideoToWorld", "V2V")
-#: call parameters that mark an audio pipeline (Omni serves images and videos)
-AUDIO_MARKS = ("audio_length_in_s", "num_waveforms_per_prompt", "audio_end_in_s")
-
-
-def call_refusal(cls: type) -> str | None:
-    """Why the diffusers backend cannot serve pipelines of class ``cls`` (from its call's signature), or None."""
-    parameters = inspect.signature(cls.__call__).parameters
-    if "prompt" not in parameters:
-        return f"{cls.__name__} takes no prompt: the diffusers backend serves text-conditioned pipelines"
-    if any(mark in parameters for mark in AUDIO_MARKS):
-        return f"{cls.__name__} makes audio: Omni serves images and videos"
-    needed = [f"{what} ({name})" for name, what in INPUTS_NOT_CARRIED.items() if name in parameters
-              and not (name == "image_embeds" and "image" in parameters)]  # computed from the image when absent
-    if "video" in parameters and any(part in cls.__name__ for part in VIDEO_INPUT_NAMES):
-        needed.append("an input video (video)")
-    if needed:
-        return f"{cls.__name__} takes {', '.join(needed)}, which a request cannot carry yet"
-    return None
-
-
-def class_refusal(class_name: str) -> str | None:
-    """The record's ``class_refusal``: :func:`call_refusal` of diffusers' class of that name."""
-    import diffusers
-
-    try:
-        cls = getattr(diffusers, class_name)
-    except Exception as exc:  # noqa: BLE001 - a class whose optional dependencies are missing here
-        return f"cannot be imported here: {type(exc).__name__}: {exc}"
-    if not (inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline)):
-        return "not a DiffusionPipeline"
-    return call_refusal(cls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,44 +85,6 @@ def specialize(base: type, model_path: str) -> type:
         "__doc__": f"{cls.__name__} from {model_path}, run through its own call.",
     }
     return type(cls.__name__, (base,), attrs)
-
-
-def dispatcher_backend(config: Any) -> tuple[str, str] | None:
-    """``(Omni's backend name, diffusers' dispatcher name)`` the config asks for, from the backend's record
-    (``AttentionBackendSpec.diffusers_backend``), or None (diffusers' default). Diffusers' dispatcher sets one backend
-    per model, so per-role choices are refused."""
-    from omni_core.plugins.manager import get_plugin_manager
-
-    attention = getattr(config, "attention_config", None)
-    if attention is None:
-        return None
-    if attention.per_role:
-        raise ConfigError("attention_config.per_role: the diffusers backend sets one attention backend per denoiser "
-                          "(diffusers' dispatcher has no roles); give attention_backend alone", field="attention_config")
-    spec, _ = attention.resolve("diffusers")
-    if spec is None:
-        return None
-    pm = get_plugin_manager()
-    record = pm.get_component("attention", spec.backend)
-    if record.diffusers_backend is None:
-        usable = sorted(n for n, r in pm.components("attention").items() if r.diffusers_backend)
-        raise ConfigError(f"attention backend {spec.backend!r} ({record.provider}) names no diffusers dispatcher "
-                          f"backend (AttentionBackendSpec.diffusers_backend); the diffusers backend can use "
-                          f"{', '.join(usable) or 'none'}", field="attention_backend")
-    return spec.backend, record.diffusers_backend
-
-
-def set_dispatcher_backend(pipe: Any, omni_name: str, name: str) -> None:
-    """Every denoiser of ``pipe`` on diffusers' dispatcher backend ``name`` (its own availability check runs)."""
-    for component in DIFFUSERS_DENOISERS:
-        module = getattr(pipe, component, None)
-        if module is None or not hasattr(module, "set_attention_backend"):
-            continue
-        try:
-            module.set_attention_backend(name)
-        except Exception as exc:  # noqa: BLE001 - diffusers says why (a missing kernel library, a device)
-            raise ConfigError(f"attention backend {omni_name!r} (diffusers' {name!r}) cannot run {component} here: "
-                              f"{type(exc).__name__}: {exc}", field="attention_backend") from exc
 
 
 class DiffusersCallPipeline(OmniPipeline):
@@ -541,4 +388,4 @@ class DiffusersCallPipeline(OmniPipeline):
         return outs
 
 
-__all__ = ["DiffusersCallPipeline", "call_refusal", "class_refusal", "specialize"]
+__all__ = ["DiffusersCallPipeline", "specialize"]
