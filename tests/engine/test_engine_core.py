@@ -62,8 +62,10 @@ def test_no_module_outside_the_core_touches_its_private_members():
     assert not found, f"only the core reads or writes its state: {found}"
 
 
-def _threads() -> dict[int, str]:
-    return {t.ident: t.name for t in threading.enumerate()}
+def _threads() -> set[threading.Thread]:
+    """The live threads as objects: an ident can be reused by a new thread once an old one ended (a thread of an
+    earlier test ending as this engine starts), a Thread object cannot."""
+    return set(threading.enumerate())
 
 
 @pytest.mark.parametrize("executor, own", [("uni", {"omni-engine", "omni-executor-calls"}),
@@ -81,7 +83,7 @@ def test_the_engine_starts_no_thread_but_its_loop(tiny_model, executor, own):
         engine.abort(plain[1].request_id)
         outs = [h.result(timeout=60) for h in handles]
         assert [o.status for o in outs] == ["error", "completed", "aborted"] and "timed out" in outs[0].error
-        new = {name for ident, name in _threads().items() if ident not in before}
+        new = {t.name for t in _threads() - before}
         # a multiprocessing Queue's feeder thread (the mp executor's abort queue) is the queue's, started by a put
         # the model's own lanes (``worker/lanes.py``) run where the model does: in this process with ``uni``
         new = {n for n in new if not n.startswith(("QueueFeederThread", "omni-lane"))}
