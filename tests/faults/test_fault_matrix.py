@@ -181,7 +181,9 @@ def test_out_of_memory_cell(cell: FaultCell, oom_servers):
         code, health = server.health()
         assert code == 200 and health["status"] == "degraded" and "out of memory" in health["reason"], health
         assert server.metric("omni_engine_degraded") == 1
-        assert server.post(body(cell.layout, 7)).status_code == 200
+    # under load the doomed request may also be the last to end (its batch is retried one by one after the
+    # others' waves): degraded until a request completes after it, whichever order the burst ended in
+    assert server.post(body(cell.layout, 7)).status_code == 200
     code, health = server.health()
     assert code == 200 and health["status"] == "ok" and health["waiting"] == health["running"] == 0, health
     assert server.metric("omni_engine_degraded") == 0
