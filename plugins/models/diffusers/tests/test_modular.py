@@ -46,6 +46,34 @@ def test_step_mode_with_staggered_arrivals_equals_request_mode(family, name):
         assert out.status == "completed" and torch.equal(out.images[0], ref.images[0])
 
 
+def test_a_preempted_request_resumes_where_it_stopped(family):
+    """Step mode keeps each request's modular run (its PipelineState, scheduler and guider) on its step state: a
+    more urgent request that preempts it (one slot) runs first, and both then equal request mode bit for bit."""
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+    from omni_core.request import OmniDiffusionRequest
+    from omni_core.testing.contract_helpers import final_output
+
+    fields = {**omni_fields(FAMILIES["flux"].call_kwargs), "num_inference_steps": 6}
+    with Omni(family("flux"), pipeline="diffusers", warmup=False, cpu_threads=1) as omni:
+        alone = [omni.generate(p, seed=s, output_type="pt", use_tqdm=False, **fields)[0].images[0]
+                 for p, s in (("a cat", 1), ("a dog", 2))]
+    with Omni(family("flux"), pipeline="diffusers", warmup=False, cpu_threads=1, step_execution=True,
+              max_num_seqs=1) as omni:
+        urgent: list = []
+
+        def preempt_at_2(rid: str, step: int, total: int) -> None:
+            if step == 2 and not urgent:
+                urgent.extend(omni.engine.submit([OmniDiffusionRequest(prompt="a dog", sampling_params=SamplingParams(
+                    seed=2, output_type="pt", priority=-1, **fields))]))
+
+        (low,) = omni.engine.submit([OmniDiffusionRequest(prompt="a cat", sampling_params=SamplingParams(
+            seed=1, output_type="pt", priority=5, **fields))], on_progress=preempt_at_2)
+        outs = [final_output(low), final_output(urgent[0])]
+        assert omni.stats()["requests_preempted"] >= 1
+    assert torch.equal(outs[0].images[0], alone[0]) and torch.equal(outs[1].images[0], alone[1])
+
+
 def test_a_family_without_modular_blocks_refuses_step_mode(family):
     from omni_core import Omni
     from omni_core.errors import ConfigError
