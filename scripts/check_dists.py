@@ -43,7 +43,7 @@ CORE_TESTS = ("test_import_light.py", "test_hookspecs.py", "test_platforms.py")
 CORE_TEST_FILES = ("tests/conftest.py", "tests/fixtures", "docs/plugins/hooks.md", "scripts/gen_hook_docs.py")
 #: extra folders holding a distribution (besides the core and plugins/<kind>/<name>)
 EXTRA_DISTS = ("docs/examples/omni-attention-toy", "docs/examples/omni-model-toy", "docs/examples/omni-cache-toy",
-               "docs/examples/omni-executor-toy")
+               "docs/examples/omni-executor-toy", "docs/examples/omni-model-pixart")
 
 
 def distributions() -> list[tuple[str, Path]]:

@@ -75,7 +75,8 @@ def test_check_dists_covers_every_distribution():
     found = {str(f.relative_to(ROOT)) for _, f in DISTS}
     pyprojects = {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/*/pyproject.toml")}
     assert found == pyprojects | {".", "docs/examples/omni-attention-toy", "docs/examples/omni-model-toy",
-                                  "docs/examples/omni-cache-toy", "docs/examples/omni-executor-toy"}
+                                  "docs/examples/omni-cache-toy", "docs/examples/omni-executor-toy",
+                                  "docs/examples/omni-model-pixart"}
     assert len({n for n, _ in DISTS}) == len(DISTS)
 
 
