@@ -13,6 +13,7 @@ def omni_register_pipelines():
         description="any diffusers pipeline folder no other plugin serves (or pipeline='diffusers'): requests run "
                     "through the pipeline's own call, batched when they share one",
         serves_any_folder=True,
+        supported_parallel=("ulysses", "ring"),  # diffusers' context parallelism, where the transformer plans it
         size_rules="omni_model_diffusers.folder:size_rules",
         class_refusal="omni_model_diffusers.signature:class_refusal",
     )]

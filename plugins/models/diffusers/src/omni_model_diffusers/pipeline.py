@@ -91,6 +91,7 @@ class DiffusersCallPipeline(OmniPipeline):
     """A diffusers pipeline run through its own ``__call__``; specialized per folder (:func:`specialize`)."""
 
     supports_step_execution: ClassVar[bool] = False
+    supported_parallel: ClassVar[tuple[str, ...]] = ("ulysses", "ring")
     supports_request_batch: ClassVar[bool] = True
     #: previews come from the step-end callback's latents (``streaming_output`` stays in request mode)
     previews_in_request_mode: ClassVar[bool] = True
@@ -106,6 +107,12 @@ class DiffusersCallPipeline(OmniPipeline):
         return specialize(cls if not cls.diffusers_class else cls.__mro__[1], model_path)
 
     # ------------------------------------------------------------------ engine process
+    @classmethod
+    def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
+        from omni_model_diffusers.parallel import check_context_parallel
+
+        check_context_parallel(parallel_config, model_path, cls.diffusers_class or cls.__name__)
+
     @classmethod
     def check_sampling_params(cls, params: Any, model_path: str | None = None) -> Any:
         params = super().check_sampling_params(params, model_path)
@@ -162,6 +169,11 @@ class DiffusersCallPipeline(OmniPipeline):
         backend = dispatcher_backend(config)
         if backend is not None:
             set_dispatcher_backend(pipe, *backend)
+        parallel = getattr(config, "parallel_config", None)
+        if parallel is not None and parallel.ulysses_degree * parallel.ring_degree > 1:
+            from omni_model_diffusers.parallel import enable_context_parallel
+
+            enable_context_parallel(pipe.transformer, parallel)  # every rank runs the same call
         modular = None
         # step mode (modes.mode_for): asked for, or streaming with modular blocks to stream from
         step_mode = config is not None and config.uses_step_execution and cls.supports_step_execution
@@ -180,6 +192,10 @@ class DiffusersCallPipeline(OmniPipeline):
             loras.preload()
         pipeline = cls(pipe, torch.device(device), dtype, loras)
         pipeline.modular = modular
+        if getattr(pipe, "transformer", None) is not None:
+            from omni_model_diffusers.parallel import context_parallel_metrics
+
+            pipeline.call_metrics = context_parallel_metrics(pipe.transformer)
         return pipeline
 
     def forward(self, batch: list, control: Any = None) -> list[DiffusionOutput]:
@@ -204,6 +220,8 @@ class DiffusersCallPipeline(OmniPipeline):
     # ------------------------------------------------------------------ step mode (tier 2: modular blocks)
     #: diffusers' modular pipeline over the same components (step mode only), or None
     modular: Any = None
+    #: what every request run through the call reports (the context parallelism diffusers installed)
+    call_metrics: dict = {}
 
     def modular_inputs(self, state: Any) -> dict[str, Any]:
         """The request as the modular pipeline's inputs (only those its blocks take)."""
@@ -384,7 +402,7 @@ class DiffusersCallPipeline(OmniPipeline):
             state.step_index = state.num_steps
             outs[state.request_id] = DiffusionOutput(request_id=state.request_id, tensor=tensor[i * n:(i + 1) * n],
                                                      finished=True, step_index=state.step_index,
-                                                     num_steps=state.num_steps)
+                                                     num_steps=state.num_steps, metrics=dict(self.call_metrics))
         return outs
 
 
