@@ -13,6 +13,8 @@ from omni_core.plugins.types import resolve_impl
 NATIVE = "native"
 OWN_CALL = "own call"
 NOT_SERVED = "not served"
+#: how the any-folder record runs a class (its ``class_description``): step mode through diffusers' modular blocks
+MODULAR_STEPS = "modular steps"
 
 
 def how_served(pm: Any) -> tuple[dict[str, Any], Any]:
@@ -40,7 +42,8 @@ def diffusers_classes() -> list[str]:
 
 
 def coverage_rows(pm: Any) -> list[dict[str, str]]:
-    """One row per diffusers pipeline class: ``class``, ``runs`` (native / own call / not served), ``by`` (the
+    """One row per diffusers pipeline class: ``class``, ``runs`` (native / modular steps / own call / not served:
+    the any-folder record's ``class_description`` says which of the middle two), ``by`` (the
     pipeline and its distribution) and ``gives`` (what that path offers, or why it cannot run the class)."""
     native, fallback = how_served(pm)
     rows = []
@@ -53,8 +56,9 @@ def coverage_rows(pm: Any) -> list[dict[str, str]]:
                                   + (f", {parallel} parallel" if parallel else "")})
         elif fallback is not None:
             why = resolve_impl(fallback.class_refusal)(name) if fallback.class_refusal else None
-            rows.append({"class": name, "runs": NOT_SERVED if why else OWN_CALL,
-                         "by": f"{fallback.name} ({fallback.provider})", "gives": why or fallback.description})
+            runs, gives = ((NOT_SERVED, why) if why else resolve_impl(fallback.class_description)(name)
+                           if fallback.class_description else (OWN_CALL, fallback.description))
+            rows.append({"class": name, "runs": runs, "by": f"{fallback.name} ({fallback.provider})", "gives": gives})
         else:
             rows.append({"class": name, "runs": NOT_SERVED, "by": "-", "gives": "install omni-model-diffusers"})
     return rows

@@ -249,12 +249,13 @@ def format_env(env: dict[str, Any]) -> str:
         lines.append(f"  {env['any_folder']}")
     if "diffusers_classes" in env:
         rows = env["diffusers_classes"]
-        counts = {k: sum(r["runs"] == k for r in rows) for k in ("native", "own call", "not served")}
+        counts = {k: sum(r["runs"] == k for r in rows) for k in ("native", "modular steps", "own call", "not served")}
         lines.append("")
-        lines.append(f"diffusers pipeline classes ({len(rows)}: {counts['native']} native, {counts['own call']} "
-                     f"through their own call, {counts['not served']} not served):")
+        lines.append(f"diffusers pipeline classes ({len(rows)}: {counts['native']} native, {counts['modular steps']} "
+                     f"step-wise through diffusers' modular blocks, {counts['own call']} through their own call only, "
+                     f"{counts['not served']} not served):")
         width = max((len(r["class"]) for r in rows), default=0)
-        lines += [f"  {r['class'].ljust(width)}  {r['runs']:<10}  {r['by']}"
+        lines += [f"  {r['class'].ljust(width)}  {r['runs']:<13}  {r['by']}"
                   + (f": {r['gives']}" if r["runs"] == "not served" else "") for r in rows]
     lines.append("")
     lines.append("quantization methods (usable here?):")

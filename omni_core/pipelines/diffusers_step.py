@@ -151,15 +151,9 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
         declared = getattr(cls, "stage_components", None)
         if declared is not None:
             return dict(declared)
-        from omni_core.pipelines.diffusers_folder import read_model_index
+        from omni_core.pipelines.stages import folder_stage_components
 
-        index = (read_model_index(model_path) if model_path else None) or {}
-        names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None]
-        stages = {"decode": tuple(n for n in names if n.startswith("vae")),
-                  "encode": tuple(n for n in names if n.startswith(("text_encoder", "tokenizer")))}
-        if getattr(cls, "image_input", None) is not None:  # the denoise side VAE-encodes the input images too
-            stages["denoise"] = stages["decode"]
-        return stages
+        return folder_stage_components(model_path, takes_images=getattr(cls, "image_input", None) is not None)
 
     @classmethod
     def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any, apart: tuple = ("decode",)) -> dict:

@@ -91,6 +91,21 @@ def _why_not(stage: str, config: Any, pipeline_cls: type, model_path: str | None
     return None
 
 
+def folder_stage_components(model_path: str | None, takes_images: bool = False) -> dict[str, tuple[str, ...]]:
+    """``{stage: components}`` of a diffusers folder, from its model_index.json: the ``vae*`` components decode,
+    the ``text_encoder*`` / ``tokenizer*`` ones encode; a pipeline that ``takes_images`` keeps its VAE on the denoise
+    side too (``"denoise"``: it VAE-encodes them). What every pipeline over a diffusers folder declares."""
+    from omni_core.pipelines.diffusers_folder import read_model_index
+
+    index = (read_model_index(model_path) if model_path else None) or {}
+    names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None]
+    stages = {DECODE: tuple(n for n in names if n.startswith("vae")),
+              ENCODE: tuple(n for n in names if n.startswith(("text_encoder", "tokenizer")))}
+    if takes_images:
+        stages[DENOISE] = stages[DECODE]
+    return stages
+
+
 def config_only_component(model_path: str, name: str, library: str, class_name: str, dtype: Any) -> Any:
     """A stand-in for component ``name`` that holds its folder config and no weights: an instance of a subclass
     of the real class (so diffusers' loader accepts it and the pipeline derives ``vae_scale_factor`` and the
@@ -169,4 +184,5 @@ def drop_stage_components(pipeline: Any, names: Any) -> list[str]:
 
 
 __all__ = ["DECODE", "DENOISE", "ENCODE", "STAGES", "check_stage_config", "config_only_component", "declared_stages",
-           "diffusers_stage_kwargs", "drop_stage_components", "stage_device", "stages_apart"]
+           "diffusers_stage_kwargs", "drop_stage_components", "folder_stage_components", "stage_device",
+           "stages_apart"]

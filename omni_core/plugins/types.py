@@ -169,6 +169,10 @@ class PipelineSpec(ComponentSpec):
     #: with ``serves_any_folder``: ``"module:attr"`` of a function ``(diffusers class name) -> str | None`` saying
     #: why it cannot run folders of that class (None: it can); ``omni env --diffusers`` asks it for every class
     class_refusal: str | None = attrs.field(default=None, validator=_check_impl)
+    #: with ``serves_any_folder``: ``"module:attr"`` of a function ``(diffusers class name) -> (runs, gives)`` for a
+    #: class it can run: how (``"own call"``, ``"modular steps"``: step mode through diffusers' modular blocks) and
+    #: what that gives; None: ``("own call", description)``
+    class_description: str | None = attrs.field(default=None, validator=_check_impl)
 
 
 @attrs.frozen(kw_only=True)

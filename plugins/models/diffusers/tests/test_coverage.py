@@ -18,7 +18,11 @@ def test_every_diffusers_class_is_native_own_call_or_refused_with_the_reason():
     assert len(rows) > 200
     for name in native & set(rows):
         assert rows[name]["runs"] == "native"
-    assert rows["StableDiffusionPipeline"]["runs"] == "own call"
+    assert rows["StableDiffusionPipeline"]["runs"] == "own call" and "no step mode" in rows["StableDiffusionPipeline"][
+        "gives"]
+    # tier 2 where diffusers maps the class to modular blocks (what ModularPipeline.from_pretrained would load)
+    for name in ("StableDiffusion3Pipeline", "StableDiffusionXLPipeline", "LTXPipeline"):
+        assert rows[name]["runs"] == "modular steps" and "ModularPipeline" in rows[name]["gives"], rows[name]
     assert rows["StableDiffusionImg2ImgPipeline"]["runs"] == "own call"
     assert rows["WanImageToVideoPipeline"]["runs"] == ("native" if "WanImageToVideoPipeline" in native else "own call")
     refused = {"StableDiffusionInpaintPipeline": "mask image", "AudioLDMPipeline": "makes audio",
@@ -31,7 +35,8 @@ def test_omni_env_and_plugins_list_say_it():
     omni = [str(Path(sys.executable).parent / "omni")]
     env = json.loads(subprocess.run([*omni, "env", "--diffusers", "--json"], capture_output=True, text=True,
                                     check=True).stdout)
-    assert {r["class"]: r["runs"] for r in env["diffusers_classes"]}["SanaPipeline"] == "own call"
+    runs = {r["class"]: r["runs"] for r in env["diffusers_classes"]}
+    assert runs["SanaPipeline"] == "own call" and runs["StableDiffusion3Pipeline"] == "modular steps"
     assert "'diffusers' (omni-model-diffusers" in env["any_folder"]
     listed = subprocess.run([*omni, "plugins", "list"], capture_output=True, text=True, check=True).stdout
     assert "any other diffusers folder runs through 'diffusers'" in listed and "omni env --diffusers" in listed

@@ -81,3 +81,41 @@ def test_a_family_without_modular_blocks_refuses_step_mode(family):
     with pytest.raises(ConfigError) as err:
         Omni(family("sd"), pipeline="diffusers", warmup=False, step_execution=True)
     assert err.value.field == "step_execution"
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_stages_apart_equal_in_line(family, name):
+    """``encode_workers=1, decode_workers=1`` in step mode: the text blocks run in the encode process (it alone
+    holds the text encoders), the blocks after the loop in the decode process (the VAE), and every request of a wave
+    of two equals the same engine in line and the pipeline's own call for that request alone, bit for bit."""
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+
+    fields = {**omni_fields(FAMILIES[name].call_kwargs), "num_inference_steps": 3}
+    prompts = ["a cat", "a red car on a long street at night"]
+    params = [SamplingParams(seed=s, output_type="pt", **fields) for s in (5, 6)]
+    outs = {}
+    with Omni(family(name), pipeline="diffusers", warmup=False, cpu_threads=1, max_num_seqs=1) as omni:
+        outs["request"] = omni.generate(prompts, sampling_params=params, use_tqdm=False)  # a call each
+    for apart in (0, 1):
+        with Omni(family(name), pipeline="diffusers", warmup=False, cpu_threads=1, step_execution=True,
+                  max_num_seqs=2, encode_workers=apart, decode_workers=apart) as omni:
+            outs[apart] = omni.generate(prompts, sampling_params=params, use_tqdm=False)
+            if apart:
+                stages = omni.engine.stats()["stages"]
+                assert set(stages["encode"]["model_bytes"]) == {"text_encoder", "text_encoder_2"} if name == "flux" \
+                    else {"text_encoder"}, stages
+                assert set(stages["decode"]["model_bytes"]) == {"vae"}, stages
+    for apart, want in zip(outs[1], outs["request"]):
+        assert torch.equal(*((o.images[0] if o.images else o.video) for o in (apart, want)))
+    for inline, want in zip(outs[0], outs["request"]):
+        assert torch.equal(*((o.images[0] if o.images else o.video) for o in (inline, want)))
+
+
+def test_stages_apart_in_request_mode_are_refused_naming_step_execution(family):
+    from omni_core import Omni
+    from omni_core.errors import OmniError
+
+    with pytest.raises(OmniError) as err:
+        Omni(family("flux"), pipeline="diffusers", warmup=False, decode_workers=1)
+    assert "decode_workers" in str(err.value) and "step_execution=True" in str(err.value)

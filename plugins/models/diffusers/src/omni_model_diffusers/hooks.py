@@ -16,4 +16,5 @@ def omni_register_pipelines():
         supported_parallel=("ulysses", "ring"),  # diffusers' context parallelism, where the transformer plans it
         size_rules="omni_model_diffusers.folder:size_rules",
         class_refusal="omni_model_diffusers.signature:class_refusal",
+        class_description="omni_model_diffusers.modular:class_description",
     )]

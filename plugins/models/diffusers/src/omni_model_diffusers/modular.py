@@ -12,6 +12,12 @@ read ``components.scheduler`` and ``components.guider``, which keep per-run stat
 sigmas, the guider's step); one pipeline's components shared by requests at different steps would mix them up.
 Each request's denoiser call is its own (the blocks batch nothing across requests): waves interleave requests, they
 do not fold them into one call as the native models do.
+
+The stages apart (``encode_workers`` / ``decode_workers``) split the same blocks: the text blocks (those that expect
+a text encoder) run in the encode process and their outputs travel with the request (:meth:`ModularRun.encode`);
+the blocks after the loop run in the decode process on the final latents (:meth:`ModularRun.decode`). In line,
+the text blocks run the same way in the model process's encoding window, so a request gives the same bits either
+way.
 """
 
 from __future__ import annotations
@@ -34,6 +40,39 @@ def modular_available(model_path: str) -> bool:
         return False
 
 
+def modular_class(class_name: str) -> str | None:
+    """The modular pipeline class diffusers maps a standard pipeline class to (as ``ModularPipeline.from_pretrained``
+    does for a standard folder), or None where it has none (the generic ``ModularPipeline`` has no blocks)."""
+    from diffusers.modular_pipelines.modular_pipeline import MODULAR_PIPELINE_MAPPING
+    from diffusers.pipelines.auto_pipeline import _get_model
+
+    try:
+        name = MODULAR_PIPELINE_MAPPING.get(_get_model(class_name))
+    except Exception:  # noqa: BLE001 - a class auto-pipelines do not know
+        return None
+    if name is None:
+        return None
+    try:
+        return name({"_class_name": class_name}) if callable(name) else name
+    except Exception:  # noqa: BLE001 - a mapping that needs the folder's config to decide
+        return None
+
+
+STEP_MODE = ("step mode through diffusers' modular blocks ({modular}: requests join and leave between steps, "
+             "preemption, the encode and decode stages apart), and request mode through the pipeline's own call")
+
+
+def class_description(class_name: str) -> tuple[str, str]:
+    """The record's ``class_description``: ``("modular steps", ...)`` where diffusers has modular blocks for the
+    class's family, else ``("own call", ...)`` (tier 1 only)."""
+    modular = modular_class(class_name)
+    if modular is not None and modular != "ModularPipeline":
+        return "modular steps", STEP_MODE.format(modular=modular)
+    return "own call", ("the pipeline's own call: batched calls with one seed per request, aborts between steps, "
+                        "previews, extra_args, cache-dit, a LoRA per call (no step mode: diffusers has no modular "
+                        "blocks for this family)")
+
+
 def modular_from_folder(model_path: str) -> Any:
     """Diffusers' modular pipeline for the folder, without weights (None when its family has no blocks)."""
     from diffusers import ModularPipeline
@@ -49,7 +88,9 @@ def load_modular(model_path: str, standard: Any) -> Any:
     shared = {name: standard.components[name] for name in modular.component_names
               if standard.components.get(name) is not None}
     modular.update_components(**shared)
-    missing = [name for name in modular.component_names if name not in shared]
+    # only what the standard pipeline does not define at all (a guider): a component it holds as None is another
+    # stage's (encode_workers / decode_workers), never read here
+    missing = [name for name in modular.component_names if name not in standard.components]
     if missing:
         modular.load_components(names=missing)
     modular.set_progress_bar_config(disable=True)
@@ -71,12 +112,16 @@ class RequestComponents:
 class ModularRun:
     """One request's run through the modular blocks: its state, its components, the blocks around the loop."""
 
-    def __init__(self, modular: Any, inputs: dict[str, Any], guidance_scale: float | None) -> None:
+    def __init__(self, modular: Any, inputs: dict[str, Any], guidance_scale: float | None,
+                 encodings: dict | None = None) -> None:
         from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, PipelineState
 
         blocks = list(modular.blocks.get_execution_blocks(**inputs).sub_blocks.values())
         at = next(i for i, b in enumerate(blocks) if isinstance(b, LoopSequentialPipelineBlocks))
         self.before, self.loop, self.after = blocks[:at], blocks[at], blocks[at + 1:]
+        #: the blocks that run a text encoder: their outputs are the request's text encodings
+        self.text = [b for b in self.before if any(c.name.startswith(("text_encoder", "tokenizer"))
+                                                   for c in b.expected_components)]
         own = {"scheduler": copy.deepcopy(modular.scheduler)}
         guider = getattr(modular, "guider", None) if "guider" in modular.component_names else None
         if guider is not None:
@@ -91,6 +136,30 @@ class ModularRun:
                 continue
             self.state.set(param.name, inputs.get(param.name, param.default), param.kwargs_type)
         self.block_state: Any = None
+        if encodings is not None:  # computed by encode() (the encode stage's, or this process's window)
+            self.before = [b for b in self.before if b not in self.text]
+            for name, (value, kwargs_type) in encodings.items():
+                self.state.set(name, value, kwargs_type)
+
+    def text_key(self, guidance_scale: float | None) -> tuple:
+        """What the text blocks' outputs depend on: their inputs' values and the guidance (a guider encodes the
+        negative prompt only where it guides). Hashable, to key the encodings across processes."""
+        names = sorted({p.name for b in self.text for p in b.inputs if p.name is not None})
+        return ("modular-text", guidance_scale, *((n, self.state.get(n)) for n in names))
+
+    def encode(self) -> dict:
+        """Run the text blocks; ``{output name: (value, kwargs type)}``, what ``encodings=`` takes back."""
+        import torch
+
+        with torch.no_grad():
+            for block in self.text:
+                self.components, self.state = block(self.components, self.state)
+        return {o.name: (self.state.get(o.name), o.kwargs_type) for b in self.text for o in b.intermediate_outputs}
+
+    def decode(self, latents: Any) -> Any:
+        """The blocks after the loop on final ``latents`` (the decode stage: no loop ran here)."""
+        self.state.set("latents", latents)
+        return self._after()
 
     def prepare(self) -> int:
         """The blocks before the loop; returns the number of steps."""
@@ -114,9 +183,12 @@ class ModularRun:
 
     def finish(self) -> Any:
         """The blocks after the loop; returns the output tensor (``output_type="pt"``)."""
+        self.loop.set_block_state(self.state, self.block_state)
+        return self._after()
+
+    def _after(self) -> Any:
         import torch
 
-        self.loop.set_block_state(self.state, self.block_state)
         with torch.no_grad():
             for block in self.after:
                 self.components, self.state = block(self.components, self.state)
@@ -127,4 +199,5 @@ class ModularRun:
         raise RuntimeError("the modular pipeline's blocks made neither images nor videos")
 
 
-__all__ = ["ModularRun", "RequestComponents", "load_modular", "modular_available"]
+__all__ = ["ModularRun", "RequestComponents", "class_description", "load_modular", "modular_available",
+           "modular_class"]

@@ -27,12 +27,14 @@ from omni_core.errors import ConfigError
 from omni_core.images import ImageInput
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.base import OmniPipeline
+from omni_core.pipelines.stages import diffusers_stage_kwargs, folder_stage_components, stages_apart
 from omni_core.utils.denoisers import DIFFUSERS_DENOISERS
 from omni_core.utils.diffusers_folder import read_model_index
 
 from omni_model_diffusers.attention import dispatcher_backend, set_dispatcher_backend
 from omni_model_diffusers.folder import default_side, size_rules
-from omni_model_diffusers.modular import ModularRun, load_modular, modular_available
+from omni_model_diffusers.modular import load_modular, modular_available
+from omni_model_diffusers.stepwise import ModularSteps
 from omni_model_diffusers.signature import OWN_PARAMETERS, call_refusal, check_value, pipeline_class, scalar_kind
 
 logger = logging.getLogger("omni_model_diffusers")
@@ -87,7 +89,7 @@ def specialize(base: type, model_path: str) -> type:
     return type(cls.__name__, (base,), attrs)
 
 
-class DiffusersCallPipeline(OmniPipeline):
+class DiffusersCallPipeline(ModularSteps, OmniPipeline):
     """A diffusers pipeline run through its own ``__call__``; specialized per folder (:func:`specialize`)."""
 
     supports_step_execution: ClassVar[bool] = False
@@ -107,6 +109,20 @@ class DiffusersCallPipeline(OmniPipeline):
         return specialize(cls if not cls.diffusers_class else cls.__mro__[1], model_path)
 
     # ------------------------------------------------------------------ engine process
+    @classmethod
+    def stage_components_for(cls, model_path: str | None) -> dict[str, tuple[str, ...]]:
+        """The stages apart split the modular blocks (tier 2): declared where the folder has them, else none."""
+        if model_path is None or not modular_available(model_path):
+            return {}
+        return folder_stage_components(model_path, takes_images="image" in cls.call_parameters)
+
+    @classmethod
+    def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any, apart: tuple = ("decode",)) -> dict:
+        import torch
+
+        return diffusers_stage_kwargs(model_path, stage, cls.stage_components_for(model_path), dtype or torch.float32,
+                                      apart)
+
     @classmethod
     def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
         from omni_model_diffusers.parallel import check_context_parallel
@@ -182,6 +198,10 @@ class DiffusersCallPipeline(OmniPipeline):
                               f"backend: cache-dit's adapter refreshes its context per pipeline call, and the modular "
                               f"blocks' steps make none; use request mode (step_execution=False, no "
                               f"streaming_output)", field="cache_backend")
+        if config is not None and stages_apart(config) and not step_mode:
+            raise ConfigError(f"{stages_apart(config)[0]}_workers: the stages apart split {cls.diffusers_class}'s "
+                              f"modular blocks, which run in step mode only; set step_execution=True (or run the "
+                              f"stages in line)", field=f"{stages_apart(config)[0]}_workers")
         if step_mode:
             modular = load_modular(model_path, pipe)  # step mode: the modular blocks over the same components
         loras = None
@@ -217,78 +237,8 @@ class DiffusersCallPipeline(OmniPipeline):
                                                           step_index=s.step_index, num_steps=s.num_steps)
                 for s in batch]
 
-    # ------------------------------------------------------------------ step mode (tier 2: modular blocks)
-    #: diffusers' modular pipeline over the same components (step mode only), or None
-    modular: Any = None
     #: what every request run through the call reports (the context parallelism diffusers installed)
     call_metrics: dict = {}
-
-    def modular_inputs(self, state: Any) -> dict[str, Any]:
-        """The request as the modular pipeline's inputs (only those its blocks take)."""
-        sp, request = state.sampling_params, state.request
-        accepted = set(self.modular.blocks.input_names)
-        inputs: dict[str, Any] = {"prompt": request.prompt, "generator": state.generator, "output_type": "pt"}
-        if request.negative_prompt is not None:
-            inputs["negative_prompt"] = request.negative_prompt
-        for name, field in (("height", "height"), ("width", "width"), ("num_inference_steps", "num_inference_steps"),
-                            ("num_frames", "num_frames"), ("max_sequence_length", "max_sequence_length"),
-                            ("guidance_scale", "guidance_scale")):
-            if getattr(sp, field) is not None:
-                inputs[name] = getattr(sp, field)
-        if (sp.num_outputs_per_prompt or 1) > 1 and self.per_prompt_outputs:
-            inputs[self.per_prompt_outputs] = sp.num_outputs_per_prompt
-        if request.images:
-            from PIL import Image
-
-            inputs["image"] = Image.fromarray(request.images[0].permute(1, 2, 0).contiguous().numpy())
-        refused = [k for k in sp.extra_args if k not in accepted]
-        if refused:
-            raise ValueError(f"extra_args {refused} are not inputs of {type(self.modular).__name__}'s blocks (step "
-                             f"mode); they take: {', '.join(sorted(accepted))}")
-        inputs.update(sp.extra_args)
-        return {k: v for k, v in inputs.items() if k in accepted or k == "generator"}
-
-    def prepare_encode(self, state: Any) -> Any:
-        run = ModularRun(self.modular, self.modular_inputs(state), state.sampling_params.guidance_scale)
-        state.num_steps = run.prepare()
-        state.step_index = 0
-        state.extra["modular"] = run
-        return state
-
-    def denoise_step(self, states: list) -> list:
-        """One loop step of each request's own blocks (each its own denoiser call)."""
-        for state in states:
-            state.latents = state.extra["modular"].step(state.step_index)
-        return [None] * len(states)
-
-    def step_scheduler(self, state: Any, noise_pred: Any) -> None:
-        state.step_index += 1  # the loop step advanced the latents with the request's own scheduler
-
-    def post_decode(self, state: Any) -> DiffusionOutput:
-        tensor = state.extra.pop("modular").finish()  # state.latents stay: the last step's preview reads them
-        return DiffusionOutput(request_id=state.request_id, tensor=tensor, finished=True,
-                               step_index=state.step_index, num_steps=state.num_steps)
-
-    def preview_latents(self, state: Any) -> Any:
-        """The first row of the step's latents as a latent image (``[C, h, w]``, a video's ``[C, F, h, w]``);
-        packed latents (FLUX's ``[seq, C * 4]``) unpacked by the pipeline's own ``_unpack_latents``; None when
-        the layout is not one of these."""
-        latents = state.latents
-        if latents is None:
-            return None
-        if latents.dim() == 3:  # packed: [rows, seq, channels]
-            unpack = getattr(self.pipe, "_unpack_latents", None)
-            scale = getattr(self.pipe, "vae_scale_factor", None)
-            if unpack is None or scale is None:
-                return None
-            sp = state.sampling_params
-            try:
-                latents = unpack(latents[:1], sp.height, sp.width, scale)
-            except Exception:  # noqa: BLE001 - an unpacker of another signature: no preview, never a failure
-                return None
-            if latents.dim() == 5 and latents.shape[2] == 1:  # Qwen-Image's [B, C, 1, h, w]
-                latents = latents[:, :, 0]
-        return latents[0] if latents.dim() in (4, 5) else None
 
     def preview(self, state: Any) -> Any:
         """The step's preview (:func:`omni_core.pipelines.preview.render_preview`: the model folder's or plugin's
