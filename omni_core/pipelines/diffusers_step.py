@@ -26,6 +26,8 @@ Importing this module imports torch (it is the worker side of a model); ``import
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 from typing import Any, ClassVar
 
@@ -54,6 +56,11 @@ def fill_defaults(params: Any, **defaults: Any) -> Any:
     ``__call__``'s keyword defaults would be)."""
     changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
     return params.replace(**changes) if changes else params
+
+
+@functools.lru_cache(maxsize=None)
+def _step_takes_generator(scheduler_cls: type) -> bool:
+    return "generator" in inspect.signature(scheduler_cls.step).parameters
 
 
 def folder_config(model_path: str | None, component: str) -> dict | None:
@@ -347,8 +354,11 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
         sigmas = getattr(state.scheduler, "sigmas", None)
         if sigmas is not None and _flow_scheduler(state.scheduler):  # a preview's clean estimate (no work here)
             remember_flow_step(state, state.latents, sigmas[state.step_index], noise_pred)
+        # a scheduler that draws noise (DPM-Solver's SDE variants, stochastic flow sampling) draws it from the
+        # request's own generator, as diffusers' pipelines pass it (``prepare_extra_step_kwargs``)
+        extra = {"generator": state.generator} if _step_takes_generator(type(state.scheduler)) else {}
         with torch.no_grad():
-            state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+            state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False, **extra)[0]
         state.step_index += 1
 
     # -- decoding

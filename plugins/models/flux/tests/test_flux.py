@@ -197,3 +197,28 @@ def test_different_t5_lengths_never_share_a_call(omni_flux):
     finally:
         hook.remove()
     assert calls == [2, 2] * STEPS
+
+
+def test_a_scheduler_that_draws_noise_draws_it_from_the_requests_generator(flux_dir, tmp_path):
+    """A folder whose scheduler samples stochastically (FlowMatchEuler's ``stochastic_sampling``) draws each step's
+    noise from the request's own generator (as diffusers' pipelines that pass ``generator`` to ``step`` do; its FLUX
+    call passes none, so diffusers itself is not reproducible there): the same seed gives the same image, alone or
+    beside another request, and another seed another image."""
+    import json
+    import shutil
+
+    from omni_core import Omni
+    from omni_core.config import SamplingParams
+
+    folder = tmp_path / "flux-stochastic"
+    shutil.copytree(flux_dir, folder)
+    config_file = folder / "scheduler" / "scheduler_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "stochastic_sampling": True}))
+    fields = dict(height=32, width=32, num_inference_steps=4, guidance_scale=3.5, output_type="pt")
+    with Omni(str(folder), warmup=False, cpu_threads=1, max_num_seqs=2) as omni:
+        first, again = (omni.generate("a cat", seed=3, use_tqdm=False, **fields)[0].tensor for _ in range(2))
+        paired = omni.generate(["a cat", "a dog"], sampling_params=[SamplingParams(seed=s, **fields) for s in (3, 4)],
+                               use_tqdm=False)
+    assert levels_apart(first, again) == 0
+    assert levels_apart(paired[0].tensor, first) <= 1  # a batch's own kernel sums in another order
+    assert levels_apart(paired[1].tensor, first) > 1
