@@ -24,7 +24,8 @@ def test_every_diffusers_class_is_native_own_call_or_refused_with_the_reason():
     for name in ("StableDiffusion3Pipeline", "StableDiffusionXLPipeline", "LTXPipeline"):
         assert rows[name]["runs"] == "modular steps" and "ModularPipeline" in rows[name]["gives"], rows[name]
     assert rows["StableDiffusionImg2ImgPipeline"]["runs"] == "own call"
-    assert rows["WanImageToVideoPipeline"]["runs"] == ("native" if "WanImageToVideoPipeline" in native else "own call")
+    assert rows["WanImageToVideoPipeline"]["runs"] == ("native" if "WanImageToVideoPipeline" in native
+                                                       else "modular steps")
     refused = {"StableDiffusionInpaintPipeline": "mask image", "AudioLDMPipeline": "makes audio",
                "DDPMPipeline": "takes no prompt", "CogVideoXVideoToVideoPipeline": "input video"}
     for name, words in refused.items():
