@@ -69,6 +69,42 @@ _ATTR = "_omni_hooks"
 _MISSING = object()
 
 
+#: the state of rows that belong to no request (a caller that runs the denoiser itself, with no DenoiseCall): one
+#: run at a time, forgotten when the next request or run begins (:func:`forget_standalone_state`)
+_STANDALONE: dict = {}
+
+
+def state_store(state: Any) -> dict:
+    """Where per-request hook state lives: the request's ``StepState.hook_state``, or, for rows with no request
+    (``state`` None), the process's :func:`standalone_state`. One store for every hook, caches included."""
+    store = getattr(state, "hook_state", None) if state is not None else None
+    return _STANDALONE if store is None else store
+
+
+def request_state(group: RowGroup | None, key: Any, factory: Callable[[], Any]) -> Any:
+    """The state ``key`` of the request that the rows ``group`` belong to, made with ``factory`` on first use and
+    kept in that request's ``StepState.hook_state`` (:func:`state_store`). Why here, once: two caches each kept a
+    store of their own for the rows of a caller with no request; the core now keeps that one as well."""
+    return _get_or_make(state_store(getattr(group, "state", None) if group is not None else None), key, factory)
+
+
+def standalone_state() -> dict:
+    """The state of rows that belong to no request (see :func:`request_state`)."""
+    return _STANDALONE
+
+
+def forget_standalone_state() -> None:
+    """A new request or run begins: rows with no request start afresh (``CacheBackend.begin_request`` calls it)."""
+    _STANDALONE.clear()
+
+
+def _get_or_make(store: dict, key: Any, factory: Callable[[], Any]) -> Any:
+    value = store.get(key, _MISSING)
+    if value is _MISSING:
+        value = store[key] = factory()
+    return value
+
+
 class ModuleHook(ModelHook):
     """A diffusers ``ModelHook`` with a declared place in the chain (``order``, lower = outer).
 
@@ -79,20 +115,11 @@ class ModuleHook(ModelHook):
 
     def request_state(self, group: RowGroup | None, key: Any, factory: Callable[[], Any],
                       fallback: dict | None = None) -> Any:
-        """The state ``key`` of the request ``group`` belongs to (made with ``factory`` on first use), kept in
-        that request's ``StepState.hook_state``. For rows with no request (a caller that sets no
-        ``DenoiseCall``, or ``group`` None) it lives in ``fallback`` (a dict the hook's owner clears when a
-        request begins); without one, a new state each call."""
-        state = group.state if group is not None else None
-        store = getattr(state, "hook_state", None) if state is not None else None
-        if store is None:
-            if fallback is None:
-                return factory()
-            store = fallback
-        value = store.get(key, _MISSING)
-        if value is _MISSING:
-            value = store[key] = factory()
-        return value
+        """:func:`request_state` (``fallback``, a store of the hook's owner for rows with no request, is the
+        older spelling: without it those rows share the process's :func:`standalone_state`)."""
+        if fallback is not None and (group is None or getattr(group, "state", None) is None):
+            return _get_or_make(fallback, key, factory)
+        return request_state(group, key, factory)
 
     @staticmethod
     def current_call(batch: int | None = None) -> DenoiseCall | None:

@@ -58,3 +58,32 @@ def test_good_cache_config_still_reaches_the_mp_workers(tiny_dit_model, started_
         (out,) = omni.generate("a red square", num_inference_steps=4, use_tqdm=False, output_type="pt")
     assert started_processes, "the mp executor should have started a worker"
     assert out.metrics["cache_backend"] == "tea_cache" and out.metrics["steps_reused"] == 0
+
+
+def test_the_engine_process_checks_a_cache_config_once(monkeypatch):
+    """The config build checks ``cache_config`` against the backend's declared options; planning the engine does
+    not check it again (``plan_engine``'s ``check_cache_config`` asks only backends that declare none or check
+    more). Counted on the real validator."""
+    pytest.importorskip("omni_cache_teacache")
+    import omni_core.options as options
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.engine.plan import check_cache_config
+    from omni_core.plugins.manager import get_plugin_manager
+
+    calls = []
+    real = options.validate_options
+
+    def counted(values, opts, **kwargs):
+        if kwargs.get("prefix") == "cache_config.":
+            calls.append(dict(values or {}))
+        return real(values, opts, **kwargs)
+
+    import omni_core.config.plugin_options as plugin_options
+
+    monkeypatch.setattr(options, "validate_options", counted)  # what CacheBackend.check_config imports
+    monkeypatch.setattr(plugin_options, "validate_options", counted)  # what the config build calls
+    cfg = OmniDiffusionConfig(model="shapes", cache_backend="tea_cache", cache_config={"rel_l1_thresh": 0.2})
+    check_cache_config(get_plugin_manager(), cfg.cache_backend, cfg.cache_config)
+    assert calls == [{"rel_l1_thresh": 0.2}]
+    # a backend that declares no options is still asked (the built-in "none" takes anything)
+    check_cache_config(get_plugin_manager(), "none", {"anything": 1})

@@ -1,7 +1,7 @@
 """The cache backend interface: skip or reuse denoiser work across steps, with per-request state.
 
 Unlike the reference (one state per module), every decision and every cached tensor lives in the
-request's ``StepState.cache_state``, so requests batched together -- even at different steps in one
+request's ``StepState.hook_state`` (``omni_core.hooks.request_state``; ``cache_state`` is its older name), so requests batched together -- even at different steps in one
 STEP_BATCH wave -- each decide for themselves. Backends are built in the worker after the pipeline is
 loaded, from ``OmniDiffusionConfig.cache_config``.
 """
@@ -56,8 +56,12 @@ class CacheBackend:
         self.enabled = False
 
     def begin_request(self, state: Any) -> None:
-        """Initialise ``state.cache_state`` for a new request (after ``prepare_encode``)."""
+        """Initialise the request's hook state (``state.hook_state``, also named ``cache_state``) for a new request
+        (after ``prepare_encode``); rows with no request start afresh too (``omni_core.hooks.standalone_state``)."""
+        from omni_core.hooks import forget_standalone_state
+
         state.cache_state.clear()
+        forget_standalone_state()
 
     def request_metrics(self, state: Any) -> dict[str, Any]:
         """Statistics for the request's output metrics, e.g. ``{"steps_computed": 30, "steps_reused": 20}``."""

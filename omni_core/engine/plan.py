@@ -61,6 +61,16 @@ class EnginePlan:
                 "executor": f"{self.executor_cls.__module__}:{self.executor_cls.__qualname__}"}
 
 
+def check_cache_config(pm: Any, backend: str, cache_config: dict) -> None:
+    """The engine's part of validating ``cache_config`` once: what the config build did not check."""
+    from omni_core.cache.base import CacheBackend
+
+    cls = pm.load_component("cache", backend)
+    own_check = getattr(cls.check_config, "__func__", None) is not CacheBackend.check_config.__func__
+    if own_check or not getattr(pm.components("cache").get(backend), "options", ()):
+        cls.check_config(cache_config)
+
+
 def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None = None) -> EnginePlan:
     """Resolve and check ``config`` into an :class:`EnginePlan`; raises ``ConfigError`` naming the field.
 
@@ -92,8 +102,9 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
     from omni_core.pipelines.stages import check_stage_config
 
     check_stage_config(config, pipeline_cls, resolved.model_path)  # decode_workers: what the split cannot run with
-    # a bad cache_config key fails here, before any worker starts ("none" too: a built-in that takes any)
-    pm.load_component("cache", config.cache_backend).check_config(config.cache_config)
+    # cache_config was checked against the backend's declared options when the config was built; a backend that
+    # declares none, or checks more than its options (its own check_config), is asked here, before any worker
+    check_cache_config(pm, config.cache_backend, config.cache_config)
     mode = mode_for(config, pipeline_cls, resolved.spec.name)
     from omni_core.sched.capacity import wave_limits
 

@@ -34,9 +34,7 @@ class StepState:
     #: this request's texts encoded by the window it started in (``TextEncodingWindow``: the wave's batched
     #: encoding, the embedding cache, or the encode stage's), by text key; ``prepare_encode`` reads them
     text_encodings: dict = attrs.field(factory=dict)
-    #: per-request state of the cache backend (keyed by branch/expert)
-    cache_state: dict = attrs.field(factory=dict)
-    #: per-request state of module hooks (``omni_core.hooks.ModuleHook.request_state``), keyed by the hook
+    #: per-request state of module hooks, cache backends included (``omni_core.hooks.request_state``), by key
     hook_state: dict = attrs.field(factory=dict)
     #: model-private data
     extra: dict = attrs.field(factory=dict)
@@ -44,6 +42,11 @@ class StepState:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def cache_state(self) -> dict:
+        """The older name of :attr:`hook_state` (cache backends kept a store of their own; there is one now)."""
+        return self.hook_state
 
     @property
     def sampling_params(self):

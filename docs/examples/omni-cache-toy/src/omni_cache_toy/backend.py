@@ -44,11 +44,11 @@ class EveryOtherStep(CacheBackend):
         super().disable(pipeline)
 
     def begin_request(self, state: Any) -> None:
-        state.cache_state.clear()
-        state.cache_state["every_other"] = {"outputs": {}, "computed": 0, "reused": 0}
+        state.hook_state.clear()
+        state.hook_state["every_other"] = {"outputs": {}, "computed": 0, "reused": 0}
 
     def request_metrics(self, state: Any) -> dict[str, Any]:
-        mine = state.cache_state.get("every_other")
+        mine = state.hook_state.get("every_other")
         return {"steps_computed": mine["computed"], "steps_reused": mine["reused"]} if mine else {}
 
     def _hook(self, spec: Any, interval: int) -> Any:
@@ -57,11 +57,11 @@ class EveryOtherStep(CacheBackend):
 
         def cached_forward(below: Any, *args: Any, **kwargs: Any) -> Any:
             call = forward_context().call
-            if call is None or any(g.state is None or "every_other" not in g.state.cache_state for g in call.groups):
+            if call is None or any(g.state is None or "every_other" not in g.state.hook_state for g in call.groups):
                 return below(*args, **kwargs)  # a call outside a request (e.g. a warm-up probe): compute it
             spans = call.spans()
             key = f"{call.expert or spec.name}/"  # one stored output per denoiser and CFG branch
-            stores = [g.state.cache_state["every_other"] for g, _, _ in spans]
+            stores = [g.state.hook_state["every_other"] for g, _, _ in spans]
             reuse = [g.state.step_index % interval != 0 and key + g.branch in store["outputs"]
                      for (g, _, _), store in zip(spans, stores)]
             keep = [i for i, r in enumerate(reuse) if not r] if spec.rows_separable else list(range(len(spans)))

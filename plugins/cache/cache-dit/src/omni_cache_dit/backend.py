@@ -7,7 +7,7 @@ blocks and block call become a module cache-dit is enabled on through its own ``
 cache-dit keeps its state in a *cache context* looked up by name while the blocks run, and decides for the
 whole batch of a call. Omni batches requests (and, in STEP_BATCH mode, requests at different steps), so this
 backend gives every (request, CFG branch, denoiser) a ``CachedContext`` of its own, stored in the request's
-``StepState.cache_state`` and sized to the request's step count (``num_inference_steps``, and its own SCM
+``StepState.hook_state`` (``omni_core.hooks.state_store``) and sized to the request's step count (``num_inference_steps``, and its own SCM
 mask). A denoiser call whose typed context (``forward_context().call``) holds several row groups is split
 per group: each group's rows (the spec's ``batch_args``, sliced with :mod:`omni_core.cache.rows`) run through
 the cached forward with its own context in place, under a call context of that group alone. The trade-off:
@@ -36,7 +36,7 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.rows import concat_rows, slice_rows
 from omni_core.errors import ConfigError
 from omni_core.forward_context import forward_context, use_forward_context
-from omni_core.hooks import FunctionHook, add_hook, remove_hook
+from omni_core.hooks import FunctionHook, add_hook, remove_hook, standalone_state, state_store
 from omni_core.pipelines.denoiser import denoisers_of, model_folder_of
 
 from omni_cache_dit.blocks import (build_stack, build_stand_ins, forward_pattern, install_stand_ins, remove_stand_ins,
@@ -90,7 +90,6 @@ class CacheDiTBackend(CacheBackend):
         super().__init__(config)
         self.options = cache_dit_config(config)
         self.denoisers: dict[str, _Denoiser] = {}
-        self._fallback: dict[tuple, DiTState] = {}
         #: denoiser calls split into one call per row group
         self.split_calls = 0
         #: the diffusers pipeline cached whole (``_enable_whole``), or None
@@ -202,10 +201,6 @@ class CacheDiTBackend(CacheBackend):
         self.denoisers.clear()
         self.enabled = False
 
-    def begin_request(self, state: Any) -> None:
-        state.cache_state.clear()
-        self._fallback.clear()
-
     def request_metrics(self, state: Any) -> dict[str, Any]:
         if self.whole is not None:  # the last call's steps (a request's call is the last of its wave's calls)
             import cache_dit
@@ -215,9 +210,8 @@ class CacheDiTBackend(CacheBackend):
             cached = list(stats[0].cached_steps) if stats else []
             return {"cache_backend": self.name, "steps_reused": len(cached),
                     "steps_computed": max(0, state.num_steps - len(cached)), "cached_steps": cached}
-        dits = {k: v for k, v in state.cache_state.items() if isinstance(v, DiTState)}
-        if not dits:
-            dits = {k[1]: v for k, v in self._fallback.items()}
+        dits = ({k: v for k, v in state.cache_state.items() if isinstance(v, DiTState)}
+                or {k: v for k, v in standalone_state().items() if isinstance(v, DiTState)})
         branches = {}
         computed = reused = 0
         for key, dit in dits.items():
@@ -248,14 +242,14 @@ class CacheDiTBackend(CacheBackend):
     def _dit_state(self, den: _Denoiser, state: Any, branch: str) -> DiTState:
         """The (request, branch, denoiser)'s context (the backend's own for a call without a typed context);
         none is made while the threshold is 0 (the original forward runs, calls are only counted)."""
-        key = (branch, den.name)
-        store, skey = (self._fallback, (den.name, key)) if state is None else (state.cache_state, key)
-        dit = store.get(skey)
+        def make() -> DiTState:
+            reuses = not den.options.never_reuses
+            return DiTState(self._new_context(den, state.num_steps if state is not None else None) if reuses else None)
+
+        store, key = state_store(state), (branch, den.name)  # the request's own; no request: the core's standalone
+        dit = store.get(key)
         if not isinstance(dit, DiTState):
-            context = None
-            if not den.options.never_reuses:
-                context = self._new_context(den, state.num_steps if state is not None else None)
-            dit = store[skey] = DiTState(context)
+            dit = store[key] = make()
         return dit
 
     def _forward(self, den: _Denoiser) -> Any:

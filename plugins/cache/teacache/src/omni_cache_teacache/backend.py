@@ -10,7 +10,7 @@ from the typed :class:`~omni_core.forward_context.DenoiseCall` which rows belong
 expert, so each request decides for itself:
 
 * block 0's wrapper computes every row's modulated input, each request's relative L1 change, rescales it
-  with the model's polynomial and accumulates it in ``state.cache_state[(branch, expert)]``;
+  with the model's polynomial and accumulates it in ``state.hook_state[(branch, expert)]`` (``omni_core.hooks.request_state``);
 * the blocks then run only the rows that must compute (their per-row inputs sliced, the call context narrowed
   with ``DenoiseCall.select``), the others pass through, and the last block's wrapper adds each reusing
   request's own cached residual.
@@ -32,7 +32,7 @@ from omni_core.cache import CacheBackend
 from omni_core.cache.calls import call_key, call_spans, current_call, only_groups
 from omni_core.cache.rows import span_index
 from omni_core.errors import ConfigError
-from omni_core.hooks import FunctionHook, add_hook, remove_hook
+from omni_core.hooks import FunctionHook, add_hook, remove_hook, request_state, standalone_state
 from omni_core.pipelines.denoiser import DenoiserSpec, denoisers_of, model_folder_of
 
 from omni_cache_teacache.config import GENERIC_DEFAULTS, TeaCacheConfig, tea_cache_config
@@ -144,7 +144,6 @@ class TeaCacheBackend(CacheBackend):
         self.denoisers: dict[str, _Denoiser] = {}
         #: calibration: compute every step and record (input change, output change) pairs
         self.record = False
-        self._fallback: dict[tuple, TeaState] = {}
         #: how calls ran: all rows computed / none / only some rows (sliced) / all rows, reused ones overwritten
         self.mode_counts = {"all": 0, "none": 0, "slice": 0, "mask": 0}
 
@@ -179,14 +178,9 @@ class TeaCacheBackend(CacheBackend):
         self.denoisers.clear()
         self.enabled = False
 
-    def begin_request(self, state: Any) -> None:
-        state.cache_state.clear()
-        self._fallback.clear()
-
     def request_metrics(self, state: Any) -> dict[str, Any]:
-        teas = {k: v for k, v in state.cache_state.items() if isinstance(v, TeaState)}
-        if not teas:
-            teas = {k[1]: v for k, v in self._fallback.items()}
+        teas = ({k: v for k, v in state.cache_state.items() if isinstance(v, TeaState)}
+                or {k: v for k, v in standalone_state().items() if isinstance(v, TeaState)})
         branches = {"/".join(str(p) for p in key): {"computed": t.computed, "reused": t.reused,
                                                     "pattern": "".join("C" if c else "R" for c in t.pattern)}
                     for key, t in teas.items()}
@@ -266,13 +260,8 @@ class TeaCacheBackend(CacheBackend):
         segments = []
         for group, start, stop in call_spans(batch):
             key = call_key(group, den.name)
-            if group is None or group.state is None:  # one request, state kept here until the next begins
-                store, skey = self._fallback, (den.name, key)
-            else:
-                store, skey = group.state.cache_state, key
-            tea = store.get(skey)
-            if not isinstance(tea, TeaState):
-                tea = store[skey] = TeaState(records=[] if self.record else None)
+            # the request's own (rows with no request: one run, the core's standalone store)
+            tea = request_state(group, key, lambda: TeaState(records=[] if self.record else None))
             segments.append(_Segment(group.state if group is not None else None, start, stop, key, tea))
         return segments
 
