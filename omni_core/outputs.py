@@ -28,6 +28,9 @@ class DiffusionOutput:
     status: str = "completed"
     error: str | None = None
     metrics: dict = attrs.field(factory=dict)
+    #: what a request that asked for a rollout gets back (``omni_core.pipelines.rollout.rollout_output``: per-sample
+    #: log-probabilities per chosen step, timesteps, sigmas, optionally the trajectory); None otherwise
+    rollout: dict | None = None
 
     @property
     def frames(self) -> list | None:

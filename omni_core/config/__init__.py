@@ -12,6 +12,7 @@ from omni_core.config.engine import OFFLOAD_MODES, PERFORMANCE_MODES, QUANTIZATI
 from omni_core.config.plugin_options import declared_options, executor_option_names
 from omni_core.config.limits import LIMIT_FIELDS, RequestLimits
 from omni_core.config.parallel import PARALLEL_STRATEGIES, ParallelConfig
+from omni_core.config.rollout import SDE_TYPES, RolloutOptions
 from omni_core.config.sampling import SamplingParams, check_sampling_field, registered_sampling_fields
 from omni_core.config.validators import (bool_field, choice_field, coerce_record, dict_field, float_field, int_field,
                                          str_field)
@@ -22,6 +23,6 @@ __all__ = [
     "DTYPES", "GUIDANCE_MAX", "LIMIT_FIELDS", "LORA_SCALE_MAX", "MAX_FRAMES", "MAX_INFERENCE_STEPS",
     "MAX_OUTPUTS_PER_PROMPT", "MAX_SIDE", "OFFLOAD_MODES", "OUTPUT_TYPES", "PARALLEL_STRATEGIES", "PERFORMANCE_MODES",
     "QUANTIZATION_METHODS", "AttentionConfig", "AttentionSpec", "ConfigError", "OmniDiffusionConfig", "ParallelConfig",
-    "RequestLimits", "SamplingParams", "bool_field", "check_sampling_field", "choice_field", "coerce_record",
+    "RequestLimits", "RolloutOptions", "SDE_TYPES", "SamplingParams", "bool_field", "check_sampling_field", "choice_field", "coerce_record",
     "declared_options", "dict_field", "executor_option_names", "float_field", "int_field", "registered_sampling_fields", "str_field",
 ]

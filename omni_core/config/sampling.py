@@ -8,6 +8,7 @@ import attrs
 
 from omni_core.config.bounds import (GUIDANCE_MAX, LORA_SCALE_MAX, MAX_FRAMES, MAX_INFERENCE_STEPS,
                                      MAX_OUTPUTS_PER_PROMPT, MAX_SIDE, OUTPUT_TYPES)
+from omni_core.config.rollout import RolloutOptions, coerce_rollout
 from omni_core.config.validators import (_dict_or_empty, _fail, _FromKwargs, choice_field, dict_field,
                                          float_field, int_field, str_field)
 from omni_core.errors import ConfigError
@@ -94,6 +95,8 @@ class SamplingParams(_FromKwargs):
     priority: int = attrs.field(default=0, validator=int_field(min=-(2**31), max=2**31 - 1))
     #: seconds from admission after which an unfinished request is aborted with a timeout error (None: no deadline)
     timeout: float | None = attrs.field(default=None, validator=float_field(min=0.001, max=7 * 86400.0, optional=True))
+    #: an RL rollout: a stochastic flow step with per-sample log-probabilities (``RolloutOptions``; True: defaults)
+    rollout: RolloutOptions | None = attrs.field(default=None, converter=coerce_rollout)
 
     #: fields set by the core or the pipeline's check, not by callers
     _INTERNAL = ("model_fields", "model_field_specs")

@@ -68,6 +68,9 @@ class OmniPipeline:
     embedding_cache: Any = None
     #: parallel strategies supported: any of "ulysses", "ring", "cfg", "data"
     supported_parallel: ClassVar[tuple[str, ...]] = ()
+    #: requests may ask for a rollout (``SamplingParams.rollout``): the model advances its latents through the
+    #: core's flow step (``omni_core.pipelines.rollout.flow_step``); ``check_rollout`` refuses what it cannot follow
+    supports_rollout: ClassVar[bool] = False
     #: height and width must be multiples of this
     size_multiple: ClassVar[int] = 16
     is_video: ClassVar[bool] = False
@@ -135,6 +138,10 @@ class OmniPipeline:
         return cls.default_height, cls.default_width
 
     @classmethod
+    def check_rollout(cls, params: SamplingParams, model_path: str | None) -> None:
+        """Refuse a rollout this model's folder cannot sample (``supports_rollout`` models; default: any)."""
+
+    @classmethod
     def check_sampling_params(cls, params: SamplingParams, model_path: str | None = None) -> SamplingParams:
         """Fill in the model's defaults and reject what the model cannot do (before any work starts). The size
         defaults and multiples come from :meth:`default_size` and :meth:`size_multiples` of the folder, so an
@@ -154,6 +161,12 @@ class OmniPipeline:
             changes["num_frames"] = cls.default_num_frames
         params = params.replace(**changes) if changes else params
         params = cls.check_model_fields(params)
+        if params.rollout is not None:
+            if not cls.supports_rollout:
+                raise ConfigError(f"rollout: {cls.__name__} does not advance its latents through the core's flow step "
+                                  f"(supports_rollout), so it cannot sample a rollout with log-probabilities; leave "
+                                  f"rollout unset", field="rollout")
+            cls.check_rollout(params, model_path)
         hm, wm, frame_multiple = cls.size_multiples(model_path)
         for name, m in (("height", hm), ("width", wm)):
             value = getattr(params, name)

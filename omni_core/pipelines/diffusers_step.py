@@ -38,6 +38,7 @@ from omni_core.forward_context import use_config, use_denoise_call
 from omni_core.pipelines.base import OmniPipeline
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.diffusers_folder import check_model_index, dtype_kwarg, read_json
+from omni_core.pipelines.rollout import check_rollout_scheduler, flow_step
 from omni_core.pipelines.state import StepState, remember_flow_step
 from omni_core.pipelines.text_padding import pad_text
 from omni_core.pipelines.text_window import TextEncodingWindow
@@ -78,6 +79,8 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
     supports_request_batch = True
     supports_step_execution = True
     supported_parallel: ClassVar[tuple[str, ...]] = ("ulysses", "ring", "cfg")
+    #: every step goes through the core's flow step (``omni_core.pipelines.rollout``), for flow-matching folders
+    supports_rollout: ClassVar[bool] = True
     #: the ``diffusers`` pipeline class loaded, and the ``_class_name`` a folder's model_index.json must hold
     diffusers_class: ClassVar[str] = ""
     #: attributes of the diffusers pipeline that hold denoisers, in order; those that are None are skipped
@@ -89,6 +92,13 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
     fast_vae_convs: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ engine process
+    @classmethod
+    def check_rollout(cls, params: Any, model_path: str | None) -> None:
+        """A rollout follows the folder's scheduler's sigmas: refused unless it is a flow-matching one."""
+        if model_path is not None:
+            scheduler = read_json(os.path.join(model_path, "scheduler", "scheduler_config.json")) or {}
+            check_rollout_scheduler(scheduler.get("_class_name"), f"{cls.__name__} ({model_path})")
+
     @classmethod
     def check_parallel_config(cls, parallel_config: Any, model_path: str | None = None) -> None:
         """Ulysses splits attention heads: its degree must divide every denoiser's head count, read from the
@@ -350,15 +360,14 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
         return list(out.split(rows)) if len(rows) > 1 else [out]
 
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
-        t = state.timesteps[state.step_index]
         sigmas = getattr(state.scheduler, "sigmas", None)
         if sigmas is not None and _flow_scheduler(state.scheduler):  # a preview's clean estimate (no work here)
             remember_flow_step(state, state.latents, sigmas[state.step_index], noise_pred)
         # a scheduler that draws noise (DPM-Solver's SDE variants, stochastic flow sampling) draws it from the
         # request's own generator, as diffusers' pipelines pass it (``prepare_extra_step_kwargs``)
         extra = {"generator": state.generator} if _step_takes_generator(type(state.scheduler)) else {}
-        with torch.no_grad():
-            state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False, **extra)[0]
+        with torch.no_grad():  # a request asking for a rollout takes the SDE step (omni_core.pipelines.rollout)
+            state.latents = flow_step(state, noise_pred, state.latents, **extra)
         state.step_index += 1
 
     # -- decoding

@@ -29,10 +29,8 @@ from typing import Any
 
 import attrs
 
+from omni_core.config.rollout import SDE_TYPES
 from omni_core.errors import ConfigError
-
-#: the SDE families a request may ask for (``sde_type``)
-SDE_TYPES = ("sde", "cps", "dance_sde", "ode")
 
 
 @attrs.frozen

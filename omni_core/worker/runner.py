@@ -210,6 +210,10 @@ class ModelRunner(RankAgreement):
     # ------------------------------------------------------------------ request path
     def _finish_output(self, state: StepState, out: DiffusionOutput, extra: dict) -> DiffusionOutput:
         out.request_id = state.request_id
+        if out.rollout is None and state.sampling_params.rollout is not None:
+            from omni_core.pipelines.rollout import rollout_output
+
+            out.rollout = rollout_output(state)
         out.metrics.update(extra)
         out.metrics.setdefault("num_steps", state.step_index)
         out.metrics["seed"] = state.request.seed

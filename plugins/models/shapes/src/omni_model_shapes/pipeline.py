@@ -25,6 +25,7 @@ from omni_core.pipelines.base import read_model_index
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_folder import read_json, refuse_pickled_weights
 from omni_core.pipelines.embedding_cache import carried_encodings, text_encoders_have_adapters
+from omni_core.pipelines.rollout import flow_step
 from omni_core.pipelines.state import flow_clean_estimate, remember_flow_step
 from omni_core.request import OmniDiffusionRequest
 from omni_model_shapes.models import ShapesTextEncoder, ShapesTransformer2DModel, velocity
@@ -67,6 +68,7 @@ def _modulated_input(transformer: ShapesTransformer2DModel, block: Any, args: di
 class ShapesPipeline(OmniPipeline):
     supports_request_batch = True
     supports_step_execution = True
+    supports_rollout = True  # its own FlowMatchEulerDiscreteScheduler, every step through the core's flow step
     concurrent_calls_safe = True  # denoise_step keeps no state on the pipeline or its modules
     supported_parallel = ("ulysses", "ring", "cfg")
     size_multiple = 4
@@ -370,8 +372,8 @@ class ShapesPipeline(OmniPipeline):
     def step_scheduler(self, state: StepState, noise_pred: torch.Tensor) -> None:
         # the step's inputs, for a preview's clean estimate (computed only if someone streams previews)
         remember_flow_step(state, state.latents, state.scheduler.sigmas[state.step_index], noise_pred)
-        state.latents = state.scheduler.step(noise_pred, state.timesteps[state.step_index], state.latents.float(),
-                                             return_dict=False)[0].to(self.dtype)
+        # the core's flow step: the scheduler's, or a rollout's SDE step with its log-probability
+        state.latents = flow_step(state, noise_pred, state.latents.float()).to(self.dtype)
         state.step_index += 1
 
     def post_decode(self, state: StepState) -> DiffusionOutput:
