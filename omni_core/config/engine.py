@@ -139,6 +139,10 @@ class OmniDiffusionConfig(_FromKwargs):
     #: waiting requests beyond this are refused (None = unbounded)
     max_waiting_requests: int | None = attrs.field(default=None, validator=int_field(min=1, optional=True))
     warmup: bool = attrs.field(default=True, validator=bool_field)
+    #: every request computes exactly what it computes alone, whatever shares its wave: its text encoding, each
+    #: denoiser call and its decode run on its own rows only (``omni_core.worker.batch_invariant``); waves still
+    #: interleave requests step by step. Costs the throughput of folding requests into one call (docs/rollouts.md)
+    batch_invariant: bool = attrs.field(default=False, validator=bool_field)
     #: extra keyword arguments for the pipeline's ``from_pretrained``
     model_kwargs: dict = attrs.field(factory=dict, converter=_dict_or_empty, validator=dict_field)
     #: seconds to wait for worker processes to load the model

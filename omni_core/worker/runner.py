@@ -125,6 +125,10 @@ class ModelRunner(RankAgreement):
 
             # both modes: post_decode_batch hands back sealed DecodePayloads (by value for a decode stage elsewhere)
             defer_decode(self.pipeline, by_value=self.seal_by_value)
+        if self.config.batch_invariant:  # each request alone in every computation (omni_core.worker.batch_invariant)
+            from omni_core.worker.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(self.pipeline, self.device)
         self.pipeline.denoise_step = self.clock.wrap_denoise(self.pipeline.denoise_step)
         from omni_core.pipelines.embedding_cache import embedding_cache_snapshot
 
