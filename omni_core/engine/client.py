@@ -52,6 +52,16 @@ class EngineClient(Protocol):
         """A waiting request ends at once, a running one within one denoising step; unknown ids are ignored."""
         ...
 
+    def weight_call(self, method: str, args: tuple = (), kwargs: dict | None = None, *, in_flight: str = "finish",
+                    timeout: float | None = None) -> list[Any]:
+        """A weight operation on every rank once the held requests finished or were aborted (``in_flight``)."""
+        ...
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """The model runner's public ``method`` on every rank, between waves; one result per rank."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """``waiting``, ``running``, ``tracked_requests``, ``execution_mode``, ``dead`` and the counters
         (``requests_added``/``_completed``/``_aborted``/``_failed``, ``denoise_steps``)."""

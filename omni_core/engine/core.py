@@ -286,6 +286,10 @@ class EngineCore:
             self.post(self.die, str(error))
 
     # ------------------------------------------------------------------ waves (the step function's calls)
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds (waiting, running, decoding): a weight operation waits for none."""
+        return list(self._records)
+
     def record(self, request_id: str) -> RequestRecord | None:
         return self._records.get(request_id)
 

@@ -21,6 +21,7 @@ from omni_core.engine.modes import DiffusionExecutionMode
 from omni_core.engine.plan import EnginePlan, plan_engine
 from omni_core.engine.records import RequestRecord
 from omni_core.engine.admission import RequestChecker
+from omni_core.engine.weight_sync import WeightGate
 from omni_core.errors import QueueFullError
 from omni_core.request import OmniDiffusionRequest
 
@@ -48,6 +49,8 @@ class DiffusionEngine:
         self.mode = plan.mode
         #: validates each request once, in the caller's thread (``submit`` re-checks only what was replaced since)
         self._checker = RequestChecker(plan)
+        #: holds submissions while weights change or the model's memory is released (omni_core.engine.weight_sync)
+        self.weights = WeightGate()
         self._core = EngineCore(plan, scheduler=scheduler, executor=executor)
         self.scheduler, self.executor = self._core.scheduler, self._core.executor
         self._closed = False
@@ -93,6 +96,7 @@ class DiffusionEngine:
     def admit(self, requests: list[OmniDiffusionRequest], on_progress: ProgressFn | None = None
               ) -> list[RequestHandle]:
         """Queue requests that were checked already (``submit`` checks; the start-up warm-up builds its own)."""
+        self.weights.admit()  # waits while weights change; refused while the model's memory is released
         return self._core.call(self._core.admit, list(requests), on_progress)
 
     # ------------------------------------------------------------------ abort
@@ -113,6 +117,15 @@ class DiffusionEngine:
         check_method(method)  # in the caller's thread, before anything pauses
         core = self._core
         return core.call(core.begin_collective, method, tuple(args), dict(kwargs or {}), timeout).result()
+
+    def weight_call(self, method: str, args: tuple = (), kwargs: dict | None = None, *, in_flight: str = "finish",
+                    timeout: float | None = None) -> list[Any]:
+        """A weight operation of the model runner (``omni_core.worker.weights``) on every rank, once the requests
+        held have finished (``in_flight="finish"``) or been aborted (``"abort"``); submissions wait meanwhile."""
+        core = self._core
+        return self.weights.run(lambda: self.collective_rpc(method, args, kwargs, timeout),
+                                request_ids=lambda: core.call(core.request_ids), abort=self.abort,
+                                in_flight=in_flight, timeout=timeout)
 
     # ------------------------------------------------------------------ state
     @property

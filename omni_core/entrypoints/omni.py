@@ -51,6 +51,37 @@ class Omni:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    # ------------------------------------------------------------------ weights (RL trainers: docs/rollouts.md)
+    def update_weights(self, source: Any, target: str = "transformer", *, strict: bool = True,
+                       in_flight: str = "finish", timeout: float | None = None) -> str:
+        """Replace ``target``'s weights without a restart, all or nothing, from ``{name: tensor}`` or a safetensors
+        file or folder; returns the new checksum. Requests held finish on the old weights (``in_flight="finish"``)
+        or are aborted (``"abort"``); a refused update (an unknown name, a wrong shape, a missing tensor of a full
+        update) leaves the old weights serving."""
+        return _agreed(self.engine.weight_call("update_weights", (source, target, strict), in_flight=in_flight,
+                                               timeout=timeout))
+
+    def weights_checksum(self, target: str = "transformer") -> str:
+        """SHA-256 of ``target``'s tensors (every rank's must agree)."""
+        return _agreed(self.engine.collective_rpc("weights_checksum", (target,)))
+
+    def release_memory(self, *, in_flight: str = "finish") -> int:
+        """Free the model's memory between rollout phases (weights kept on the host); submissions are refused until
+        :meth:`resume_memory`. Returns the bytes released (rank 0's)."""
+        gate = self.engine.weights
+        gate.released = True  # from now on a submission is refused, never run on released tensors
+        try:
+            return self.engine.weight_call("release_memory", in_flight=in_flight)[0]
+        except BaseException:
+            gate.released = False
+            raise
+
+    def resume_memory(self) -> int:
+        """Put the model back where it ran; returns the bytes restored (rank 0's)."""
+        restored = self.engine.collective_rpc("resume_memory")[0]
+        self.engine.weights.released = False  # only once every rank has its tensors back
+        return restored
+
     def close(self) -> None:
         self.engine.close()
 
@@ -59,6 +90,13 @@ class Omni:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _agreed(per_rank: list) -> Any:
+    """The one value every rank returned (a checksum); ranks that disagree are an error naming them."""
+    if len(set(per_rank)) != 1:
+        raise RuntimeError(f"the model's ranks disagree: {per_rank}")
+    return per_rank[0]
 
 
 class _Bar:

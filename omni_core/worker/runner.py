@@ -28,6 +28,7 @@ from omni_core.waves import DiffusionSchedulerOutput, RunnerOutput
 from omni_core.worker.failures import RankAgreement, batched_then_one_by_one, error_output
 from omni_core.worker.lanes import CpuLanes, lanes_allowed
 from omni_core.worker.timing import WaveClock, lane_clock
+from omni_core.worker.weights import WeightOps
 
 
 logger = logging.getLogger("omni_core.worker")
@@ -66,7 +67,7 @@ class _Control:
                 self.runner.progress.append(event)
 
 
-class ModelRunner(RankAgreement):
+class ModelRunner(WeightOps, RankAgreement):
     def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
                  world_size: int = 1, on_progress: Callable[[list[tuple[str, int, int]]], None] | None = None,
                  poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None,

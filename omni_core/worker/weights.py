@@ -1,0 +1,134 @@
+"""Weight operations of a model process, reached through the engine's collective call (``Omni.update_weights``,
+``weights_checksum``, ``release_memory``, ``resume_memory``; issue #52): what an RL trainer needs between rollout
+phases without restarting the engine.
+
+* **Update, all or nothing.** New values for a component's parameters and buffers (in-process tensors, or a
+  safetensors file or folder) are checked in full against the loaded module first (every name known, every shape
+  equal; a name missing from a full update, when ``strict``) and only then copied in place, so a refused update
+  leaves the previous weights serving. Copying into the existing tensors keeps every hook, compiled region and
+  tensor-parallel shard layout as it was.
+* **A checksum** of a component (SHA-256 over its tensors in name order, as stored), which the trainer compares
+  with its own.
+* **Release and resume.** ``release_memory`` moves the model's tensors to host copies and frees their device
+  storage (on the CPU: the process's own tensors are swapped for the copies, so what "device memory" the engine
+  counts goes to zero); ``resume_memory`` puts them back. Outputs after a resume equal those before.
+
+Why not diffusers' ``load_state_dict``: it replaces tensors (breaking hooks and shards) and checks nothing before it
+writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from omni_core.errors import ConfigError
+
+
+def _read(source: Any) -> dict:
+    """``{name: tensor}`` of ``source``: a mapping as given, or a ``.safetensors`` file, or a folder of them."""
+    if isinstance(source, dict):
+        return source
+    from safetensors.torch import load_file
+
+    path = str(source)
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ConfigError(f"update_weights: {path!r} holds no .safetensors file", field="source")
+        out: dict = {}
+        for name in files:
+            out.update(load_file(os.path.join(path, name)))
+        return out
+    if not os.path.isfile(path):
+        raise ConfigError(f"update_weights: {path!r} is neither a folder nor a file", field="source")
+    return load_file(path)
+
+
+class WeightOps:
+    """The model runner's weight operations (mixed into ``ModelRunner``; ``self.pipeline`` is the loaded one)."""
+
+    pipeline: Any
+
+    def _component(self, target: str) -> Any:
+        from omni_core.optimize.components import components_of
+
+        found = components_of(self.pipeline)
+        if target not in found:
+            raise ConfigError(f"update_weights: the pipeline has no component {target!r}; it has: "
+                              f"{', '.join(found)}", field="target")
+        return found[target]
+
+    def update_weights(self, source: Any, target: str = "transformer", strict: bool = True) -> str:
+        """Copy ``source``'s tensors into ``target``'s parameters and buffers, all or nothing; returns the new
+        checksum. ``strict``: every tensor of the component must be given (a full update)."""
+        import torch
+
+        module = self._component(target)
+        current = dict(module.state_dict(keep_vars=True))
+        values = _read(source)
+        unknown = sorted(set(values) - set(current))
+        if unknown:
+            raise ConfigError(f"update_weights: {target} has no tensor {unknown[0]!r} ({len(unknown)} unknown); "
+                              f"nothing was changed", field="source")
+        wrong = [(k, tuple(v.shape), tuple(current[k].shape)) for k, v in values.items()
+                 if tuple(v.shape) != tuple(current[k].shape)]
+        if wrong:
+            name, got, want = wrong[0]
+            raise ConfigError(f"update_weights: {target}.{name} has shape {list(want)}, the update gives "
+                              f"{list(got)}; nothing was changed", field="source")
+        missing = sorted(set(current) - set(values))
+        if strict and missing:
+            raise ConfigError(f"update_weights: a full update of {target} lacks {missing[0]!r} ({len(missing)} "
+                              f"missing; pass strict=False to update some tensors); nothing was changed",
+                              field="source")
+        with torch.no_grad():
+            for name, value in values.items():
+                tensor = current[name]
+                tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
+        return self.weights_checksum(target)
+
+    def weights_checksum(self, target: str = "transformer") -> str:
+        """SHA-256 of ``target``'s tensors in name order (names, dtypes, shapes and bytes)."""
+        import torch
+
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self._component(target).state_dict().items()):
+            data = tensor.detach().to("cpu").contiguous()
+            digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        return digest.hexdigest()
+
+    def release_memory(self) -> int:
+        """Move every model tensor to a host copy and free its storage here; returns the bytes released."""
+        from omni_core.optimize.components import components_of
+
+        if getattr(self, "_released", None) is not None:
+            return 0
+        saved: dict = {}
+        freed = 0
+        for cname, module in components_of(self.pipeline).items():
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                if any(t is tensor for t, _, _ in saved.values()):
+                    continue  # a tied tensor (one object under two names): once
+                saved[(cname, name)] = (tensor, tensor.detach().to("cpu", copy=True), tensor.device)
+                freed += tensor.numel() * tensor.element_size()
+                tensor.data = tensor.data.new_empty(0)
+        self._released = saved
+        return freed
+
+    def resume_memory(self) -> int:
+        """Put back what :meth:`release_memory` took; returns the bytes restored."""
+        saved = getattr(self, "_released", None)
+        if saved is None:
+            return 0
+        restored = 0
+        for tensor, host, device in saved.values():
+            tensor.data = host.to(device)
+            restored += host.numel() * host.element_size()
+        self._released = None
+        return restored
+
+
+__all__ = ["WeightOps"]
