@@ -61,6 +61,12 @@ class Omni:
         return _agreed(self.engine.weight_call("update_weights", (source, target, strict), in_flight=in_flight,
                                                timeout=timeout))
 
+    def update_lora(self, name: str, source: Any, *, in_flight: str = "finish", timeout: float | None = None) -> str:
+        """LoRA-only sync: the adapter the engine knows as ``name`` (``loras``) becomes ``source`` (``{name:
+        tensor}`` in diffusers' LoRA layout, or a safetensors file), loaded before it replaces the old one;
+        returns its checksum. Requests asking for ``lora=name`` afterwards use it."""
+        return _agreed(self.engine.weight_call("update_lora", (name, source), in_flight=in_flight, timeout=timeout))
+
     def weights_checksum(self, target: str = "transformer") -> str:
         """SHA-256 of ``target``'s tensors (every rank's must agree)."""
         return _agreed(self.engine.collective_rpc("weights_checksum", (target,)))

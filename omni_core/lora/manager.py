@@ -57,6 +57,14 @@ class LoraManager:
         for name in list(self.config.loras)[: self.config.max_loras]:
             self._ensure_loaded(resolve_lora_path(name, self.config.loras, "loras"))
 
+    def replace(self, name: str, path: str) -> None:
+        """Point the engine's adapter ``name`` (one of ``loras``) at the adapter file ``path``, loading it now: a
+        file diffusers cannot load raises here and ``name`` keeps its adapter (LoRA-only weight sync). Requests
+        running keep the adapter they pinned; the old one is unloaded once unused (LRU)."""
+        with self._lock:
+            self._ensure_loaded(path)
+            self.config.loras[name] = path
+
     # ------------------------------------------------------------------ cache
     def acquire(self, request: Any) -> None:
         """Pin the adapter ``request`` names (loading it if needed) for as long as the request runs."""

@@ -46,6 +46,18 @@ def _read(source: Any) -> dict:
     return load_file(path)
 
 
+def _checksum(tensors: dict) -> str:
+    """SHA-256 over ``{name: tensor}`` in name order: names, dtypes, shapes and bytes (what a trainer recomputes)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        data = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
 class WeightOps:
     """The model runner's weight operations (mixed into ``ModelRunner``; ``self.pipeline`` is the loaded one)."""
 
@@ -89,16 +101,37 @@ class WeightOps:
                 tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
         return self.weights_checksum(target)
 
+    def update_lora(self, name: str, source: Any) -> str:
+        """Replace the adapter the engine knows as ``name`` (``loras``) with ``source`` (``{name: tensor}`` in
+        diffusers' LoRA layout, or a safetensors file), loaded before the name moves to it; returns its checksum."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        manager = getattr(self, "lora", None)
+        if manager is None:
+            raise ConfigError("update_lora: this pipeline runs no LoRA adapters (a diffusers-based model with peft "
+                              "installed does)", field="lora")
+        if name not in manager.config.loras:
+            raise ConfigError(f"update_lora: {name!r} is not one of the engine's loras (known: "
+                              f"{', '.join(sorted(manager.config.loras)) or 'none'})", field="lora")
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in _read(source).items()}
+        folder = getattr(self, "_lora_dir", None) or tempfile.mkdtemp(prefix="omni-lora-sync-")
+        self._lora_dir = folder
+        self._lora_versions = getattr(self, "_lora_versions", 0) + 1
+        path = os.path.join(folder, f"{name}-{self._lora_versions}.safetensors")
+        save_file(tensors, path)
+        try:
+            manager.replace(name, path)
+        except Exception as exc:
+            os.remove(path)
+            raise ConfigError(f"update_lora: {name!r} could not load the new adapter ({type(exc).__name__}: {exc}); "
+                              f"it keeps its previous one", field="source") from exc
+        return _checksum(tensors)
+
     def weights_checksum(self, target: str = "transformer") -> str:
         """SHA-256 of ``target``'s tensors in name order (names, dtypes, shapes and bytes)."""
-        import torch
-
-        digest = hashlib.sha256()
-        for name, tensor in sorted(self._component(target).state_dict().items()):
-            data = tensor.detach().to("cpu").contiguous()
-            digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-        return digest.hexdigest()
+        return _checksum(self._component(target).state_dict())
 
     def release_memory(self) -> int:
         """Move every model tensor to a host copy and free its storage here; returns the bytes released."""

@@ -105,3 +105,33 @@ def test_a_request_running_during_an_update_is_answered(trained, in_flight):
         if in_flight == "finish":  # every step on the old weights: what the old model gave for 40 steps
             assert torch.equal(out.tensor, old40)
         assert not torch.equal(_image(omni), old)  # later requests run on the new weights
+
+
+def test_lora_only_sync_equals_a_fresh_engine_with_that_adapter(tmp_path):
+    """``update_lora("a", tensors)``: requests asking for ``lora="a"`` then equal a fresh engine whose ``a`` is
+    that adapter; an adapter diffusers cannot load (another rank's shapes) is refused and ``a`` keeps serving."""
+    from safetensors.torch import load_file
+
+    from omni_core import Omni
+    from omni_core.lora.testing import make_lora
+    from omni_model_qwen_image.testing import build_tiny_qwen_image
+
+    targets = ("to_q", "to_k", "to_v", "to_out.0")
+    folder = build_tiny_qwen_image(tmp_path / "qwen")
+    first, second = (make_lora(folder, str(tmp_path / n), rank=4, seed=s, std=0.5, targets=targets)
+                     for n, s in (("first", 1), ("second", 2)))
+
+    def image(omni):
+        return omni.generate("a cat", seed=2, lora="a", use_tqdm=False, **FIELDS)[0].tensor
+
+    with Omni(folder, warmup=False, cpu_threads=1, loras={"a": second}) as omni:
+        want = image(omni)
+    with Omni(folder, warmup=False, cpu_threads=1, loras={"a": first}) as omni:
+        before = image(omni)
+        new = load_file(second)
+        broken = {k: (v[:2] if k.endswith("lora_A.weight") else v) for k, v in new.items()}
+        with pytest.raises(OmniError, match="keeps its previous one"):
+            omni.update_lora("a", broken)
+        assert torch.equal(image(omni), before)
+        omni.update_lora("a", new)
+        assert torch.equal(image(omni), want) and not torch.equal(want, before)
