@@ -50,6 +50,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-json-elements", type=int, default=MAX_JSON_ELEMENTS, metavar="N",
                      help="JSON bodies with more arrays, objects and elements ('[', '{' and ',' counted before "
                           f"parsing) get 413 (default: {MAX_JSON_ELEMENTS})")
+    srv.add_argument("--max-rollout-samples", type=int, default=64, metavar="N",
+                     help="/rollout/generate: most samples (num_outputs_per_prompt) one request may ask (default: 64)")
+    srv.add_argument("--max-rollout-steps", type=int, default=64, metavar="N",
+                     help="/rollout/generate: most steps of latent trajectory one request may ask back (default: 64)")
+    srv.add_argument("--max-rollout-bytes", type=int, default=256 * 1024 * 1024, metavar="N",
+                     help="/rollout/generate: larger answers are refused (default: 256 MiB)")
     srv.add_argument("--lora-dir", action="append", default=[], metavar="DIR", dest="lora_dirs",
                      help="a folder whose adapter files a request's 'lora' may name (repeatable; default: none, "
                           "only the names given with --lora)")
@@ -120,7 +126,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.max_upload_bytes < 1:
         raise ConfigError(f"--max-upload-bytes {args.max_upload_bytes} is invalid: must be >= 1",
                           field="max_upload_bytes")
-    for name in ("max_form_parts", "max_json_depth", "max_json_elements"):
+    for name in ("max_form_parts", "max_json_depth", "max_json_elements", "max_rollout_samples", "max_rollout_steps",
+                 "max_rollout_bytes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: must be >= 1", field=name)
     for d in args.lora_dirs:
@@ -186,6 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
         cls = resolved.pipeline_cls()
         opts["streaming_output"] = bool(cls.supports_step_execution or cls.previews_in_request_mode)
     from omni_core.engine.plan import plan_engine
+    from omni_core.serve.routes.rollout import RolloutLimits
 
     # planned once, with the model resolved above: the engine runs the plan and resolves nothing again
     engine = start_engine(plan_engine(build_config(args.model, opts), resolved=resolved))
@@ -194,7 +202,9 @@ def _serve(args: argparse.Namespace) -> int:
                     close_engine=True, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
                     exit_on_engine_death=True, max_upload_bytes=args.max_upload_bytes,
                     max_form_parts=args.max_form_parts, max_json_depth=args.max_json_depth,
-                    max_json_elements=args.max_json_elements, lora_dirs=args.lora_dirs)
+                    max_json_elements=args.max_json_elements, lora_dirs=args.lora_dirs,
+                    rollout_limits=RolloutLimits(args.max_rollout_samples, args.max_rollout_steps,
+                                                 args.max_rollout_bytes))
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host

@@ -26,7 +26,7 @@ from omni_core.serve.middleware import AuthMiddleware, BodyLimitMiddleware, Metr
 from omni_core.serve.omni_server import MAX_BODY_BYTES, MAX_UPLOAD_BYTES, PREVIEW_MAX_SIDE, SHUTDOWN_GRACE_S, OmniServer
 from omni_core.serve.openapi import install_openapi
 from omni_core.serve.bodies import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS
-from omni_core.serve.routes import chat, images, system, videos
+from omni_core.serve.routes import chat, images, rollout, system, videos
 from omni_core.serve.routes import playground
 
 __all__ = ["MAX_BODY_BYTES", "MAX_UPLOAD_BYTES", "PREVIEW_MAX_SIDE", "SHUTDOWN_GRACE_S", "OmniServer", "build_app"]
@@ -38,7 +38,8 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
               max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
               exit_on_engine_death: bool = False, max_upload_bytes: int = MAX_UPLOAD_BYTES,
               max_form_parts: int = MAX_FORM_PARTS, max_json_depth: int = MAX_JSON_DEPTH,
-              max_json_elements: int = MAX_JSON_ELEMENTS, lora_dirs: Sequence[str] = ()) -> Any:
+              max_json_elements: int = MAX_JSON_ELEMENTS, lora_dirs: Sequence[str] = (),
+              rollout_limits: Any = None) -> Any:
     """A FastAPI app serving ``engine_or_omni`` (an ``EngineClient`` such as ``DiffusionEngine``, or an
     ``AsyncOmni`` / ``Omni``, whose engine is used).
 
@@ -51,7 +52,8 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     engine and answered with an error. ``exit_on_engine_death``: stop serving once the engine is dead.
     ``max_form_parts``, ``max_json_depth``, ``max_json_elements``: what a body may hold before it is parsed (more
     parts or elements: 413; deeper: 400). ``lora_dirs``: folders whose adapter files a request's ``lora`` may name
-    (default none: only the engine's preloaded adapter names).
+    (default none: only the engine's preloaded adapter names). ``rollout_limits``: what one ``/rollout/generate``
+    request may ask back (``omni_core.serve.routes.rollout.RolloutLimits``; default its defaults).
     """
     server = OmniServer(engine_or_omni, served_model_name=served_model_name, api_key=api_key, video_dir=video_dir,
                         max_video_jobs=max_video_jobs, video_ttl_s=video_ttl_s, retry_after_s=retry_after_s,
@@ -71,8 +73,9 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     app = FastAPI(title="Omni", description="OpenAI-compatible image and video generation", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     app.state.omni = server
+    server.rollout_limits = rollout_limits or rollout.RolloutLimits()
     install_error_handlers(app)
-    for router in (system.router, system.v1, images.v1, videos.v1, chat.v1):  # the order of the OpenAPI paths
+    for router in (system.router, system.v1, images.v1, videos.v1, chat.v1, rollout.router):  # OpenAPI's order
         app.include_router(router)
     app.include_router(playground.router)  # the browser page at / and /playground (not in the OpenAPI document)
     install_openapi(app, server.api_key, server.model_info.sampling_fields)
