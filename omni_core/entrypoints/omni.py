@@ -67,6 +67,16 @@ class Omni:
         returns its checksum. Requests asking for ``lora=name`` afterwards use it."""
         return _agreed(self.engine.weight_call("update_lora", (name, source), in_flight=in_flight, timeout=timeout))
 
+    def encode(self, prompt: str, negative_prompt: str | None = None, **sampling: Any) -> dict:
+        """The model's text encodings of ``prompt`` (``prompt_embeds``, ``prompt_mask`` and, where the request runs
+        CFG, the negative ones), computed as a request with these sampling fields would compute them."""
+        from omni_core.request import OmniDiffusionRequest
+
+        params = build_sampling_params_list(None, sampling, 1)[0]
+        request = self.engine.prepare_request(OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt,
+                                                                   sampling_params=params))
+        return self.engine.collective_rpc("encode_prompt", (request,))[0]
+
     def weights_checksum(self, target: str = "transformer") -> str:
         """SHA-256 of ``target``'s tensors (every rank's must agree)."""
         return _agreed(self.engine.collective_rpc("weights_checksum", (target,)))

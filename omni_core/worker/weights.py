@@ -133,6 +133,19 @@ class WeightOps:
         """SHA-256 of ``target``'s tensors in name order (names, dtypes, shapes and bytes)."""
         return _checksum(self._component(target).state_dict())
 
+    def encode_prompt(self, request: Any) -> dict:
+        """The text encodings the model computes for ``request`` (a checked request: ``Omni.encode`` /
+        ``POST /encode``), as its ``prepare_encode`` leaves them on the state: ``prompt_embeds``, ``prompt_mask`` and
+        the negative ones where the request runs CFG (tensors on the host; None where the model sets none)."""
+        import torch
+
+        state = self.new_state(request)
+        with torch.inference_mode(), self.pipeline.encoded_prompts([state]):
+            self.pipeline.prepare_encode(state)
+        names = ("prompt_embeds", "prompt_mask", "negative_prompt_embeds", "negative_prompt_mask")
+        return {n: (getattr(state, n).detach().to("cpu") if isinstance(getattr(state, n), torch.Tensor) else None)
+                for n in names}
+
     def release_memory(self) -> int:
         """Move every model tensor to a host copy and free its storage here; returns the bytes released."""
         from omni_core.optimize.components import components_of

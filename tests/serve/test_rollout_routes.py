@@ -92,3 +92,21 @@ def test_weight_routes_change_the_checksum_all_or_nothing_and_release_resume(liv
         restored = client.post("/update_weights_from_tensor", json={
             "serialized_named_tensors": {name: encode_tensor(base[name])}, "weight_update_mode": "partial"})
         assert restored.json()["checksum"] == before and torch.equal(image(), old)
+
+
+def test_encode_gives_the_models_text_encodings(live):
+    from omni_core import Omni
+
+    with live.client() as client:
+        r = client.post("/encode", json={"prompt": "a red circle", "guidance_scale": 4.0, "negative_prompt": "blue"})
+        assert r.status_code == 200, r.text
+        got = {k: decode_tensor(v, k) for k, v in r.json().items() if v is not None}
+        assert client.post("/encode", json={"promt": "x"}).status_code == 400
+    with Omni("shapes", warmup=False, cpu_threads=1) as omni:
+        want = omni.encode("a red circle", negative_prompt="blue", guidance_scale=4.0)
+    assert set(got) == {"prompt_embeds", "prompt_mask", "negative_prompt_embeds", "negative_prompt_mask"}
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    from omni_core.testing import load_model
+
+    embeds, mask = load_model("shapes").encode_prompt("a red circle", None)  # the model's own encoder, directly
+    assert torch.equal(got["prompt_embeds"], embeds) and torch.equal(got["prompt_mask"], mask)

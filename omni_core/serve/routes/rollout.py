@@ -177,6 +177,28 @@ async def rollout_generate(request: Request):
     return await asyncio.to_thread(_answer, request, payload, limits)
 
 
+@router.post("/encode", responses=error_docs(400))
+async def encode(request: Request):
+    """The model's text encodings of ``prompt`` (and ``negative_prompt`` where the request runs CFG), as tensors."""
+    from omni_core.request import OmniDiffusionRequest
+
+    server, body = current(request), await read_json(request, current(request))
+    if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+        raise invalid("prompt: the text to encode", "prompt")
+    params, _ = _params({k: v for k, v in body.items() if k != "prompt" and k != "negative_prompt"} | {"rollout": False},
+                        server.rollout_limits)
+    from omni_core.errors import OmniError
+
+    try:
+        req = server.engine.prepare_request(OmniDiffusionRequest(prompt=body["prompt"],
+                                                                 negative_prompt=body.get("negative_prompt"),
+                                                                 sampling_params=params))
+        (encoded, *_) = await asyncio.to_thread(server.engine.collective_rpc, "encode_prompt", (req,))
+    except OmniError as exc:
+        raise invalid(str(exc), getattr(exc, "field", None)) from None
+    return JSONResponse({k: (encode_tensor(v) if v is not None else None) for k, v in encoded.items()})
+
+
 # ---------------------------------------------------------------------------------------------- weights
 async def _weight_call(server: Any, method: str, *args: Any) -> Any:
     from omni_core.errors import OmniError
