@@ -27,9 +27,14 @@ from omni_core.errors import ConfigError
 
 
 def _read(source: Any) -> dict:
-    """``{name: tensor}`` of ``source``: a mapping as given, or a ``.safetensors`` file, or a folder of them."""
+    """``{name: tensor}`` of ``source``: a mapping as given, tensors another process shared
+    (:class:`~omni_core.utils.shared_tensors.SharedTensors`), or a ``.safetensors`` file, or a folder of them."""
+    from omni_core.utils.shared_tensors import SharedTensors, open_tensors
+
     if isinstance(source, dict):
         return source
+    if isinstance(source, SharedTensors):
+        return open_tensors(source)
     from safetensors.torch import load_file
 
     path = str(source)

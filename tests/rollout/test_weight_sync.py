@@ -135,3 +135,25 @@ def test_lora_only_sync_equals_a_fresh_engine_with_that_adapter(tmp_path):
         assert torch.equal(image(omni), before)
         omni.update_lora("a", new)
         assert torch.equal(image(omni), want) and not torch.equal(want, before)
+
+
+def test_an_update_shared_by_another_process_through_shared_memory(trained, fresh):
+    import multiprocessing
+
+    from omni_core import Omni
+    from omni_core.utils.shared_tensors import send_shared
+
+    base, _, new = trained
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    trainer = ctx.Process(target=send_shared, args=(new, queue))  # a trainer process: shares, sends the handle
+    trainer.start()
+    handle = queue.get(timeout=120)
+    trainer.join(60)
+    try:
+        assert len(handle.entries) == len(new)  # only names, dtypes, shapes and offsets crossed the pipe
+        with Omni(base, warmup=False, cpu_threads=1, executor="mp") as omni:
+            assert omni.update_weights(handle) == fresh[1]
+            assert torch.equal(_image(omni), fresh[0])
+    finally:
+        handle.close()
