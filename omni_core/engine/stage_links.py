@@ -105,6 +105,8 @@ class StageLinks:
             peak = max(pending.metrics.get("peak_memory_mb", 0.0), out.metrics.get("decode_peak_memory_mb", 0.0))
             # no preview to carry over: step mode delivers a request's previews before it waits for its decode
             out.metrics = {**pending.metrics, **out.metrics, "peak_memory_mb": peak}
+            if out.rollout is None:  # a rollout's record is the model process's (part of what the caller gets)
+                out.rollout = pending.rollout
             core.finalize(rid, out)
 
     # ------------------------------------------------------------------ both

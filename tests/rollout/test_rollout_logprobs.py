@@ -79,3 +79,20 @@ def test_a_model_off_the_flow_step_is_refused_naming_rollout(tiny_dit_model):
         with pytest.raises(OmniError) as err:
             omni.generate("a cat", rollout=True, num_inference_steps=2, use_tqdm=False)
     assert err.value.field == "rollout" and "supports_rollout" in str(err.value)
+
+
+def test_a_rollout_with_the_decode_stage_apart_equals_in_line():
+    """The rollout record is the model process's; with ``decode_workers=1`` the caller still gets it, and the same
+    bits (with batch-invariant waves and step mode on, as an RL sampler would run)."""
+    from omni_core import Omni
+
+    outs = []
+    for decode_workers in (0, 1):
+        with Omni("shapes", warmup=False, cpu_threads=1, decode_workers=decode_workers, step_execution=True,
+                  batch_invariant=True) as omni:
+            outs.append(omni.generate("a red circle", seed=1, output_type="pt", use_tqdm=False, num_inference_steps=4,
+                                      num_outputs_per_prompt=2, rollout={"trajectory": True})[0])
+    inline, apart = outs
+    assert torch.equal(apart.tensor, inline.tensor)
+    assert torch.equal(apart.rollout["log_probs"], inline.rollout["log_probs"])
+    assert torch.equal(apart.rollout["latents"], inline.rollout["latents"])
