@@ -12,6 +12,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from omni_core.engine.client import EngineClient, start_engine
+from omni_core.entrypoints import weights
 from omni_core.entrypoints.common import as_prompt_list, build_config, build_requests, build_sampling_params_list
 from omni_core.errors import ConfigError, RequestFailedError
 from omni_core.outputs import DiffusionOutput
@@ -59,6 +60,26 @@ class AsyncOmni:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    # ------------------------------------------------------------------ weights (RL trainers: docs/rollouts.md)
+    async def update_weights(self, source: Any, target: str = "transformer", **kwargs: Any) -> str:
+        """:meth:`Omni.update_weights`, awaited (the event loop runs on)."""
+        return await asyncio.to_thread(weights.update_weights, self, source, target, **kwargs)
+
+    async def update_lora(self, name: str, source: Any, **kwargs: Any) -> str:
+        return await asyncio.to_thread(weights.update_lora, self, name, source, **kwargs)
+
+    async def encode(self, prompt: str, negative_prompt: str | None = None, **sampling: Any) -> dict:
+        return await asyncio.to_thread(weights.encode, self, prompt, negative_prompt, **sampling)
+
+    async def weights_checksum(self, target: str = "transformer") -> str:
+        return await asyncio.to_thread(weights.weights_checksum, self, target)
+
+    async def release_memory(self, **kwargs: Any) -> int:
+        return await asyncio.to_thread(weights.release_memory, self, **kwargs)
+
+    async def resume_memory(self) -> int:
+        return await asyncio.to_thread(weights.resume_memory, self)
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)

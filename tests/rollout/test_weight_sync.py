@@ -157,3 +157,21 @@ def test_an_update_shared_by_another_process_through_shared_memory(trained, fres
             assert torch.equal(_image(omni), fresh[0])
     finally:
         handle.close()
+
+
+def test_async_omni_awaits_the_same_operations(trained, fresh):
+    import asyncio
+
+    from omni_core import AsyncOmni
+
+    base, _, new = trained
+
+    async def run():
+        async with AsyncOmni(base, warmup=False, cpu_threads=1) as omni:
+            checksum = await omni.update_weights(new)
+            assert checksum == await omni.weights_checksum() == fresh[1]
+            assert await omni.release_memory() == await omni.resume_memory() > 0
+            encoded = await omni.encode("a red circle")
+            assert encoded["prompt_embeds"].dim() == 3
+
+    asyncio.run(run())
