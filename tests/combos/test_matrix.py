@@ -4,8 +4,9 @@ the output of the same run without the second feature within that feature's tole
 any work with a ConfigError naming both options.
 
 The table (features, tolerances, runs, comparisons) is ``omni_core/testing/combination_matrix.py``; refusals are
-the core's ``omni_core/combinations.py``. Runs are computed once per session and shared by the comparisons
-that need them; the world-size 2 and 4 engines stack features so that three of them cover the parallel pairs.
+the core's ``omni_core/combinations.py``. Runs are computed once per worker (a module fixture) and shared by the
+comparisons that need them, which therefore share an xdist group (:func:`_group`); the world-size 2 and 4 engines
+stack features so that three of them cover the parallel pairs.
 """
 
 from __future__ import annotations
@@ -164,16 +165,22 @@ KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 
 def _group(run: str) -> str:
-    """The test-run group of a comparison (``pytest -n``: a group runs on one worker, sharing its runs): the
-    compile runs are most of this file's time, so they make groups of their own (parallel ones apart)."""
+    """The test-run group of a comparison (``pytest -n``: a group runs on one worker, computing each of its runs
+    once): the compile runs are most of this file's time, so they make groups of their own (parallel ones apart).
+    The parallel group computes C once for its three cells (split test by test, two workers each compiled C)."""
     features = M.RUNS[run]
     if "compile" not in features:
         return "matrix"
     return "matrix-compile-parallel" if M.world_size(features) > 1 else "matrix-compile"
 
 
+#: the order the groups are collected, hence dealt to the workers (``conftest.py`` deals groups in collection
+#: order): the most expensive first, so the two-rank compile runs never start last on one worker
+GROUP_ORDER = ("matrix-compile-parallel", "matrix-compile", "matrix")
+
+
 def _params():
-    for run, ref in M.COMPARISONS:
+    for run, ref in sorted(M.COMPARISONS, key=lambda c: GROUP_ORDER.index(_group(c[0]))):  # stable: table order
         marks = [pytest.mark.xdist_group(_group(run))]
         if (run, ref) in KNOWN_BUGS:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[(run, ref)]))
@@ -194,6 +201,7 @@ def test_pair_matches_the_run_without_it(run, ref, matrix_run):
 REFUSED = [(a, b) for a, b in M.coverage() if M.status(a, b)[0] in ("refused", "platform")]
 
 
+@pytest.mark.xdist_group("matrix")  # on the worker that already holds the module's model folder and files
 @pytest.mark.parametrize(("a", "b"), REFUSED, ids=[f"{a}+{b}" for a, b in REFUSED])
 def test_refused_pair_before_any_worker(a, b, qwen4_dir, matrix_files, monkeypatch):
     from omni_core import Omni
