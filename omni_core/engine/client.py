@@ -62,6 +62,14 @@ class EngineClient(Protocol):
         """The model runner's public ``method`` on every rank, between waves; one result per rank."""
         ...
 
+    def release_memory(self, *, in_flight: str = "finish") -> list[Any]:
+        """Free the model's memory on every rank; submissions are refused until ``resume_memory``."""
+        ...
+
+    def resume_memory(self) -> list[Any]:
+        """Put the model back on every rank and accept submissions again."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """``waiting``, ``running``, ``tracked_requests``, ``execution_mode``, ``dead`` and the counters
         (``requests_added``/``_completed``/``_aborted``/``_failed``, ``denoise_steps``)."""

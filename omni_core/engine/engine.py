@@ -127,6 +127,22 @@ class DiffusionEngine:
                                 request_ids=lambda: core.call(core.request_ids), abort=self.abort,
                                 in_flight=in_flight, timeout=timeout)
 
+    def release_memory(self, *, in_flight: str = "finish") -> list[Any]:
+        """Free the model's memory on every rank (weights kept on the host) once the held requests are done; the
+        gate refuses submissions from now until :meth:`resume_memory`. One result per rank (bytes released)."""
+        self.weights.released = True  # from now on a submission is refused, never run on released tensors
+        try:
+            return self.weight_call("release_memory", in_flight=in_flight)
+        except BaseException:
+            self.weights.released = False
+            raise
+
+    def resume_memory(self) -> list[Any]:
+        """Put the model back on every rank, then reopen the gate. One result per rank (bytes restored)."""
+        restored = self.collective_rpc("resume_memory")
+        self.weights.released = False  # only once every rank has its tensors back
+        return restored
+
     # ------------------------------------------------------------------ state
     @property
     def execution_mode(self) -> DiffusionExecutionMode:

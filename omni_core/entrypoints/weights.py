@@ -51,21 +51,13 @@ def weights_checksum(self, target: str = "transformer") -> str:
 
 def release_memory(self, *, in_flight: str = "finish") -> int:
     """Free the model's memory between rollout phases (weights kept on the host); submissions are refused until
-    :meth:`resume_memory`. Returns the bytes released (rank 0's)."""
-    gate = self.engine.weights
-    gate.released = True  # from now on a submission is refused, never run on released tensors
-    try:
-        return self.engine.weight_call("release_memory", in_flight=in_flight)[0]
-    except BaseException:
-        gate.released = False
-        raise
+    :func:`resume_memory`. Returns the bytes released (rank 0's)."""
+    return self.engine.release_memory(in_flight=in_flight)[0]
 
 
 def resume_memory(self) -> int:
     """Put the model back where it ran; returns the bytes restored (rank 0's)."""
-    restored = self.engine.collective_rpc("resume_memory")[0]
-    self.engine.weights.released = False  # only once every rank has its tensors back
-    return restored
+    return self.engine.resume_memory()[0]
 
 
 __all__ = ["encode", "release_memory", "resume_memory", "update_lora", "update_weights", "weights_checksum"]

@@ -38,7 +38,7 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_the_client_interface_lists_what_front_ends_use():
     assert {"submit", "abort", "stats", "is_dead", "dead_reason", "close", "limits", "model_info",
-            "prepare_request"} == MEMBERS
+            "prepare_request", "weight_call", "collective_rpc", "release_memory", "resume_memory"} == MEMBERS
 
 
 @pytest.mark.parametrize("package", ["serve", "entrypoints"])

@@ -200,13 +200,18 @@ async def encode(request: Request):
 
 
 # ---------------------------------------------------------------------------------------------- weights
-async def _weight_call(server: Any, method: str, *args: Any) -> Any:
+async def _engine_call(fn: Any, *args: Any) -> Any:
+    """A blocking engine call in a thread; an engine error is a 400 naming its field."""
     from omni_core.errors import OmniError
 
     try:
-        return await asyncio.to_thread(server.engine.weight_call, method, args)
+        return await asyncio.to_thread(fn, *args)
     except OmniError as exc:
         raise invalid(str(exc), getattr(exc, "field", None), code="weight_update_failed") from None
+
+
+async def _weight_call(server: Any, method: str, *args: Any) -> Any:
+    return await _engine_call(server.engine.weight_call, method, args)
 
 
 def _target(body: dict) -> str:
@@ -256,20 +261,14 @@ async def get_weights_checksum(request: Request):
 @router.post("/release_memory_occupation")
 async def release_memory_occupation(request: Request):
     server = current(request)
-    server.engine.weights.released = True
-    try:
-        (freed, *_) = await _weight_call(server, "release_memory")
-    except BaseException:
-        server.engine.weights.released = False
-        raise
+    (freed, *_) = await _engine_call(server.engine.release_memory)
     return JSONResponse({"success": True, "released_bytes": freed})
 
 
 @router.post("/resume_memory_occupation")
 async def resume_memory_occupation(request: Request):
     server = current(request)
-    (restored, *_) = await asyncio.to_thread(server.engine.collective_rpc, "resume_memory")
-    server.engine.weights.released = False
+    (restored, *_) = await _engine_call(server.engine.resume_memory)
     return JSONResponse({"success": True, "restored_bytes": restored})
 
 
