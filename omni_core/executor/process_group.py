@@ -23,6 +23,7 @@ import weakref
 from typing import Any, Callable
 
 from omni_core.errors import EngineDeadError
+from omni_core.processes.segments import remove_segments_of
 
 logger = logging.getLogger("omni_core.executor")
 
@@ -183,6 +184,7 @@ class LocalProcessGroup(ProcessGroup):
 
     def _died(self, p: Any) -> None:
         p.join(0.1)
+        remove_segments_of(p.pid)  # what a kill between create and unlink left (omni_core.processes.segments)
         reason = f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
         self._ready_q.put(("fatal", self.procs.index(p), reason, "died"))  # read only while starting
         with self._lock:
@@ -277,6 +279,8 @@ class LocalProcessGroup(ProcessGroup):
         watcher = getattr(self, "_watcher", None)
         if watcher is not None and watcher is not threading.current_thread():
             watcher.join(5)  # every process has exited: it returns, and nothing reads a queue closed below
+        for p in started:  # a process forced above may have been cut between a segment's creation and unlink
+            remove_segments_of(p.pid)
         for q in [*getattr(self, "task_qs", []), getattr(self, "result_q", None)]:
             if q is not None:
                 q.close()

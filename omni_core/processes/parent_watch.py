@@ -39,6 +39,9 @@ def set_death_signal() -> bool:
 def _parent_gone(parent_pid: int) -> None:
     sys.stderr.write(f"omni worker {os.getpid()}: parent process {parent_pid} is gone; exiting\n")
     sys.stderr.flush()
+    from omni_core.processes.segments import remove_segments_of
+
+    remove_segments_of(os.getpid())  # a send cut short by this exit must not leave its segment behind
     os._exit(1)
 
 

@@ -68,11 +68,15 @@ def test_a_death_is_reported_once_with_the_process_and_its_exit_code():
     try:
         group.wait_ready(60)
         victim = group.pids()[1]
+        # what torch leaves when a kill lands between creating a tensor's segment and unlinking it
+        left = Path("/dev/shm") / f"torch_{victim}_0_1"
+        left.write_bytes(b"\0" * 64)
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while not deaths and time.monotonic() < deadline:
             time.sleep(0.05)
         assert deaths == [f"omni-echo-1 (pid {victim}) exited with code -9"] and group.dead == deaths[0]
+        assert not left.exists(), "the dead process's segment was left in /dev/shm"
         assert group.wait_death(0) == deaths[0]
     finally:
         group.stop()
