@@ -61,6 +61,16 @@ class QueueFullError(OmniError):
     """The engine's waiting queue is at ``max_waiting_requests``; retry later (the server answers 429)."""
 
 
+class ResidencyError(OmniError):
+    """A served model cannot be brought onto the device now: the memory budget is held by models with work in
+    flight (``holders``), and the contention policy is to fail (or its wait timed out). The server answers 503."""
+
+    def __init__(self, message: str, *, model: str = "", holders: list[str] | None = None):
+        super().__init__(message)
+        self.model = model
+        self.holders = list(holders or [])
+
+
 class PlatformResolutionError(OmniError):
     """Two platforms claim this machine, or the requested one cannot run here."""
 

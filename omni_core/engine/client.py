@@ -94,3 +94,18 @@ def start_engine(config: OmniDiffusionConfig | EnginePlan, **kwargs: Any) -> Eng
     from omni_core.engine.engine import DiffusionEngine
 
     return DiffusionEngine.make_engine(config, **kwargs)
+
+
+def start_fleet(config: Any, **kwargs: Any) -> Any:
+    """Several models behind one front end (``omni_core.config.fleet.FleetConfig``): a ``ModelFleet`` whose
+    ``members()`` are one ``EngineClient`` per model, each brought onto the device by its requests within the
+    residency budget; ``states()`` says where each model is; ``close()`` closes them all. Pinned models load now."""
+    from omni_core.engine.fleet import ModelFleet
+
+    fleet = ModelFleet(config, **kwargs)
+    try:
+        fleet.load_pinned()
+    except BaseException:
+        fleet.close()
+        raise
+    return fleet

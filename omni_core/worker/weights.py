@@ -151,6 +151,27 @@ class WeightOps:
         return {n: (getattr(state, n).detach().to("cpu") if isinstance(getattr(state, n), torch.Tensor) else None)
                 for n in names}
 
+    def memory_held(self) -> int:
+        """Bytes the pipeline's components hold on their devices now (each storage once): what a multi-model
+        server counts against its device budget (``omni_core.engine.fleet``). A released model holds none."""
+        from omni_core.optimize.components import components_of
+
+        seen: set = set()
+        held = 0
+        for module in components_of(self.pipeline).values():
+            for tensor in module.state_dict(keep_vars=True).values():
+                if tensor.numel() == 0 or tensor.device.type == "meta":
+                    continue
+                try:
+                    key = (tensor.device, tensor.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):  # a tensor subclass without one plain storage
+                    key = id(tensor)
+                if key in seen:
+                    continue
+                seen.add(key)
+                held += tensor.numel() * tensor.element_size()
+        return held
+
     def release_memory(self) -> int:
         """Move every model tensor to a host copy and free its storage here; returns the bytes released."""
         from omni_core.optimize.components import components_of

@@ -1,0 +1,369 @@
+"""``ModelFleet``: several models behind one server, sharing one device within a memory budget.
+
+Each served model has its own engine (its own worker processes, so one model's death fails only its requests) and
+one :class:`Slot` here, the single owner of where that model is:
+
+* ``cold``: no engine; bringing it in loads it from disk (workers start, weights are read);
+* ``device``: its engine runs with its weights on the device;
+* ``host``: its engine runs but its weights were moved to host copies (``release_memory``); bringing it back is a
+  copy (``resume_memory``), no process start and no disk read;
+* ``moving``: a load, an eviction or a restore is under way (others wait for it);
+* ``dead``: its engine died; restarted on the next request, or reported dead (``Residency.restart``).
+
+A request takes a **lease** on its model (:meth:`ModelFleet.lease`) while it is admitted; once admitted the
+model's engine tracks it, and an eviction goes through the engine's weight gate (``release_memory`` with
+``in_flight="finish"``), which waits for what it tracks: no eviction ever takes a model with work in flight. Room is
+made by evicting idle, unpinned models least recently used first; when busy models hold the budget the policy
+waits (up to ``wait_timeout_s``) or fails with :class:`~omni_core.errors.ResidencyError` naming them.
+
+What a model charges against the device budget: the bytes its pipeline holds (measured in the model process after
+each load, ``ModelRunner.memory_held``; before the first load, the size of its weight files) plus its working
+memory (``FleetModel.working_memory``; default a quarter of the weights, a margin as ComfyUI reserves one). On the
+CPU the "device" is the model processes' memory, and the host copy sits outside the pipeline: the same mechanism,
+tested here.
+
+Why our own code: no library keeps several diffusers pipelines within a budget with per-request leases (the
+consumer tools that do, ComfyUI and InvokeAI, are applications, not libraries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import attrs
+
+from omni_core.config.fleet import FleetConfig, FleetModel
+from omni_core.errors import ConfigError, EngineDeadError, ResidencyError
+
+logger = logging.getLogger("omni_core.engine.fleet")
+
+STATES = ("cold", "device", "host", "moving", "dead")
+#: suffixes of weight files counted by the estimate made before a model's first load
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def weight_file_bytes(folder: str) -> int:
+    """Bytes of the weight files under ``folder`` (0 for a model without a folder, such as a built-in one)."""
+    total = 0
+    if not folder or not os.path.isdir(folder):
+        return 0
+    for root, _, files in os.walk(folder):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files if f.endswith(WEIGHT_SUFFIXES))
+    return total
+
+
+@attrs.define
+class Slot:
+    """One served model and where it is; changed only under the fleet's lock."""
+
+    entry: FleetModel
+    plan: Any
+    state: str = "cold"
+    engine: Any = None
+    #: bytes its pipeline held when last measured (the weight-file estimate before the first load)
+    weight_bytes: int = 0
+    measured: bool = False
+    #: requests being admitted right now (a lease is held from the start of ``submit`` to its end)
+    leases: int = 0
+    #: bumped by every lease, so an idleness check made without the lock can tell it went stale
+    uses: int = 0
+    last_used: float = 0.0
+    dead_reason: str | None = None
+    loads: int = 0
+    restores: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def working_bytes(self) -> int:
+        w = self.entry.working_memory
+        return self.weight_bytes // 4 if w is None else w
+
+    @property
+    def charge(self) -> int:
+        """What it counts against the device budget while there."""
+        return self.weight_bytes + self.working_bytes
+
+
+class ModelFleet:
+    """The served models (see the module docstring). ``start(plan)`` builds one model's engine (default
+    ``start_engine``); every model's options are planned, so refused, before any model loads."""
+
+    def __init__(self, config: FleetConfig, *, start: Callable[[Any], Any] | None = None,
+                 planner: Callable[[Any], Any] | None = None) -> None:
+        from omni_core.engine.client import start_engine
+        from omni_core.engine.plan import plan_engine
+        from omni_core.entrypoints.common import build_config
+
+        self.config = config
+        self.residency = config.residency
+        self._start = start or start_engine
+        self._lock = threading.Condition()
+        self._closed = False
+        self.slots: dict[str, Slot] = {}
+        budget = self.residency.device_budget
+        for entry in config.models:
+            try:
+                plan = (planner or plan_engine)(build_config(entry.model, entry.options))
+            except ConfigError as exc:
+                raise ConfigError(f"model {entry.name!r}: {exc}", field=exc.field) from None
+            slot = Slot(entry=entry, plan=plan, weight_bytes=weight_file_bytes(plan.model_info.model_path))
+            if budget is not None and slot.charge > budget:
+                raise ConfigError(_too_big(slot, budget, "its weight files"), field="device_budget")
+            self.slots[entry.name] = slot
+
+    # ------------------------------------------------------------------ what front ends read
+    @property
+    def names(self) -> list[str]:
+        return list(self.slots)
+
+    def slot(self, name: str) -> Slot:
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise ConfigError(f"unknown model {name!r}; this fleet serves: {', '.join(self.slots)}",
+                              field="model") from None
+
+    def members(self) -> dict[str, Any]:
+        """One engine client per model, by name (:class:`~omni_core.engine.fleet_member.FleetMember`)."""
+        from omni_core.engine.fleet_member import FleetMember
+
+        return {name: FleetMember(self, name) for name in self.slots}
+
+    def load_pinned(self) -> None:
+        """Bring every pinned model onto the device now (they are never evicted; a server starts with them)."""
+        for slot in self.slots.values():
+            if slot.entry.pinned:
+                with self.lease(slot.name):
+                    pass
+
+    def states(self) -> list[dict[str, Any]]:
+        """Each model: its state, bytes (measured or estimated), working memory, pinned, leases, last use."""
+        with self._lock:
+            for s in self.slots.values():
+                self._note_death(s)
+            return [{"name": s.name, "state": s.state, "weight_bytes": s.weight_bytes, "measured": s.measured,
+                     "working_bytes": s.working_bytes, "pinned": s.entry.pinned, "leases": s.leases,
+                     "loads": s.loads, "restores": s.restores, "dead_reason": s.dead_reason}
+                    for s in self.slots.values()]
+
+    def device_bytes(self) -> int:
+        """What the models on the device (or moving there) charge now: never above the budget."""
+        with self._lock:
+            return sum(s.charge for s in self.slots.values() if s.state in ("device", "moving"))
+
+    def measured_bytes(self) -> dict[str, int]:
+        """Each running engine's pipeline bytes, measured in its model process now (a released model holds 0)."""
+        with self._lock:
+            engines = {s.name: s.engine for s in self.slots.values() if s.engine is not None and s.state != "dead"}
+        held = {}
+        for name, engine in engines.items():
+            try:
+                held[name] = sum(engine.collective_rpc("memory_held", timeout=60))
+            except Exception:  # noqa: BLE001 - it died or closed meanwhile: it holds nothing
+                held[name] = 0
+        return held
+
+    # ------------------------------------------------------------------ leases
+    @contextlib.contextmanager
+    def lease(self, name: str) -> Iterator[Any]:
+        """The model's engine, on the device and held there until the block ends (admit requests inside it)."""
+        slot = self.slot(name)
+        engine = self._acquire(slot)
+        try:
+            yield engine
+        finally:
+            with self._lock:
+                slot.leases -= 1
+                slot.last_used = time.monotonic()
+                self._lock.notify_all()
+
+    def _acquire(self, slot: Slot) -> Any:
+        deadline = time.monotonic() + (self.residency.wait_timeout_s if self.residency.contention == "wait" else 0)
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise EngineDeadError(f"model {slot.name!r}: the server is shutting down")
+                self._note_death(slot)
+                if slot.state == "dead" and self.residency.restart == "never":
+                    raise EngineDeadError(f"model {slot.name!r}: {slot.dead_reason}")
+                if slot.state == "device":
+                    slot.leases += 1
+                    slot.uses += 1
+                    slot.last_used = time.monotonic()
+                    return slot.engine
+                if slot.state == "moving":
+                    self._lock.wait(0.1)
+                    continue
+                victims, holders = self._room_for(slot)
+                if victims is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise _contention(slot, holders, self.residency)
+                    self._lock.wait(min(left, 0.2))
+                    continue
+                source = slot.state
+                for v in victims:
+                    v.state = "moving"
+                slot.state = "moving"
+            self._bring_in(slot, source, victims)
+
+    def _note_death(self, slot: Slot) -> None:
+        if slot.state in ("device", "host") and slot.engine is not None and slot.engine.is_dead:
+            slot.state, slot.dead_reason = "dead", slot.engine.dead_reason
+            logger.error("model %r: %s", slot.name, slot.dead_reason)
+
+    def _room_for(self, slot: Slot) -> tuple[list[Slot] | None, list[str]]:
+        """Idle models to evict, least recently used first, so ``slot`` fits (None: busy models hold the budget,
+        named in the second value). Idleness is asked of each engine (what it tracks), without waiting on it."""
+        budget = self.residency.device_budget
+        resident = [s for s in self.slots.values() if s.state in ("device", "moving") and s is not slot]
+        used = sum(s.charge for s in resident)
+        if budget is None or used + slot.charge <= budget:
+            return [], []
+        victims: list[Slot] = []
+        for s in sorted(resident, key=lambda s: s.last_used):
+            if s.state == "device" and not s.entry.pinned and s.leases == 0 and _idle(s.engine):
+                victims.append(s)
+                used -= s.charge
+                if used + slot.charge <= budget:
+                    return victims, []
+        return None, [s.name for s in resident if s not in victims]
+
+    # ------------------------------------------------------------------ moving models
+    def _bring_in(self, slot: Slot, source: str, victims: list[Slot]) -> None:
+        """Evict ``victims``, then load or restore ``slot`` (states were set to ``moving`` under the lock)."""
+        try:
+            for v in victims:
+                self._evict(v)
+            if source == "host":
+                slot.engine.resume_memory()
+                slot.restores += 1
+            else:
+                if slot.engine is not None:  # dead: its processes are gone; close what is left of it
+                    _close_quietly(slot.engine)
+                    slot.engine = None
+                slot.engine = self._start(slot.plan)
+                slot.loads += 1
+            held = sum(slot.engine.collective_rpc("memory_held", timeout=120))
+        except BaseException as exc:
+            with self._lock:
+                slot.state = "dead" if slot.engine is not None and slot.engine.is_dead else "cold"
+                if slot.state == "cold" and slot.engine is not None:
+                    _close_quietly(slot.engine)
+                    slot.engine = None
+                slot.dead_reason = f"{type(exc).__name__}: {exc}"
+                self._lock.notify_all()
+            raise
+        with self._lock:
+            slot.weight_bytes, slot.measured = held, True
+            budget = self.residency.device_budget
+            if budget is not None and slot.charge > budget:  # measured for the first time, and too big alone
+                slot.state = "cold"
+                self._lock.notify_all()
+                engine, slot.engine = slot.engine, None
+            else:
+                slot.state, slot.dead_reason = "device", None
+                self._lock.notify_all()
+                return
+        _close_quietly(engine)
+        raise ResidencyError(_too_big(slot, budget, "its pipeline, measured"), model=slot.name)
+
+    def _evict(self, victim: Slot) -> None:
+        """Move an idle model off the device: to host copies when the host budget allows, else unload it."""
+        host_budget = self.residency.host_budget
+        with self._lock:
+            in_host = [s for s in self.slots.values() if s.state == "host"]
+            keep = host_budget is None or victim.weight_bytes <= host_budget
+            unload: list[Slot] = []
+            if keep and host_budget is not None:
+                held = sum(s.weight_bytes for s in in_host)
+                for s in sorted(in_host, key=lambda s: s.last_used):
+                    if held + victim.weight_bytes <= host_budget:
+                        break
+                    s.state = "moving"
+                    unload.append(s)
+                    held -= s.weight_bytes
+        for s in unload:
+            self._unload(s)
+        try:
+            if keep:
+                victim.engine.release_memory(in_flight="finish")
+                state = "host"
+            else:
+                self._unload(victim)
+                return
+        except Exception as exc:  # noqa: BLE001 - it died: its memory is gone with its processes
+            logger.warning("evicting model %r failed: %s", victim.name, exc)
+            state = "dead" if victim.engine.is_dead else "device"
+            victim.dead_reason = str(exc) if state == "dead" else None
+        with self._lock:
+            victim.state = state
+            self._lock.notify_all()
+
+    def _unload(self, slot: Slot) -> None:
+        engine, slot.engine = slot.engine, None
+        if engine is not None:
+            _close_quietly(engine)
+        with self._lock:
+            slot.state = "cold"
+            self._lock.notify_all()
+
+    def evict(self, name: str) -> bool:
+        """Move an idle model off the device now (``release_memory`` of its member); False if not there."""
+        slot = self.slot(name)
+        with self._lock:
+            if slot.state != "device" or slot.leases:
+                return False
+            slot.state = "moving"
+        self._evict(slot)
+        return True
+
+    def close(self) -> None:
+        """Close every model's engine (aborting what they still run); safe to call twice."""
+        with self._lock:
+            self._closed = True
+            engines = [s.engine for s in self.slots.values() if s.engine is not None]
+            for s in self.slots.values():
+                s.engine, s.state = None, "cold"
+            self._lock.notify_all()
+        for engine in engines:
+            _close_quietly(engine)
+
+
+def _idle(engine: Any) -> bool:
+    try:
+        stats = engine.stats()
+    except Exception:  # noqa: BLE001 - a dead or closed engine runs nothing
+        return True
+    return not stats.get("tracked_requests") and not stats.get("waiting") and not stats.get("running")
+
+
+def _close_quietly(engine: Any) -> None:
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 - a dead engine's close may complain; it is gone either way
+        logger.debug("closing an engine failed", exc_info=True)
+
+
+def _too_big(slot: Slot, budget: int, source: str) -> str:
+    return (f"model {slot.name!r} cannot fit the device budget alone: {slot.weight_bytes} bytes of weights "
+            f"({source}) + {slot.working_bytes} working = {slot.charge} > device_budget={budget}")
+
+
+def _contention(slot: Slot, holders: list[str], residency: Any) -> ResidencyError:
+    how = ("at once (contention='fail')" if residency.contention == "fail"
+           else f"within wait_timeout_s={residency.wait_timeout_s:g}")
+    return ResidencyError(f"model {slot.name!r} cannot be brought onto the device {how}: the device budget "
+                          f"({residency.device_budget} bytes) is held by models with work in flight or pinned: "
+                          f"{', '.join(holders) or '(none)'}", model=slot.name, holders=holders)
+
+
+__all__ = ["STATES", "ModelFleet", "Slot", "weight_file_bytes"]
