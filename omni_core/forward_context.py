@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
+import threading
 from typing import Any, Iterator, Sequence
 
 import attrs
@@ -103,19 +105,45 @@ def use_config(config: Any) -> Iterator[Any]:
 
 _EMPTY = ForwardContext()
 
+#: what code compiled by torch.compile reads instead of the ContextVar: dynamo cannot trace
+#: ``ContextVar.get`` (a graph break in every attention and LoRA layer, each piece compiled and recompiled on
+#: its own), but it reads a ``threading.local``'s attribute with a guard evaluated in the calling thread.
+#: Kept equal to the ContextVar in this thread by :func:`use_forward_context` and :func:`sync_compiled_view`
+#: (which the compiled region's entry calls, so a context copied into a thread is seen too).
+_compiled_view = threading.local()
+
+
+def _compiling() -> bool:
+    """Whether dynamo is tracing this call (constant-folded by dynamo; torch is imported only if loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
 
 def forward_context() -> ForwardContext:
+    if _compiling():
+        return getattr(_compiled_view, "ctx", None) or _EMPTY
     return _forward.get() or _EMPTY
+
+
+def sync_compiled_view() -> ForwardContext:
+    """Make what compiled code reads equal this thread's current context (call eagerly, right before entering
+    compiled code); returns it."""
+    ctx = _forward.get() or _EMPTY
+    _compiled_view.ctx = ctx
+    return ctx
 
 
 @contextlib.contextmanager
 def use_forward_context(**fields: Any) -> Iterator[ForwardContext]:
     ctx = attrs.evolve(forward_context(), **fields)
     token = _forward.set(ctx)
+    before = getattr(_compiled_view, "ctx", None)
+    _compiled_view.ctx = ctx
     try:
         yield ctx
     finally:
         _forward.reset(token)
+        _compiled_view.ctx = before
 
 
 def use_denoise_call(groups: Sequence[RowGroup | tuple], *, expert: str | None = None,

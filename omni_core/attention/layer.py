@@ -29,6 +29,15 @@ def _load_target(config: Any, dtype: Any, device: Any) -> tuple[Any, Any, Any]:
     return platform, dtype, device if device is not None else platform.device_type
 
 
+@torch.compiler.disable
+def _run_strategy(strategy: Any, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """A sequence-parallel strategy's ``run``, eager under torch.compile: its collectives, Ring's exchange
+    handles and host-side mask checks would each break the graph (and Ring's per-block pieces recompile per
+    shape); one break around the whole strategy costs less to compile than tracing it (C+ring: ~2x)."""
+    return strategy.run(layer, query, key, value, attn_mask)
+
+
 class Attention(nn.Module):
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` with a declared role.
 
@@ -90,15 +99,20 @@ class Attention(nn.Module):
         return self.selection.name
 
     def check_call(self, query: torch.Tensor, attn_mask: Any) -> None:
+        """Raise if the backend cannot run this call. Eagerly the answer is memoised per (dtype, device, mask);
+        under torch.compile the check runs at trace time on constants instead (dynamo would guard on the memo
+        set, and its first ``add`` would fail that guard: one more compile of the whole block per key)."""
         key = (query.dtype, query.device.type, attn_mask is not None)
-        if key in self._checked:
+        compiling = torch.compiler.is_compiling()
+        if not compiling and key in self._checked:
             return
         why = self.selection.backend_cls.check_call(query.dtype, query.device.type, attn_mask is not None, self.causal)
         if why:
             raise ComponentUnavailableError(
                 f"attention layer {self.prefix or self.role!r} (role {self.role!r}, backend chosen by "
                 f"{self.selection.source}): {why}")
-        self._checked.add(key)
+        if not compiling:
+            self._checked.add(key)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,7 +121,7 @@ class Attention(nn.Module):
         self.check_call(query, attn_mask)
         strategy = forward_context().attn_strategy
         if strategy is not None and not self.skip_sequence_parallel:
-            return strategy.run(self, query, key, value, attn_mask)
+            return _run_strategy(strategy, self, query, key, value, attn_mask)
         return self.impl.forward(query, key, value, attn_mask)
 
     def extra_repr(self) -> str:

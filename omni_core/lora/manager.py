@@ -47,6 +47,12 @@ class LoraManager:
         self._plan: tuple[Any, int, list] | None = None
         self._gathered: dict = {}
         self.patched = 0
+        #: adapter name -> ``[batch]`` float32 row scales (0 = not applied) of the compiled block call about to
+        #: run, made by :meth:`prepare_compiled` (empty when no row of the call has an adapter)
+        self.compiled_rows: dict[str, Any] = {}
+        region = getattr(pipeline, "omni_compile", None)
+        if region is not None:  # compile=True: the compiled blocks' entry prepares the rows (see PerRowLora)
+            region.before_call.append(self.prepare_compiled)
 
     @property
     def diffusers_pipe(self) -> Any:
@@ -150,6 +156,26 @@ class LoraManager:
         self._plan = (call, batch, plan)
         return plan
 
+    def prepare_compiled(self, x: Any) -> None:
+        """Turn the current call's :meth:`plan` into per-row scale tensors for code under torch.compile (run
+        eagerly before each compiled block call, with the block's first input: rows on dim 0). One tensor per
+        loaded adapter, in name order, so the compiled graph depends only on which adapters are loaded and
+        whether any row uses one -- not on the row layout, which changes with every wave."""
+        if x is None:
+            self.compiled_rows = {}
+            return
+        plan = self.plan(x.shape[0])
+        if not plan:
+            self.compiled_rows = {}
+            return
+        import torch
+
+        scales = {name: [0.0] * x.shape[0] for name in sorted(self.loaded.values())}
+        for name, spans in plan:
+            for start, stop, scale in spans:
+                scales[name][start:stop] = [scale] * (stop - start)
+        self.compiled_rows = {name: torch.tensor(v, dtype=torch.float32, device=x.device) for name, v in scales.items()}
+
     def gather(self, spans: list, device: Any) -> tuple[Any, Any]:
         """The row index of ``spans`` and their scales (a float when all equal, else one per row), memoised
         for the current call (every layer asks for the same spans)."""
@@ -211,6 +237,8 @@ class PerRowLora(ModuleHook):
         import torch
 
         manager = self.manager
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(layer, x, *args, **kwargs)
         result = layer.base_layer(x, *args, **kwargs)
         plan = manager.plan(x.shape[0])
         if not plan:
@@ -243,3 +271,17 @@ class PerRowLora(ModuleHook):
                     out += (delta * (base_scale * scale)).to(result.dtype)
         return result
 
+
+    def _compiled_forward(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """The same deltas under torch.compile: every loaded adapter on all rows times its per-row scale tensor
+        (0 on rows without it, which adds exact zeros), from :meth:`LoraManager.prepare_compiled`. The eager
+        path's spans are Python ints: traced, each new row layout would be a guard failure and a recompile."""
+        result = layer.base_layer(x, *args, **kwargs)
+        for name, scales in self.manager.compiled_rows.items():
+            if name not in layer.lora_A:
+                continue
+            a, b = layer.lora_A[name], layer.lora_B[name]
+            delta = b(a(layer.lora_dropout[name](x.to(a.weight.dtype))))
+            row = (scales * layer.scaling[name]).view(-1, *([1] * (delta.dim() - 1)))
+            result = result + (delta * row).to(result.dtype)
+        return result

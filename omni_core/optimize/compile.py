@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from omni_core.forward_context import sync_compiled_view
 from omni_core.hooks import STAGES, HookRegistry, ModuleHook, add_hook
 
 logger = logging.getLogger("omni_core.optimize")
@@ -46,6 +47,12 @@ class RegionalCompile:
         self.failed: str | None = None
         #: block class -> torch.compile(class.forward), shared by every block of the class
         self._by_class: dict[type, Any] = {}
+        #: called eagerly with the block's first tensor input right before every compiled call: per-call Python
+        #: state (the LoRA manager's row scales) becomes tensors there, so the compiled code reads data, not
+        #: Python values dynamo would guard on (and recompile for on every new value)
+        self.before_call: list[Any] = []
+        #: compiled block calls that returned so far (:func:`compile_metrics`)
+        self.calls = 0
 
     def fall_back(self, exc: BaseException) -> None:
         """Every block runs eagerly from now on (each hook reads ``failed``)."""
@@ -106,12 +113,29 @@ class CompiledBlock(ModuleHook):
         if self.region.failed is not None:
             return below(*args, **kwargs)
         compiled = self._compiled(block, below)
+        sync_compiled_view()
+        if self.region.before_call:
+            first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape")), None)
+            for fn in self.region.before_call:
+                fn(first)
         try:
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
+            self.region.calls += 1
+            return out
         except Exception as exc:  # noqa: BLE001 - decide below whether compilation is to blame
             out = below(*args, **kwargs)  # raises (the model's own error) if eager fails too
             self.region.fall_back(exc)
             return out
+
+
+def compile_metrics(pipeline: Any) -> dict[str, Any]:
+    """What a request's output metrics say of compile=True (``{}`` without it): the compiled block calls that
+    returned in this worker process so far and why it fell back to eager (None if it did not). Outputs come
+    from the workers, so this is how a multi-rank run shows that its ranks really ran compiled code."""
+    region = getattr(pipeline, "omni_compile", None)
+    if not isinstance(region, RegionalCompile):
+        return {}
+    return {"compiled_block_calls": region.calls, "compile_failed": region.failed}
 
 
 def compile_denoisers(pipeline: Any, *, dynamic: bool = True) -> dict[str, Any]:

@@ -81,7 +81,8 @@ EVIDENCE = {
     "lora": "adapter rows differ from their no-adapter twins", "int8": "applied quantization (in-process runs)",
     "gguf": "applied denoiser_weights (in-process runs)", "offload_model": "applied offload (in-process runs)",
     "offload_group": "applied offload (in-process runs)",
-    "compile": "applied compile, no fall-back to eager (in-process runs)",
+    "compile": "compiled block calls > 0 and no fall-back to eager in every output's metrics (every run); "
+               "applied compile with the expected backend (in-process runs)",
     "vae_tiling": "applied vae_tiling (in-process runs)", "ulysses": "communication_bytes > 0",
     "ring": "communication_bytes > 0", "cfg_parallel": "communication_bytes > 0",
     "step": "execution_mode step_batch", "request": "execution_mode request_batch",

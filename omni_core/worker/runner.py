@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from omni_core.optimize.compile import compile_metrics
 from omni_core.outputs import DiffusionOutput
 from omni_core.pipelines.loader import ResolvedModel, load_pipeline
 from omni_core.pipelines.state import StepState
@@ -219,7 +220,7 @@ class ModelRunner(WeightOps, RankAgreement):
             from omni_core.pipelines.rollout import rollout_output
 
             out.rollout = rollout_output(state)
-        out.metrics.update(extra)
+        out.metrics.update(extra, **compile_metrics(self.pipeline))  # compile=True: it ran (multi-rank runs too)
         out.metrics.setdefault("num_steps", state.step_index)
         out.metrics["seed"] = state.request.seed
         # the peak of this wave (reset at its start) and of the earlier waves the request ran in

@@ -130,6 +130,10 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
     if {"ulysses", "ring", "cfg_parallel"} & features:
         if not all(m.get("communication_bytes") for m in metrics):
             problems.append(f"parallel: communication_bytes {[m.get('communication_bytes') for m in metrics]}")
+    if "compile" in features:  # from the workers' outputs: holds for the multi-rank runs too
+        ran = [(m.get("compiled_block_calls"), m.get("compile_failed")) for m in metrics]
+        if not all(calls and failed is None for calls, failed in ran):
+            problems.append(f"compile: (compiled block calls, fall-back reason) per output {ran}")
     step = bool(features & {"step", "streaming"})
     if result["mode"] != ("step_batch" if step else "request_batch"):
         problems.append(f"execution mode {result['mode']}")
