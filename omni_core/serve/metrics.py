@@ -199,9 +199,9 @@ class ServerMetrics:
         residency = list(residency)
         if residency:  # several models behind one server (omni_core.engine.fleet)
             metric("omni_model_state", "gauge", "1 for where each model is: device, host (weights kept in host "
-                   "memory), cold (not loaded), moving, dead.",
+                   "memory), cold (not loaded), loading, evicting, unloading, dead.",
                    [({"model": r["name"], "state": state}, 1 if r["state"] == state else 0)
-                    for r in residency for state in ("device", "host", "cold", "moving", "dead")])
+                    for r in residency for state in ("device", "host", "cold", "loading", "evicting", "unloading", "dead")])
             metric("omni_model_residency_bytes", "gauge", "What each model counts against the device budget: its "
                    "weights (measured once loaded) and its working memory.",
                    [({"model": r["name"], "kind": k}, r[f"{k}_bytes"]) for r in residency for k in ("weight", "working")])

@@ -56,7 +56,7 @@ async def metrics(request: Request):
 @v1.get("/models")
 async def models(request: Request):
     """Every served model: what a client needs to build a valid request and, on a server of several, where the
-    model is (``state``: device, host, cold, moving, dead) and its bytes."""
+    model is (``state``: device, host, cold, loading, evicting, unloading, dead) and its bytes."""
     server = current(request)
     states = {s["name"]: s for s in server.fleet.states()} if server.fleet is not None else {}
     return {"object": "list", "data": [model.describe(states.get(name)) for name, model in server.models.items()]}
