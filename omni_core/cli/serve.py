@@ -7,6 +7,7 @@ import importlib
 import os
 import signal
 import sys
+from typing import Any
 
 from omni_core.cli.options import add_engine_options, engine_options
 from omni_core.errors import ConfigError
@@ -19,7 +20,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "/v1/videos jobs, GET /v1/models, /health and /metrics (Prometheus).",
         epilog="example: omni serve shapes --port 8000   then   curl localhost:8000/v1/images/generations "
                "-H 'Content-Type: application/json' -d '{\"prompt\": \"a red circle\"}'. See docs/serving.md.")
-    p.add_argument("model", help="model name (e.g. shapes) or diffusers-format folder")
+    p.add_argument("model", nargs="*", metavar="MODEL",
+                   help="model name (e.g. shapes) or diffusers-format folder; several (each MODEL or NAME=MODEL) "
+                        "are served behind one server, routed by the request's 'model' (docs/serving.md, "
+                        "'Several models')")
+    many = p.add_argument_group("several models (docs/serving.md, 'Several models')")
+    many.add_argument("--models-file", default=None, metavar="FILE",
+                      help="a .toml or .json file of models (name, model, each model's engine options, pinned, "
+                           "working_memory) and their [residency]")
+    many.add_argument("--device-budget", default=None, metavar="SIZE",
+                      help="bytes the models on the device may hold together, weights and working memory (e.g. "
+                           "'20GiB'); the least recently used idle model is evicted to make room (default: no limit)")
+    many.add_argument("--host-budget", default=None, metavar="SIZE",
+                      help="bytes of host copies of evicted models, which come back without a load (default: no "
+                           "limit; 0: an evicted model is unloaded)")
+    many.add_argument("--contention", default=None, choices=("wait", "fail"),
+                      help="when busy models hold the budget: wait for room (up to --contention-timeout) or fail "
+                           "at once with 503 (default: wait)")
+    many.add_argument("--contention-timeout", type=float, default=None, metavar="S",
+                      help="seconds a request waits for room (default: 60)")
+    many.add_argument("--restart", default=None, choices=("on_request", "never"),
+                      help="a model whose engine died: restarted by its next request, or reported dead (default: "
+                           "on_request)")
+    many.add_argument("--pin", action="append", default=[], metavar="NAME",
+                      help="keep this model on the device (loaded at start, never evicted); repeatable")
     srv = p.add_argument_group("server options")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; 0.0.0.0 for all)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one, printed)")
@@ -145,7 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from omni_core.utils.progress import elapsed, progress
+    from omni_core.utils.progress import progress
 
     try:
         for library in ("fastapi", "uvicorn"):
@@ -159,8 +183,6 @@ def _serve(args: argparse.Namespace) -> int:
     from omni_core.config import RequestLimits
     from omni_core.entrypoints.common import build_config
     from omni_core.pipelines.shape_check import check_before_loading
-    from omni_core.serve.app import build_app
-    from omni_core.serve.server import run_server
 
     opts = engine_options(args)
     opts["max_waiting_requests"] = args.max_waiting_requests
@@ -176,8 +198,6 @@ def _serve(args: argparse.Namespace) -> int:
     opts.update(lora_options(args)[0])
     if args.no_warmup:
         opts["warmup"] = False
-    # what needs no model is refused before it loads: the model name or folder, the limits, the engine options
-    resolved = check_before_loading(args.model, pipeline=args.pipeline)
     if limits:
         try:
             RequestLimits.coerce(limits)
@@ -186,21 +206,36 @@ def _serve(args: argparse.Namespace) -> int:
             if flag is None:
                 raise
             raise ConfigError(str(exc).replace(f"RequestLimits.{exc.field}=", f"{flag} "), field=exc.field) from None
-    build_config(args.model, opts)  # the engine options, checked before anything loads
-    progress(f"loading {args.model} (importing torch, reading the weights) ...")
+    fleet_config = _fleet_config(args, opts)
+    if fleet_config is not None:
+        return _serve_app(args, api_key, *_start_fleet(args, fleet_config))
+    (model,) = args.model
+    # what needs no model is refused before it loads: the model name or folder, the engine options
+    resolved = check_before_loading(model, pipeline=args.pipeline)
+    build_config(model, opts)  # the engine options, checked before anything loads
+    progress(f"loading {model} (importing torch, reading the weights) ...")
     if not args.no_stream_previews:
         # previews need step execution; a pipeline without it is served without them
         cls = resolved.pipeline_cls()
         opts["streaming_output"] = bool(cls.supports_step_execution or cls.previews_in_request_mode)
     from omni_core.engine.plan import plan_engine
-    from omni_core.serve.routes.rollout import RolloutLimits
 
     # planned once, with the model resolved above: the engine runs the plan and resolves nothing again
-    engine = start_engine(plan_engine(build_config(args.model, opts), resolved=resolved))
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, video_dir=args.video_dir,
+    engine = start_engine(plan_engine(build_config(model, opts), resolved=resolved))
+    return _serve_app(args, api_key, engine, args.served_model_name)
+
+
+def _serve_app(args: argparse.Namespace, api_key: str | None, served: Any, served_model_name: str | None) -> int:
+    """Serve ``served`` (one engine, or a fleet of models) until stopped; the exit status."""
+    from omni_core.serve.app import build_app
+    from omni_core.serve.routes.rollout import RolloutLimits
+    from omni_core.serve.server import run_server
+    from omni_core.utils.progress import elapsed, progress
+
+    app = build_app(served, served_model_name=served_model_name, api_key=api_key, video_dir=args.video_dir,
                     max_video_jobs=args.max_video_jobs, video_ttl_s=args.video_ttl, retry_after_s=args.retry_after,
                     close_engine=True, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
-                    exit_on_engine_death=True, max_upload_bytes=args.max_upload_bytes,
+                    exit_on_engine_death=not hasattr(served, "members"), max_upload_bytes=args.max_upload_bytes,
                     max_form_parts=args.max_form_parts, max_json_depth=args.max_json_depth,
                     max_json_elements=args.max_json_elements, lora_dirs=args.lora_dirs,
                     rollout_limits=RolloutLimits(args.max_rollout_samples, args.max_rollout_steps,
@@ -209,9 +244,14 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
         progress(f"ready in {elapsed():.1f} s")
-        print(f"omni serve: {app.state.omni.model_name} on http://{shown}:{port} "
-              f"({engine.stats()['execution_mode']}, previews {'on' if engine.model_info.streaming else 'off'}"
-              f"{', API key required' if api_key else ''})", flush=True)
+        models = app.state.omni.models
+        if len(models) == 1:
+            (engine,) = (m.engine for m in models.values())
+            what = (f"{app.state.omni.default.name} on http://{shown}:{port} ({engine.stats()['execution_mode']}, "
+                    f"previews {'on' if engine.model_info.streaming else 'off'}")
+        else:
+            what = f"{len(models)} models ({', '.join(models)}) on http://{shown}:{port} (routed by 'model'"
+        print(f"omni serve: {what}{', API key required' if api_key else ''})", flush=True)
         print(f"omni serve: playground at http://{shown}:{port}/ (docs/playground.md)", flush=True)
 
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: exit 0 after that
@@ -222,13 +262,64 @@ def _serve(args: argparse.Namespace) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        engine.close()  # also when uvicorn failed to start (port in use): the lifespan never ran
+        served.close()  # also when uvicorn failed to start (port in use): the lifespan never ran
     if app.state.omni.engine_died:
         print(f"omni serve: stopped because the engine died; exit status {EXIT_ENGINE_DEAD}", file=sys.stderr,
               flush=True)
         return EXIT_ENGINE_DEAD
     print("omni serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _fleet_config(args: argparse.Namespace, opts: dict) -> Any:
+    """The models to serve when there are several (or a models file), checked before any loads; None for one."""
+    from omni_core.config.fleet import FleetConfig
+
+    residency = {"device_budget": args.device_budget, "host_budget": args.host_budget,
+                 "contention": args.contention, "wait_timeout_s": args.contention_timeout, "restart": args.restart}
+    if args.models_file is None and len(args.model) == 1 and not args.pin \
+            and all(v is None for v in residency.values()):
+        return None
+    if not args.model and args.models_file is None:
+        raise ConfigError("omni serve needs a MODEL (or several, or --models-file FILE)", field="model")
+    if args.served_model_name is not None and (args.models_file is not None or len(args.model) > 1):
+        raise ConfigError("--served-model-name names the one model of a one-model server; name several as "
+                          "NAME=MODEL or in the models file", field="served_model_name")
+    if args.models_file is not None:
+        config = FleetConfig.from_file(args.models_file, common=opts, **residency)
+        if args.model:
+            extra = FleetConfig.from_specs(args.model, common=opts).models
+            config = FleetConfig(models=(*config.models, *extra), residency=config.residency)
+    else:
+        config = FleetConfig.from_specs(args.model, {k: v for k, v in residency.items() if v is not None}, opts)
+    unknown = sorted(set(args.pin) - set(config.names))
+    if unknown:
+        raise ConfigError(f"--pin {unknown[0]!r} is not a served model; they are: {', '.join(config.names)}",
+                          field="pin")
+    import attrs
+
+    return FleetConfig(models=[attrs.evolve(m, pinned=m.pinned or m.name in args.pin) for m in config.models],
+                       residency=config.residency)
+
+
+def _start_fleet(args: argparse.Namespace, config: Any) -> tuple[Any, None]:
+    """Each model's streaming previews as for one model, then the fleet (every model planned, pinned ones loaded)."""
+    import attrs
+
+    from omni_core.engine.client import start_fleet
+    from omni_core.pipelines.shape_check import check_before_loading
+    from omni_core.utils.progress import progress
+
+    models = []
+    for m in config.models:
+        resolved = check_before_loading(m.model, pipeline=m.options.get("pipeline"))
+        options = dict(m.options)
+        if not args.no_stream_previews and "streaming_output" not in options:
+            cls = resolved.pipeline_cls()
+            options["streaming_output"] = bool(cls.supports_step_execution or cls.previews_in_request_mode)
+        models.append(attrs.evolve(m, options=options))
+    progress(f"planning {len(models)} models ({', '.join(config.names)}); pinned ones load now ...")
+    return start_fleet(attrs.evolve(config, models=models)), None
 
 
 class _Stopped(Exception):

@@ -99,11 +99,13 @@ def start_engine(config: OmniDiffusionConfig | EnginePlan, **kwargs: Any) -> Eng
 def start_fleet(config: Any, **kwargs: Any) -> Any:
     """Several models behind one front end (``omni_core.config.fleet.FleetConfig``): a ``ModelFleet`` whose
     ``members()`` are one ``EngineClient`` per model, each brought onto the device by its requests within the
-    residency budget; ``states()`` says where each model is; ``close()`` closes them all. Pinned models load now."""
+    residency budget; ``states()`` says where each model is; ``close()`` closes them all. Pinned models load now,
+    and so, once, does a model whose size its files do not tell (to measure it)."""
     from omni_core.engine.fleet import ModelFleet
 
     fleet = ModelFleet(config, **kwargs)
     try:
+        fleet.measure_unknown()
         fleet.load_pinned()
     except BaseException:
         fleet.close()

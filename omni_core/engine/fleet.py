@@ -7,7 +7,8 @@ one :class:`Slot` here, the single owner of where that model is:
 * ``device``: its engine runs with its weights on the device;
 * ``host``: its engine runs but its weights were moved to host copies (``release_memory``); bringing it back is a
   copy (``resume_memory``), no process start and no disk read;
-* ``moving``: a load, an eviction or a restore is under way (others wait for it);
+* ``loading``: coming onto the device (a load, or a restore from host memory), once the models it evicts are out;
+* ``evicting``: leaving the device (to host copies, or unloaded); ``unloading``: its host copies being dropped;
 * ``dead``: its engine died; restarted on the next request, or reported dead (``Residency.restart``).
 
 A request takes a **lease** on its model (:meth:`ModelFleet.lease`) while it is admitted; once admitted the
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -38,23 +38,15 @@ from typing import Any, Callable, Iterator
 import attrs
 
 from omni_core.config.fleet import FleetConfig, FleetModel
+from omni_core.engine.fleet_rules import (close_quietly, contention_error, is_idle, own_process, too_big,
+                                          weight_file_bytes)
 from omni_core.errors import ConfigError, EngineDeadError, ResidencyError
 
 logger = logging.getLogger("omni_core.engine.fleet")
 
-STATES = ("cold", "device", "host", "moving", "dead")
-#: suffixes of weight files counted by the estimate made before a model's first load
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-
-
-def weight_file_bytes(folder: str) -> int:
-    """Bytes of the weight files under ``folder`` (0 for a model without a folder, such as a built-in one)."""
-    total = 0
-    if not folder or not os.path.isdir(folder):
-        return 0
-    for root, _, files in os.walk(folder):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files if f.endswith(WEIGHT_SUFFIXES))
-    return total
+STATES = ("cold", "device", "host", "loading", "evicting", "unloading", "dead")
+#: the states that count against the device budget (a loading model's room is reserved when it is chosen)
+ON_DEVICE = ("device", "loading", "evicting")
 
 
 @attrs.define
@@ -74,6 +66,10 @@ class Slot:
     uses: int = 0
     last_used: float = 0.0
     dead_reason: str | None = None
+    #: the waiting model it drains for: it takes no new lease, and is evicted once its engine is idle
+    drained_for: str | None = None
+    #: loading, but the models it evicts are not out yet (its room is reserved; it holds nothing yet)
+    reserved: bool = False
     loads: int = 0
     restores: int = 0
 
@@ -98,25 +94,26 @@ class ModelFleet:
 
     def __init__(self, config: FleetConfig, *, start: Callable[[Any], Any] | None = None,
                  planner: Callable[[Any], Any] | None = None) -> None:
-        from omni_core.engine.client import start_engine
+        from omni_core.config import OmniDiffusionConfig
+        from omni_core.engine.engine import make_engine
         from omni_core.engine.plan import plan_engine
-        from omni_core.entrypoints.common import build_config
 
         self.config = config
         self.residency = config.residency
-        self._start = start or start_engine
+        self._start = start or make_engine
         self._lock = threading.Condition()
         self._closed = False
         self.slots: dict[str, Slot] = {}
         budget = self.residency.device_budget
         for entry in config.models:
+            options = {**entry.options, "executor": own_process(entry, len(config.models))}
             try:
-                plan = (planner or plan_engine)(build_config(entry.model, entry.options))
+                plan = (planner or plan_engine)(OmniDiffusionConfig.from_kwargs(model=entry.model, **options))
             except ConfigError as exc:
                 raise ConfigError(f"model {entry.name!r}: {exc}", field=exc.field) from None
             slot = Slot(entry=entry, plan=plan, weight_bytes=weight_file_bytes(plan.model_info.model_path))
             if budget is not None and slot.charge > budget:
-                raise ConfigError(_too_big(slot, budget, "its weight files"), field="device_budget")
+                raise ConfigError(too_big(slot, budget, "its weight files"), field="device_budget")
             self.slots[entry.name] = slot
 
     # ------------------------------------------------------------------ what front ends read
@@ -137,6 +134,22 @@ class ModelFleet:
 
         return {name: FleetMember(self, name) for name in self.slots}
 
+    def measure_unknown(self) -> None:
+        """Load once each model whose size its files do not tell (a built-in model has none), measure it and move
+        it to host memory (or unload it): the budget then counts what it truly holds, and one too big alone is
+        refused now, at start."""
+        budget = self.residency.device_budget
+        for slot in self.slots.values():
+            if budget is None or slot.weight_bytes or slot.measured:
+                continue
+            try:
+                with self.lease(slot.name):
+                    pass
+            except ResidencyError as exc:
+                raise ConfigError(str(exc), field="device_budget") from None
+            if not slot.entry.pinned:
+                self.evict(slot.name)
+
     def load_pinned(self) -> None:
         """Bring every pinned model onto the device now (they are never evicted; a server starts with them)."""
         for slot in self.slots.values():
@@ -155,9 +168,10 @@ class ModelFleet:
                     for s in self.slots.values()]
 
     def device_bytes(self) -> int:
-        """What the models on the device (or moving there) charge now: never above the budget."""
+        """What the models on the device charge now (those leaving it included, and those loading once the room
+        they were given is free): never above the budget."""
         with self._lock:
-            return sum(s.charge for s in self.slots.values() if s.state in ("device", "moving"))
+            return sum(s.charge for s in self.slots.values() if s.state in ON_DEVICE and not s.reserved)
 
     def measured_bytes(self) -> dict[str, int]:
         """Each running engine's pipeline bytes, measured in its model process now (a released model holds 0)."""
@@ -194,26 +208,34 @@ class ModelFleet:
                 self._note_death(slot)
                 if slot.state == "dead" and self.residency.restart == "never":
                     raise EngineDeadError(f"model {slot.name!r}: {slot.dead_reason}")
-                if slot.state == "device":
+                if slot.state == "device" and slot.drained_for is None:
                     slot.leases += 1
                     slot.uses += 1
                     slot.last_used = time.monotonic()
                     return slot.engine
-                if slot.state == "moving":
+                if slot.state not in ("cold", "host", "dead"):  # moving, or draining for a waiting model
                     self._lock.wait(0.1)
                     continue
                 victims, holders = self._room_for(slot)
                 if victims is None:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise _contention(slot, holders, self.residency)
+                        self._stop_draining_for(slot)
+                        raise contention_error(slot, holders, self.residency)
+                    self._drain_for(slot)
                     self._lock.wait(min(left, 0.2))
                     continue
                 source = slot.state
+                self._stop_draining_for(slot)  # room is made: what drained for it serves again (or is a victim)
                 for v in victims:
-                    v.state = "moving"
-                slot.state = "moving"
-            self._bring_in(slot, source, victims)
+                    v.state = "evicting"
+                slot.state, slot.reserved = "loading", True
+            if self._bring_in(slot, source, victims):
+                with self._lock:
+                    slot.leases += 1
+                    slot.uses += 1
+                    slot.last_used = time.monotonic()
+                    return slot.engine
 
     def _note_death(self, slot: Slot) -> None:
         if slot.state in ("device", "host") and slot.engine is not None and slot.engine.is_dead:
@@ -224,40 +246,67 @@ class ModelFleet:
         """Idle models to evict, least recently used first, so ``slot`` fits (None: busy models hold the budget,
         named in the second value). Idleness is asked of each engine (what it tracks), without waiting on it."""
         budget = self.residency.device_budget
-        resident = [s for s in self.slots.values() if s.state in ("device", "moving") and s is not slot]
+        resident = [s for s in self.slots.values() if s.state in ON_DEVICE and s is not slot]
         used = sum(s.charge for s in resident)
         if budget is None or used + slot.charge <= budget:
             return [], []
         victims: list[Slot] = []
         for s in sorted(resident, key=lambda s: s.last_used):
-            if s.state == "device" and not s.entry.pinned and s.leases == 0 and _idle(s.engine):
+            if s.state == "device" and not s.entry.pinned and s.leases == 0 and is_idle(s.engine):
                 victims.append(s)
                 used -= s.charge
                 if used + slot.charge <= budget:
                     return victims, []
         return None, [s.name for s in resident if s not in victims]
 
+    def _drain_for(self, slot: Slot) -> None:
+        """Busy models hold the budget and ``slot`` waits: stop new leases on the least recently used unpinned
+        ones that would make room, so they drain and the waiting model gets in (rather than waiting as long as
+        their clients keep them busy). Pinned models are never drained."""
+        budget = self.residency.device_budget
+        resident = [s for s in self.slots.values() if s.state in ON_DEVICE and s is not slot]
+        excess = sum(s.charge for s in resident) + slot.charge - budget
+        excess -= sum(s.charge for s in resident if s.drained_for is not None)
+        for s in sorted(resident, key=lambda s: s.last_used):
+            if excess <= 0:
+                return
+            if s.state == "device" and s.drained_for is None and not s.entry.pinned:
+                s.drained_for = slot.name
+                excess -= s.charge
+                logger.info("model %r drains for %r (the device budget is full)", s.name, slot.name)
+
+    def _stop_draining_for(self, slot: Slot) -> None:
+        for s in self.slots.values():
+            if s.drained_for == slot.name:
+                s.drained_for = None
+        self._lock.notify_all()
+
     # ------------------------------------------------------------------ moving models
-    def _bring_in(self, slot: Slot, source: str, victims: list[Slot]) -> None:
-        """Evict ``victims``, then load or restore ``slot`` (states were set to ``moving`` under the lock)."""
+    def _bring_in(self, slot: Slot, source: str, victims: list[Slot]) -> bool:
+        """Evict ``victims``, then load or restore ``slot`` (the states were set under the lock). False
+        when its measured size no longer fits beside the busy models: it went to host memory, and the caller waits
+        for room as for any model whose size is known."""
         try:
             for v in victims:
                 self._evict(v)
+            with self._lock:
+                slot.reserved = False  # its room is free now: it holds what it loads
             if source == "host":
                 slot.engine.resume_memory()
                 slot.restores += 1
             else:
                 if slot.engine is not None:  # dead: its processes are gone; close what is left of it
-                    _close_quietly(slot.engine)
+                    close_quietly(slot.engine)
                     slot.engine = None
                 slot.engine = self._start(slot.plan)
                 slot.loads += 1
             held = sum(slot.engine.collective_rpc("memory_held", timeout=120))
         except BaseException as exc:
             with self._lock:
+                slot.reserved = False
                 slot.state = "dead" if slot.engine is not None and slot.engine.is_dead else "cold"
                 if slot.state == "cold" and slot.engine is not None:
-                    _close_quietly(slot.engine)
+                    close_quietly(slot.engine)
                     slot.engine = None
                 slot.dead_reason = f"{type(exc).__name__}: {exc}"
                 self._lock.notify_all()
@@ -270,11 +319,19 @@ class ModelFleet:
                 self._lock.notify_all()
                 engine, slot.engine = slot.engine, None
             else:
-                slot.state, slot.dead_reason = "device", None
-                self._lock.notify_all()
-                return
-        _close_quietly(engine)
-        raise ResidencyError(_too_big(slot, budget, "its pipeline, measured"), model=slot.name)
+                others = sum(s.charge for s in self.slots.values() if s.state in ON_DEVICE and s is not slot)
+                fits = budget is None or others + slot.charge <= budget
+                slot.dead_reason = None
+                if fits:
+                    slot.state = "device"
+                    self._lock.notify_all()
+                    return True
+        if not fits:  # larger than its files said: out of the way until there is room for what it measured
+            logger.info("model %r measured %d bytes, more than estimated; waiting for room", slot.name, held)
+            self._evict(slot)
+            return False
+        close_quietly(engine)
+        raise ResidencyError(too_big(slot, budget, "its pipeline, measured"), model=slot.name)
 
     def _evict(self, victim: Slot) -> None:
         """Move an idle model off the device: to host copies when the host budget allows, else unload it."""
@@ -288,7 +345,7 @@ class ModelFleet:
                 for s in sorted(in_host, key=lambda s: s.last_used):
                     if held + victim.weight_bytes <= host_budget:
                         break
-                    s.state = "moving"
+                    s.state = "unloading"
                     unload.append(s)
                     held -= s.weight_bytes
         for s in unload:
@@ -305,15 +362,15 @@ class ModelFleet:
             state = "dead" if victim.engine.is_dead else "device"
             victim.dead_reason = str(exc) if state == "dead" else None
         with self._lock:
-            victim.state = state
+            victim.state, victim.drained_for = state, None
             self._lock.notify_all()
 
     def _unload(self, slot: Slot) -> None:
         engine, slot.engine = slot.engine, None
         if engine is not None:
-            _close_quietly(engine)
+            close_quietly(engine)
         with self._lock:
-            slot.state = "cold"
+            slot.state, slot.drained_for = "cold", None
             self._lock.notify_all()
 
     def evict(self, name: str) -> bool:
@@ -322,7 +379,7 @@ class ModelFleet:
         with self._lock:
             if slot.state != "device" or slot.leases:
                 return False
-            slot.state = "moving"
+            slot.state = "evicting"
         self._evict(slot)
         return True
 
@@ -335,35 +392,7 @@ class ModelFleet:
                 s.engine, s.state = None, "cold"
             self._lock.notify_all()
         for engine in engines:
-            _close_quietly(engine)
+            close_quietly(engine)
 
 
-def _idle(engine: Any) -> bool:
-    try:
-        stats = engine.stats()
-    except Exception:  # noqa: BLE001 - a dead or closed engine runs nothing
-        return True
-    return not stats.get("tracked_requests") and not stats.get("waiting") and not stats.get("running")
-
-
-def _close_quietly(engine: Any) -> None:
-    try:
-        engine.close()
-    except Exception:  # noqa: BLE001 - a dead engine's close may complain; it is gone either way
-        logger.debug("closing an engine failed", exc_info=True)
-
-
-def _too_big(slot: Slot, budget: int, source: str) -> str:
-    return (f"model {slot.name!r} cannot fit the device budget alone: {slot.weight_bytes} bytes of weights "
-            f"({source}) + {slot.working_bytes} working = {slot.charge} > device_budget={budget}")
-
-
-def _contention(slot: Slot, holders: list[str], residency: Any) -> ResidencyError:
-    how = ("at once (contention='fail')" if residency.contention == "fail"
-           else f"within wait_timeout_s={residency.wait_timeout_s:g}")
-    return ResidencyError(f"model {slot.name!r} cannot be brought onto the device {how}: the device budget "
-                          f"({residency.device_budget} bytes) is held by models with work in flight or pinned: "
-                          f"{', '.join(holders) or '(none)'}", model=slot.name, holders=holders)
-
-
-__all__ = ["STATES", "ModelFleet", "Slot", "weight_file_bytes"]
+__all__ = ["ON_DEVICE", "STATES", "ModelFleet", "Slot"]

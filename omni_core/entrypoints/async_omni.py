@@ -11,21 +11,25 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from omni_core.engine.client import EngineClient, start_engine
+from omni_core.engine.client import EngineClient
 from omni_core.entrypoints import weights
-from omni_core.entrypoints.common import as_prompt_list, build_config, build_requests, build_sampling_params_list
+from omni_core.entrypoints.common import (as_prompt_list, build_requests, build_sampling_params_list, engine_for,
+                                          start_models)
 from omni_core.errors import ConfigError, RequestFailedError
 from omni_core.outputs import DiffusionOutput
 
 
 class AsyncOmni:
-    def __init__(self, model: str, **config: Any) -> None:
-        self.config = build_config(model, config)
-        #: the engine, used only through its client interface
-        self.engine: EngineClient = start_engine(self.config)
+    def __init__(self, model: str | None = None, *, models: Any = None, residency: Any = None, **config: Any) -> None:
+        #: several models: the ``ModelFleet`` that keeps them within ``residency`` (None for one model)
+        self.fleet, self.engines = start_models(model, models, residency, config)
+        #: the (first) model's engine, used only through its client interface
+        self.engine: EngineClient = engine_for(self.engines, None)
+        #: its engine config (``OmniDiffusionConfig``, checked)
+        self.config = getattr(self.engine, "config", None)
 
-    async def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
-                       **sampling_kwargs: Any) -> AsyncIterator[DiffusionOutput]:
+    async def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None, *,
+                       model: str | None = None, **sampling_kwargs: Any) -> AsyncIterator[DiffusionOutput]:
         """Yield intermediate outputs (when streaming) and the final output last.
 
         ``sampling_params``: a ``SamplingParams``, a dict, None, or a list of one of those (vLLM's one-per-prompt
@@ -42,7 +46,11 @@ class AsyncOmni:
         # one SamplingParams, or vLLM's one-per-prompt list (here: of one)
         (params,) = build_sampling_params_list(sampling_params, sampling_kwargs, 1)
         (request,) = build_requests(prompts, params, request_id)
-        (handle,) = self.engine.submit([request])
+        engine = engine_for(self.engines, model)
+        engine.prepare_request(request)  # refused before a model moves
+        # a fleet's model may be loaded or wait for room first: off the event loop
+        (handle,) = (await asyncio.to_thread(engine.submit, [request]) if self.fleet is not None
+                     else engine.submit([request]))
         finished = False
         try:
             while not finished:
@@ -55,11 +63,11 @@ class AsyncOmni:
             if not finished:  # the consumer left early or was cancelled: abort now, not at garbage collection
                 handle.abort()
 
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    async def abort(self, request_id: str, model: str | None = None) -> None:
+        engine_for(self.engines, model).abort(request_id)
 
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+    def stats(self, model: str | None = None) -> dict[str, Any]:
+        return engine_for(self.engines, model).stats()
 
     # ------------------------------------------------------------------ weights (RL trainers: docs/rollouts.md)
     async def update_weights(self, source: Any, target: str = "transformer", **kwargs: Any) -> str:
@@ -82,7 +90,7 @@ class AsyncOmni:
         return await asyncio.to_thread(weights.resume_memory, self)
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        await asyncio.get_running_loop().run_in_executor(None, (self.fleet or self.engine).close)
 
     async def __aenter__(self) -> AsyncOmni:
         return self

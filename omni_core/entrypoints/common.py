@@ -16,6 +16,36 @@ def build_config(model: str, config: Any) -> OmniDiffusionConfig:
     return OmniDiffusionConfig.from_kwargs(model=model, **config)
 
 
+def start_models(model: Any, models: Any, residency: Any, config: dict) -> tuple[Any, dict[str, Any]]:
+    """What ``Omni`` and ``AsyncOmni`` serve: one model (``model`` and its engine options), or several
+    (``models``: a list of names / ``NAME=MODEL`` / entry dicts, or a mapping name -> model or entry, sharing
+    ``config`` as common engine options, within ``residency``: ``omni_core.config.fleet``). Returns the fleet (None
+    for one model) and name -> engine client, the first being the default."""
+    from omni_core.engine.client import start_engine, start_fleet
+
+    if models is None:
+        if residency is not None:
+            raise ConfigError("residency applies to several models: give models=[...]", field="residency")
+        engine = start_engine(build_config(model, config))
+        return None, {model: engine}
+    if model is not None:
+        raise ConfigError("give one model, or several as models=[...], not both", field="models")
+    from omni_core.config.fleet import FleetConfig
+
+    fleet = start_fleet(FleetConfig.from_specs(models, residency, common=config))
+    return fleet, fleet.members()
+
+
+def engine_for(engines: Mapping[str, Any], model: str | None) -> Any:
+    """The engine client of the model a call names (None: the first); an unknown name names the served ones."""
+    if model is None:
+        return next(iter(engines.values()))
+    try:
+        return engines[model]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown model {model!r}; served: {', '.join(engines)}", field="model") from None
+
+
 def build_sampling_params(sampling_params: Any, kwargs: Mapping[str, Any]) -> SamplingParams:
     if sampling_params is None:
         return SamplingParams.from_kwargs(**kwargs)

@@ -40,8 +40,10 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
               max_form_parts: int = MAX_FORM_PARTS, max_json_depth: int = MAX_JSON_DEPTH,
               max_json_elements: int = MAX_JSON_ELEMENTS, lora_dirs: Sequence[str] = (),
               rollout_limits: Any = None) -> Any:
-    """A FastAPI app serving ``engine_or_omni`` (an ``EngineClient`` such as ``DiffusionEngine``, or an
-    ``AsyncOmni`` / ``Omni``, whose engine is used).
+    """A FastAPI app serving ``engine_or_omni``: an ``EngineClient`` such as ``DiffusionEngine``, an
+    ``AsyncOmni`` / ``Omni`` (whose engine is used), or several models -- a ``ModelFleet`` (``start_fleet``), an
+    ``Omni`` over several models, or a mapping name -> ``EngineClient``; every route serves the model its
+    request names (``model``; none or ``"default"``: the first).
 
     ``served_model_name``: the ``model`` clients name (default: the engine's ``model``). ``api_key``: when
     set, every route but ``/health``, ``/metrics`` and the playground page needs ``Authorization: Bearer <key>`` (checked before
@@ -78,7 +80,8 @@ def build_app(engine_or_omni: Any, *, served_model_name: str | None = None, api_
     for router in (system.router, system.v1, images.v1, videos.v1, chat.v1, rollout.router):  # OpenAPI's order
         app.include_router(router)
     app.include_router(playground.router)  # the browser page at / and /playground (not in the OpenAPI document)
-    install_openapi(app, server.api_key, server.model_info.sampling_fields)
+    fields = {f.name: f for m in server.models.values() for f in m.info.sampling_fields}  # every model's, once
+    install_openapi(app, server.api_key, tuple(fields.values()))
     # outermost first: metrics (counts every answer), the API key (before routing), the body cap
     app.add_middleware(BodyLimitMiddleware, limit=server.max_body_bytes, upload_limit=server.max_upload_bytes)
     app.add_middleware(AuthMiddleware, server=server)

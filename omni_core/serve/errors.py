@@ -69,8 +69,8 @@ def dead_message(reason: str | None) -> str:
     return _DEAD_PREFIX + reason
 
 
-def engine_dead(reason: str | None) -> APIError:
-    return APIError(503, dead_message(reason), code="engine_dead", type="engine_dead")
+def engine_dead(reason: str | None, prefix: str = "") -> APIError:
+    return APIError(503, prefix + dead_message(reason), code="engine_dead", type="engine_dead")
 
 
 def admission_error(exc: OmniError, retry_after_s: int) -> APIError:
@@ -85,20 +85,20 @@ def admission_error(exc: OmniError, retry_after_s: int) -> APIError:
     return APIError(503, str(exc), code="engine_unavailable", type="server_error")
 
 
-def generation_failed(out: Any, engine_is_dead: bool) -> APIError:
+def generation_failed(out: Any, engine_is_dead: bool, prefix: str = "") -> APIError:
     """A final output that did not complete: the engine died (503), it timed out (504), it was aborted (503), it ran
-    out of memory (500, ``out_of_memory``), or it failed (500)."""
+    out of memory (500, ``out_of_memory``), or it failed (500). ``prefix`` names the model on a server of several."""
     if out.status == "error" and engine_is_dead:
-        return engine_dead(out.error)
+        return engine_dead(out.error, prefix)
     if out.metrics.get("timed_out"):  # its deadline passed (the 'timeout' field, X-Request-Timeout)
         return APIError(504, str(out.error), code="request_timeout", type="timeout_error")
     if out.status == "aborted":
         return APIError(503, f"the request was aborted: {out.error or 'the server is shutting down'}",
                         code="request_aborted", type="server_error")
     if out.metrics.get("out_of_memory"):  # a smaller request (size, frames, batch) may fit: said by its own code
-        return APIError(500, f"generation failed: out of memory: {out.error}", code="out_of_memory",
+        return APIError(500, f"{prefix}generation failed: out of memory: {out.error}", code="out_of_memory",
                         type="server_error")
-    return APIError(500, f"generation failed: {out.error}", code="generation_failed", type="server_error")
+    return APIError(500, f"{prefix}generation failed: {out.error}", code="generation_failed", type="server_error")
 
 
 def internal_error(exc: BaseException, what: str) -> APIError:

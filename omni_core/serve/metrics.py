@@ -59,24 +59,24 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.http_requests: collections.Counter = collections.Counter()  # (method, path, status) -> n
         self.http_latency: dict[str, Histogram] = {}
-        self.e2e_latency: dict[str, Histogram] = {"image": Histogram(), "video": Histogram()}
-        self.queue_time = Histogram()
+        self.e2e_latency: dict[tuple[str, str], Histogram] = {}  # (model, kind) -> latencies
+        self.queue_time: dict[str, Histogram] = {}  # model -> queue times
         self.client_disconnects = 0
         self.refused: collections.Counter = collections.Counter()  # reason -> n
-        self._steps: collections.deque = collections.deque()  # (monotonic time, total steps)
+        self._steps: dict[str, collections.deque] = {}  # model -> (monotonic time, its total steps)
 
     def observe_http(self, method: str, path: str, status: int, seconds: float) -> None:
         with self._lock:
             self.http_requests[(method, path, status)] += 1
             self.http_latency.setdefault(path, Histogram()).observe(seconds)
 
-    def observe_generation(self, kind: str, metrics: Mapping[str, Any]) -> None:
-        """Engine-measured latencies of a completed request (``DiffusionOutput.metrics``)."""
+    def observe_generation(self, kind: str, metrics: Mapping[str, Any], *, model: str) -> None:
+        """Engine-measured latencies of a completed request of ``model`` (``DiffusionOutput.metrics``)."""
         with self._lock:
             if "e2e_latency_s" in metrics:
-                self.e2e_latency.setdefault(kind, Histogram()).observe(metrics["e2e_latency_s"])
+                self.e2e_latency.setdefault((model, kind), Histogram()).observe(metrics["e2e_latency_s"])
             if "queue_time_s" in metrics:
-                self.queue_time.observe(metrics["queue_time_s"])
+                self.queue_time.setdefault(model, Histogram()).observe(metrics["queue_time_s"])
 
     def count_disconnect(self) -> None:
         with self._lock:
@@ -86,24 +86,38 @@ class ServerMetrics:
         with self._lock:
             self.refused[reason] += 1
 
-    def sample_steps(self, total_steps: int, now: float | None = None) -> None:
+    def sample_steps(self, total_steps: int, now: float | None = None, *, model: str) -> None:
+        """``model``'s denoising-step counter now (the server samples each model once a second)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._steps.append((now, total_steps))
-            while len(self._steps) > 2 and now - self._steps[1][0] >= STEPS_WINDOW_S:
-                self._steps.popleft()
+            steps = self._steps.setdefault(model, collections.deque())
+            steps.append((now, total_steps))
+            while len(steps) > 2 and now - steps[1][0] >= STEPS_WINDOW_S:
+                steps.popleft()
 
-    def steps_per_second(self) -> float:
+    def steps_per_second(self, model: str) -> float:
         with self._lock:
-            if len(self._steps) < 2:
+            steps = self._steps.get(model, ())
+            if len(steps) < 2:
                 return 0.0
-            (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
+            (t0, s0), (t1, s1) = steps[0], steps[-1]
             return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
 
-    def render(self, stats: Mapping[str, Any], *, model: str, video_jobs: Mapping[str, int]) -> str:
-        """The Prometheus exposition text: engine state from ``stats`` plus the server's own metrics."""
-        m = {"model": model}
+    def render(self, stats_by_model: Mapping[str, Mapping[str, Any]], *, video_jobs: Mapping[str, int],
+               residency: Iterable[Mapping[str, Any]] = ()) -> str:
+        """The Prometheus exposition text: each model's engine state (``stats_by_model``: model -> its engine's
+        ``stats()``), where each model is (``residency``: a fleet's ``states()``), and the server's own metrics.
+        Every engine metric is labelled by model."""
         lines: list[str] = []
+        per_model = sorted(stats_by_model.items())
+
+        def each(value: Any) -> list[tuple[Mapping[str, Any], float]]:
+            """One sample per model: ``value(stats)``, labelled ``model``."""
+            return [({"model": name}, value(st)) for name, st in per_model]
+
+        def each_labelled(samples: Any) -> list[tuple[Mapping[str, Any], float]]:
+            """Samples per model: ``samples(stats)`` yields (labels, value), prefixed with ``model``."""
+            return [({"model": name, **labels}, v) for name, st in per_model for labels, v in samples(st)]
 
         def metric(name: str, kind: str, help_: str, samples: Iterable[tuple[Mapping[str, Any], float]]) -> None:
             lines.append(f"# HELP {name} {help_}")
@@ -117,21 +131,22 @@ class ServerMetrics:
                 lines.extend(h.lines(name, labels))
 
         metric("omni_num_requests_waiting", "gauge", "Requests in the engine's queue (queue depth).",
-               [(m, stats.get("waiting", 0))])
+               each(lambda st: st.get("waiting", 0)))
         metric("omni_num_requests_running", "gauge", "Requests the engine is running.",
-               [(m, stats.get("running", 0))])
-        metric("omni_engine_dead", "gauge", "1 when the engine's workers died.", [(m, 1 if stats.get("dead") else 0)])
+               each(lambda st: st.get("running", 0)))
+        metric("omni_engine_dead", "gauge", "1 when the engine's workers died.", each(lambda st: 1 if st.get("dead") else 0))
         metric("omni_engine_degraded", "gauge", "1 while the engine serves degraded (its last request to end ran out "
-               "of memory; a completed request clears it).", [(m, 1 if stats.get("degraded") else 0)])
+               "of memory; a completed request clears it).", each(lambda st: 1 if st.get("degraded") else 0))
         metric("omni_engine_requests_total", "counter", "Requests the engine admitted and how they ended.",
-               [({**m, "outcome": k}, stats.get(f"requests_{k}", 0))
-                for k in ("added", "completed", "aborted", "failed")])
+               each_labelled(lambda st: [({"outcome": k}, st.get(f"requests_{k}", 0))
+                                         for k in ("added", "completed", "aborted", "failed")]))
         metric("omni_engine_requests_out_of_memory_total", "counter", "Requests that failed out of memory (also "
-               "counted as failed).", [(m, stats.get("requests_out_of_memory", 0))])
+               "counted as failed).", each(lambda st: st.get("requests_out_of_memory", 0)))
         metric("omni_denoise_steps_total", "counter", "Denoising steps run (one per request per step).",
-               [(m, stats.get("denoise_steps", 0))])
+               each(lambda st: st.get("denoise_steps", 0)))
         metric("omni_denoise_steps_per_second", "gauge",
-               f"Denoising steps per second over the last {STEPS_WINDOW_S:g} s.", [(m, self.steps_per_second())])
+               f"Denoising steps per second over the last {STEPS_WINDOW_S:g} s.",
+               [({"model": name}, self.steps_per_second(name)) for name, _ in per_model])
         with self._lock:
             metric("omni_http_requests_total", "counter", "HTTP requests by method, route and status code.",
                    [({"method": k[0], "path": k[1], "status": k[2]}, v) for k, v in sorted(self.http_requests.items())])
@@ -140,41 +155,60 @@ class ServerMetrics:
                       [({"path": p}, h) for p, h in sorted(self.http_latency.items())])
             histogram("omni_request_e2e_latency_seconds",
                       "Engine latency of completed generations, from admission to the final output.",
-                      [({**m, "kind": k}, h) for k, h in sorted(self.e2e_latency.items())])
+                      [({"model": mk[0], "kind": mk[1]}, h) for mk, h in sorted(self.e2e_latency.items())])
             histogram("omni_request_queue_time_seconds", "Time completed generations waited in the engine's queue.",
-                      [(m, self.queue_time)])
+                      [({"model": name}, h) for name, h in sorted(self.queue_time.items())])
             metric("omni_client_disconnects_total", "counter",
                    "Clients that went away before their result (their requests were aborted).",
                    [({}, self.client_disconnects)])
             metric("omni_requests_refused_total", "counter", "Requests refused by reason.",
                    [({"reason": r}, n) for r, n in sorted(self.refused.items())] or [({"reason": "queue_full"}, 0)])
         metric("omni_model_bytes", "gauge", "Bytes of each model component's parameters and buffers on one rank "
-               "(after quantization).", [({**m, "component": c}, b)
-                                        for c, b in sorted((stats.get("model_bytes") or {}).items())])
-        cache = stats.get("embedding_cache") or {}
+               "(after quantization).", each_labelled(lambda st: [({"component": c}, b) for c, b in sorted(
+                   (st.get("model_bytes") or {}).items())]))
+
+        def cache(st: Mapping[str, Any]) -> Mapping[str, Any]:
+            return st.get("embedding_cache") or {}
+
         metric("omni_embedding_cache_hits_total", "counter", "Text encodings read from the embedding cache (the "
-               "text encoder skipped), summed over replicas.", [(m, cache.get("hits", 0))])
+               "text encoder skipped), summed over replicas.", each(lambda st: cache(st).get("hits", 0)))
         metric("omni_embedding_cache_misses_total", "counter", "Text encodings the embedding cache did not hold "
-               "(the text encoder ran), summed over replicas.", [(m, cache.get("misses", 0))])
+               "(the text encoder ran), summed over replicas.", each(lambda st: cache(st).get("misses", 0)))
         metric("omni_embedding_cache_entries", "gauge", "Text encodings the embedding cache holds.",
-               [(m, cache.get("entries", 0))])
+               each(lambda st: cache(st).get("entries", 0)))
         metric("omni_embedding_cache_bytes", "gauge", "Bytes of text encodings the embedding cache holds "
                "(its bound: embedding_cache_bytes per model process).",
-               [({**m, "kind": "used"}, cache.get("bytes", 0)), ({**m, "kind": "capacity"},
-                                                                  cache.get("capacity_bytes", 0))])
+               each_labelled(lambda st: [({"kind": "used"}, cache(st).get("bytes", 0)),
+                                         ({"kind": "capacity"}, cache(st).get("capacity_bytes", 0))]))
         metric("omni_embedding_cache_evictions_total", "counter", "Text encodings the embedding cache evicted "
-               "(least recently used first) to stay within its bytes.", [(m, cache.get("evictions", 0))])
-        stages = stats.get("stages") or {}  # encode_workers / decode_workers: the stage processes
+               "(least recently used first) to stay within its bytes.", each(lambda st: cache(st).get("evictions", 0)))
+
+        def stages(st: Mapping[str, Any]) -> list:  # encode_workers / decode_workers: the stage processes
+            return sorted((st.get("stages") or {}).items())
+
         metric("omni_stage_requests_waiting", "gauge", "Requests waiting for a stage process (encode: before they "
                "are queued; decode: after they finished denoising).",
-               [({**m, "stage": k}, v.get("waiting", 0)) for k, v in sorted(stages.items())])
+               each_labelled(lambda st: [({"stage": k}, v.get("waiting", 0)) for k, v in stages(st)]))
         metric("omni_stage_requests_done_total", "counter", "Requests a stage process encoded or decoded.",
-               [({**m, "stage": k}, v.get("done", 0)) for k, v in sorted(stages.items())])
+               each_labelled(lambda st: [({"stage": k}, v.get("done", 0)) for k, v in stages(st)]))
         metric("omni_stage_model_bytes", "gauge", "Bytes of each component a stage process holds.",
-               [({**m, "stage": k, "component": c}, b) for k, v in sorted(stages.items())
-                for c, b in sorted((v.get("model_bytes") or {}).items())])
+               each_labelled(lambda st: [({"stage": k, "component": c}, b) for k, v in stages(st)
+                                         for c, b in sorted((v.get("model_bytes") or {}).items())]))
         metric("omni_stage_dead", "gauge", "1 when a stage process died (the engine dies with it).",
-               [({**m, "stage": k}, 1 if v.get("dead") else 0) for k, v in sorted(stages.items())])
+               each_labelled(lambda st: [({"stage": k}, 1 if v.get("dead") else 0) for k, v in stages(st)]))
+        residency = list(residency)
+        if residency:  # several models behind one server (omni_core.engine.fleet)
+            metric("omni_model_state", "gauge", "1 for where each model is: device, host (weights kept in host "
+                   "memory), cold (not loaded), loading, evicting, unloading, dead.",
+                   [({"model": r["name"], "state": state}, 1 if r["state"] == state else 0)
+                    for r in residency for state in ("device", "host", "cold", "loading", "evicting", "unloading", "dead")])
+            metric("omni_model_residency_bytes", "gauge", "What each model counts against the device budget: its "
+                   "weights (measured once loaded) and its working memory.",
+                   [({"model": r["name"], "kind": k}, r[f"{k}_bytes"]) for r in residency for k in ("weight", "working")])
+            metric("omni_model_loads_total", "counter", "Loads of each model from disk (restarts included).",
+                   [({"model": r["name"]}, r["loads"]) for r in residency])
+            metric("omni_model_restores_total", "counter", "Moves of each model from host memory to the device.",
+                   [({"model": r["name"]}, r["restores"]) for r in residency])
         metric("omni_video_jobs", "gauge", "Video jobs in the job table by status.",
                [({"status": s}, n) for s, n in sorted(video_jobs.items())])
         return "\n".join(lines) + "\n"

@@ -13,13 +13,13 @@ import re
 import time
 from typing import Any, Callable
 
-from omni_core.engine.client import EngineClient, ProgressFn
-from omni_core.errors import ConfigError, OmniError, QueueFullError
-from omni_core.request import OmniDiffusionRequest
+from omni_core.engine.client import EngineClient
+from omni_core.errors import ConfigError
 from omni_core.serve.bodies import MAX_FORM_PARTS, MAX_JSON_DEPTH, MAX_JSON_ELEMENTS
-from omni_core.serve.errors import APIError, admission_error, dead_message, generation_failed
+from omni_core.serve.errors import APIError, dead_message, generation_failed
 from omni_core.serve.metrics import ServerMetrics
-from omni_core.serve.lora_access import allowed_lora, check_lora_dirs
+from omni_core.serve.lora_access import check_lora_dirs
+from omni_core.serve.served_model import ServedModel
 from omni_core.serve.videos import VideoJobs
 
 logger = logging.getLogger("omni_core.serve")
@@ -43,8 +43,31 @@ def current(request: Any) -> OmniServer:
     return request.app.state.omni
 
 
+def served_fleet(engine_or_omni: Any) -> Any:
+    """The ``ModelFleet`` behind what a server is given (directly, or an ``Omni`` over several models), or None."""
+    fleet = getattr(engine_or_omni, "fleet", None) or engine_or_omni
+    return fleet if callable(getattr(fleet, "members", None)) else None
+
+
+def served_engines(engine_or_omni: Any, served_model_name: str | None) -> dict[str, EngineClient]:
+    """Name -> engine client of every model served: a fleet's members, a mapping of clients, or one engine
+    (``AsyncOmni`` / ``Omni`` hold it in ``.engine``) named ``served_model_name`` or its model."""
+    fleet = served_fleet(engine_or_omni)
+    if fleet is not None:
+        if served_model_name is not None:
+            raise ConfigError("served_model_name names the one model of a one-model server; a fleet's models are "
+                              "named in its config", field="served_model_name")
+        return fleet.members()
+    if isinstance(engine_or_omni, dict):
+        if not engine_or_omni:
+            raise ConfigError("no model to serve: the mapping of engines is empty", field="models")
+        return dict(engine_or_omni)
+    engine = getattr(engine_or_omni, "engine", engine_or_omni)
+    return {served_model_name or engine.model_info.model: engine}
+
+
 class OmniServer:
-    """State shared by the routes: the engine client, the video jobs, the metrics."""
+    """State shared by the routes: the served models, the video jobs, the metrics."""
 
     def __init__(self, engine_or_omni: Any, *, served_model_name: str | None = None, api_key: str | None = None,
                  video_dir: str | None = None, max_video_jobs: int = 100, video_ttl_s: float = 3600.0,
@@ -62,34 +85,33 @@ class OmniServer:
                             ("max_json_elements", max_json_elements)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value} is invalid: must be >= 1", field=name)
-        #: AsyncOmni / Omni hold their engine client in ``.engine``; or this is the client itself
-        self.engine: EngineClient = getattr(engine_or_omni, "engine", engine_or_omni)
-        self.model_info = self.engine.model_info
-        self.model_name = served_model_name or self.model_info.model
+        #: a fleet (``start_fleet``, or an ``Omni`` over several models) reports where its models are
+        self.fleet = served_fleet(engine_or_omni)
+        self.lora_dirs = check_lora_dirs([lora_dirs] if isinstance(lora_dirs, str) else lora_dirs)
+        #: a request's ``lora``: a preloaded name of its model, or a file under one of these (real paths)
+        self.models: dict[str, ServedModel] = {
+            name: ServedModel(name, engine, self, moves=self.fleet is not None)
+            for name, engine in served_engines(engine_or_omni, served_model_name).items()}
+        #: the model of a request that names none (or ``"default"``): the first one
+        self.default = next(iter(self.models.values()))
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_upload_bytes = max_upload_bytes
         #: what a body may hold before it is parsed (docs/serving.md, "Request limits")
         self.max_form_parts, self.max_json_depth = max_form_parts, max_json_depth
         self.max_json_elements = max_json_elements
-        #: a request's ``lora``: a preloaded name, or a file under one of these (real paths)
-        self.lora_dirs = check_lora_dirs([lora_dirs] if isinstance(lora_dirs, str) else lora_dirs)
-        self.lora_names = dict(getattr(getattr(self.engine, "config", None), "loras", None) or {})
-        #: the input images the served model takes (None: none) and the per-image pixel limit
-        self.image_input = self.model_info.image_input
-        self.max_image_pixels = self.engine.limits.max_image_pixels
         self.shutdown_grace_s = shutdown_grace_s
         self.exit_on_engine_death = exit_on_engine_death
         #: set by the uvicorn wrapper (``omni_core.serve.server``): makes the server shut down gracefully
         self.stop_serving: Callable[[], None] | None = None
         #: true once the server stopped because its engine died (``omni serve`` then exits non-zero)
         self.engine_died = False
-        self._inflight: set[str] = set()  # engine request ids of image requests an HTTP client waits for
+        #: engine request id -> its model, of the requests an HTTP client waits for (aborted at shutdown)
+        self._inflight: dict[str, ServedModel] = {}
+        self._admission_pool: Any = None
         self.retry_after_s = retry_after_s
         self.close_engine = close_engine
         self.preview_max_side = preview_max_side
-        self.is_video = self.model_info.is_video
-        self.streaming = self.model_info.streaming
         self.metrics = ServerMetrics()
         self.videos = VideoJobs(video_dir, max_jobs=max_video_jobs, ttl_s=video_ttl_s)
         self.created = int(time.time())
@@ -104,9 +126,10 @@ class OmniServer:
     async def _watch_engine(self) -> None:
         """Stop serving once the engine is dead: its in-flight requests were failed (answered 503) and every
         later one would be too, so exiting lets a supervisor start a healthy server."""
-        while not self.engine.is_dead:
+        engine = self.default.engine
+        while not engine.is_dead:
             await asyncio.sleep(0.2)
-        logger.error("%s; answering in-flight requests, then exiting", dead_message(self.engine.dead_reason))
+        logger.error("%s; answering in-flight requests, then exiting", dead_message(engine.dead_reason))
         self.engine_died = True
         if self.stop_serving is not None:
             self.stop_serving()
@@ -120,7 +143,8 @@ class OmniServer:
             if self._inflight:
                 logger.warning("aborting %d request(s) still running %g s after shutdown began",
                                len(self._inflight), self.shutdown_grace_s)
-                self.engine.abort(sorted(self._inflight))
+                for model in set(self._inflight.values()):
+                    model.engine.abort(sorted(r for r, m in self._inflight.items() if m is model))
 
         self._tasks.append(asyncio.create_task(abort_after_grace()))
 
@@ -130,12 +154,16 @@ class OmniServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.videos.close()
         if self.close_engine:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+            closing = self.fleet if self.fleet is not None else self.default.engine
+            await asyncio.get_running_loop().run_in_executor(None, closing.close)
+        if self._admission_pool is not None:
+            self._admission_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _housekeeping(self) -> None:
         """Once a second: sample the step counter (steps/s) and expire old video jobs."""
         while True:
-            self.metrics.sample_steps(self.engine.stats()["denoise_steps"])
+            for name, model in self.models.items():
+                self.metrics.sample_steps(model.engine.stats()["denoise_steps"], model=name)
             self.videos.sweep()
             await asyncio.sleep(1.0)
 
@@ -150,56 +178,39 @@ class OmniServer:
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    def check_model(self, model: str | None) -> None:
-        """A request names the served model, or none, or ``"default"`` (what vLLM-Omni's clients send when
-        they are not told a name: one server serves one model, so it is that one)."""
-        if model is not None and model not in (self.model_name, DEFAULT_MODEL_ALIAS):
-            raise APIError(404, f"the model {model!r} does not exist on this server; it serves {self.model_name!r}",
+    def model(self, name: Any) -> ServedModel:
+        """The served model a request names: by name, or the default one for none or ``"default"`` (what
+        vLLM-Omni's clients send when not told a name); any other name is a 404 naming the served models."""
+        if name is None or name == DEFAULT_MODEL_ALIAS:
+            return self.default
+        found = self.models.get(name) if isinstance(name, str) else None
+        if found is None:
+            served = ", ".join(repr(n) for n in self.models)
+            raise APIError(404, f"the model {name!r} does not exist on this server; it serves {served}",
                            param="model", code="model_not_found")
+        return found
 
-    # ------------------------------------------------------------------ engine
-    def submit(self, prompt: str, negative_prompt: str | None, params: Any, on_progress: ProgressFn | None = None,
-               *, stream_previews: bool = False, preview_count: int | None = None, images: list | None = None):
-        """Validate and queue one request; returns its handle or raises the matching APIError.
+    def model_of(self, body: Any) -> ServedModel:
+        """The model a body (JSON or form fields) names; a ``model`` that is not a string is left to the body's
+        own parser to refuse (400), with the default model's fields."""
+        name = body.get("model") if isinstance(body, dict) else None
+        return self.model(name) if name is None or isinstance(name, str) else self.default
 
-        ``stream_previews``: the client reads per-step previews (a streamed response); otherwise the engine
-        computes none for it. ``preview_count``: only that many, spread over the steps (None: every step).
+    def admission_pool(self) -> Any:
+        """Threads that admit requests to a fleet's models (a load or a wait for room blocks one, not the loop)."""
+        if self._admission_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-        The handle is taken at admission, so a request that ends before its reader starts still delivers
-        its final output; ``handle.request`` is the request as the engine completed it (defaults, seed).
-        """
-        params = params.replace(output_type="pt")  # see media.pil_outputs
-        if params.lora is not None:  # before the engine opens any file
-            params = params.replace(lora=allowed_lora(params.lora, self.lora_names, self.lora_dirs))
-        request = OmniDiffusionRequest(prompt=prompt, negative_prompt=negative_prompt, sampling_params=params,
-                                       stream_previews=stream_previews, preview_count=preview_count,
-                                       images=list(images or []))
-        try:
-            (handle,) = self.engine.submit([request], on_progress=on_progress)
-        except OmniError as exc:
-            if isinstance(exc, QueueFullError):
-                self.metrics.count_refused("queue_full")
-            raise admission_error(exc, self.retry_after_s) from None
-        return handle
+            self._admission_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="omni-admit")
+        return self._admission_pool
 
-    def adjusted(self, sent: Any, handle: Any) -> list[str]:
-        """What the model changed in a request as sent, said in the response and logged: a frame count off the
-        model's multiple is rounded as diffusers and vLLM-Omni round it (``WanPipeline``), not refused."""
-        made = handle.request.sampling_params
-        if sent.num_frames is None or made.num_frames == sent.num_frames:
-            return []
-        note = (f"num_frames {sent.num_frames} was rounded to {made.num_frames}: {self.model_info.pipeline} makes "
-                f"videos of num_frames - 1 a multiple of {self.model_info.frame_multiple}")
-        logger.warning("request %s: %s", handle.request_id, note)
-        return [note]
-
-    def track(self, request_id: str) -> None:
-        self._inflight.add(request_id)
+    def track(self, request_id: str, model: ServedModel) -> None:
+        self._inflight[request_id] = model
 
     def untrack(self, request_id: str) -> None:
-        self._inflight.discard(request_id)
+        self._inflight.pop(request_id, None)
 
-    async def run_to_end(self, request: Any, handle: Any, kind: str = "image") -> Any:
+    async def run_to_end(self, request: Any, handle: Any, model: ServedModel, kind: str = "image") -> Any:
         """The completed output of a tracked request (None if the client left; a failure raises its APIError)."""
         try:
             out = await self.final_output(request, handle)
@@ -208,8 +219,8 @@ class OmniServer:
         if out is None:
             return None
         if out.status != "completed":
-            raise generation_failed(out, self.engine.is_dead)
-        self.metrics.observe_generation(kind, out.metrics)
+            raise generation_failed(out, model.engine.is_dead, model.failure_prefix())
+        self.metrics.observe_generation(kind, out.metrics, model=model.name)
         return out
 
     async def final_output(self, request: Any, handle: Any) -> Any:

@@ -39,7 +39,7 @@ def test_stats_model_bytes_and_metrics(qwen_dir):
     with Omni("shapes", performance_mode="memory", warmup=False) as omni:
         stats = omni.engine.stats()
         assert omni.engine.config.quantization == "int8"  # the preset's choice reached the engine
-        text = ServerMetrics().render(stats, model="shapes", video_jobs={})
+        text = ServerMetrics().render({"shapes": stats}, video_jobs={})
     mb = stats["model_bytes"]
     assert set(mb) == {"text_encoder", "transformer"} and all(v > 0 for v in mb.values())
     assert mb["transformer"] < 0.35 * 8503488  # int8 (float32: 8503488 bytes)

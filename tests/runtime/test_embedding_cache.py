@@ -208,7 +208,7 @@ def test_the_counters_cross_the_process_boundary_and_reach_metrics():
     cache = stats["embedding_cache"]
     assert cache["misses"] == 2 and cache["hits"] == 2 and cache["entries"] == 2
     assert cache["capacity_bytes"] == 256 * 1024 * 1024
-    text = ServerMetrics().render(stats, model="shapes", video_jobs={})
+    text = ServerMetrics().render({"shapes": stats}, video_jobs={})
     assert 'omni_embedding_cache_hits_total{model="shapes"} 2' in text
     assert 'omni_embedding_cache_misses_total{model="shapes"} 2' in text
     assert 'omni_embedding_cache_entries{model="shapes"} 2' in text

@@ -335,7 +335,7 @@ def test_the_embedding_cache_lives_in_the_encode_stage():
                 assert stats["stages"]["encode"]["device"] == "cpu" and stats["stages"]["decode"]["device"] == "cpu"
                 from omni_core.serve.metrics import ServerMetrics
 
-                text = ServerMetrics().render(stats, model="shapes", video_jobs={})
+                text = ServerMetrics().render({"shapes": stats}, video_jobs={})
                 assert 'omni_stage_requests_done_total{model="shapes",stage="encode"} 16' in text
                 assert 'omni_stage_requests_waiting{model="shapes",stage="decode"} 0' in text
                 assert 'omni_stage_model_bytes{model="shapes",stage="encode",component="text_encoder"}' in text

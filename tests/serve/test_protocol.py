@@ -141,14 +141,14 @@ def test_render_is_valid_exposition_text_with_steps_per_second(check_exposition)
     m = ServerMetrics()
     m.observe_http("POST", "/v1/images/generations", 200, 0.2)
     m.observe_http("POST", "/v1/images/generations", 429, 0.001)
-    m.observe_generation("image", {"e2e_latency_s": 0.2, "queue_time_s": 0.05})
+    m.observe_generation("image", {"e2e_latency_s": 0.2, "queue_time_s": 0.05}, model='a "quoted" name')
     m.count_disconnect()
-    m.sample_steps(100, now=1000.0)
-    m.sample_steps(150, now=1005.0)
-    assert m.steps_per_second() == 10.0
+    m.sample_steps(100, now=1000.0, model='a "quoted" name')
+    m.sample_steps(150, now=1005.0, model='a "quoted" name')
+    assert m.steps_per_second('a "quoted" name') == 10.0
     stats = {"waiting": 3, "running": 2, "dead": None, "requests_added": 5, "requests_completed": 1,
              "requests_aborted": 1, "requests_failed": 0, "denoise_steps": 150}
-    text = m.render(stats, model='a "quoted" name', video_jobs={"queued": 1, "completed": 0})
+    text = m.render({'a "quoted" name': stats}, video_jobs={"queued": 1, "completed": 0})
     types = check_exposition(text)
     assert types["omni_num_requests_waiting"] == "gauge" and types["omni_request_e2e_latency_seconds"] == "histogram"
     assert types["omni_denoise_steps_total"] == "counter"
@@ -162,9 +162,9 @@ def test_render_is_valid_exposition_text_with_steps_per_second(check_exposition)
 def test_steps_window_slides():
     m = ServerMetrics()
     for t in range(30):
-        m.sample_steps(t * 5, now=float(t))
-    assert m.steps_per_second() == pytest.approx(5.0)
-    assert len(m._steps) <= 12
+        m.sample_steps(t * 5, now=float(t), model="m")
+    assert m.steps_per_second("m") == pytest.approx(5.0)
+    assert len(m._steps["m"]) <= 12
 
 
 @pytest.mark.parametrize("route", ["images", "videos", "chat", "form"])

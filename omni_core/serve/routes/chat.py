@@ -38,21 +38,22 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
              "application/json": {"schema": {"type": "object", "required": ["messages"]}}}}})
 async def chat_completions(request: Request):
     server = current(request)
-    chat = parse_chat_request(await read_json(request, server), model_fields=server.model_info.sampling_fields,
-                              video=server.is_video)
+    body = await read_json(request, server)
+    model = server.model_of(body)
+    chat = parse_chat_request(body, model_fields=model.info.sampling_fields, video=model.is_video)
     req = chat.request
-    server.check_model(req.model)
-    check_count(list(chat.image_urls), "messages", server.image_input, server.model_name)
-    images = [read_data_url(url, "messages", server.max_image_pixels) for url in chat.image_urls]
-    handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
-                           images=images)
-    warnings = server.adjusted(req.params, handle)
-    server.track(handle.request_id)
-    out = await server.run_to_end(request, handle, kind="video" if server.is_video else "image")
+    model = server.model(req.model)
+    check_count(list(chat.image_urls), "messages", model.image_input, model.name)
+    images = [read_data_url(url, "messages", model.max_image_pixels) for url in chat.image_urls]
+    handle = await model.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
+                                images=images)
+    warnings = model.adjusted(req.params, handle)
+    server.track(handle.request_id, model)
+    out = await server.run_to_end(request, handle, model, kind="video" if model.is_video else "image")
     if out is None:
         return Response(status_code=499)
-    return JSONResponse(await asyncio.to_thread(chat_payload, out, server.model_name,
-                                                chat.fps if server.is_video else None, warnings))
+    return JSONResponse(await asyncio.to_thread(chat_payload, out, model.name,
+                                                chat.fps if model.is_video else None, warnings))
 
 
 def chat_payload(out: Any, model: str, fps: int | None = None, warnings: list | None = None) -> dict[str, Any]:

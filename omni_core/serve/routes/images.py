@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from omni_core.serve.errors import generation_failed, internal_error
 from omni_core.serve.media import pil_outputs, png_b64, preview_image, size_of
 from omni_core.serve.omni_server import OmniServer, current
+from omni_core.serve.served_model import ServedModel
 from omni_core.serve.errors import invalid
 from omni_core.serve.openapi import edit_form_schema, error_doc, error_docs, image_body_schema
 from omni_core.serve.protocol import (EDIT_IMAGE_FIELDS, EDIT_MASK_FIELD, ImageRequest, parse_edit_request,
@@ -45,7 +46,8 @@ v1 = APIRouter(prefix="/v1", responses={401: error_doc("missing or incorrect API
         "application/json": {"schema": image_body_schema(())}}}})  # + the served model's fields: openapi.py
 async def generate_images(request: Request):
     server = current(request)
-    req = parse_image_request(await read_json(request, server), model_fields=server.model_info.sampling_fields)
+    body = await read_json(request, server)
+    req = parse_image_request(body, model_fields=server.model_of(body).info.sampling_fields)
     return await answer_images(request, server, req, GENERATION_EVENTS)
 
 
@@ -82,36 +84,37 @@ async def edit_images(request: Request):
     if unknown_files:
         raise invalid(f"unexpected file field '{unknown_files[0]}'; an edit takes 'image' (or 'image[]') and "
                       f"optionally 'mask'", unknown_files[0], code="unknown_parameter")
-    req = parse_edit_request(fields, model_fields=server.model_info.sampling_fields)
-    server.check_model(req.model)
+    req = parse_edit_request(fields, model_fields=server.model_of(fields).info.sampling_fields)
+    model = server.model(req.model)
     if EDIT_MASK_FIELD in files:
-        raise invalid(f"'mask' is not supported by model {server.model_name!r}: it edits the whole image from the "
+        raise invalid(f"'mask' is not supported by model {model.name!r}: it edits the whole image from the "
                       f"prompt (no inpainting mask); leave 'mask' out", EDIT_MASK_FIELD, code="unsupported_parameter")
     parts = [data for name in EDIT_IMAGE_FIELDS for data in files.get(name, [])]
-    if server.image_input is None:
-        raise invalid(f"model {server.model_name!r} does not edit images (it takes no input image); use "
+    if model.image_input is None:
+        raise invalid(f"model {model.name!r} does not edit images (it takes no input image); use "
                       f"POST /v1/images/generations", "image", code="unsupported_model")
-    check_count(parts, "image", server.image_input, server.model_name)
-    images = [read_image(data, "image", server.max_image_pixels) for data in parts]
+    check_count(parts, "image", model.image_input, model.name)
+    images = [read_image(data, "image", model.max_image_pixels) for data in parts]
     return await answer_images(request, server, attrs.evolve(req, images=tuple(images)), EDIT_EVENTS)
 
 
 async def answer_images(request: Request, server: OmniServer, req: ImageRequest, events: str = GENERATION_EVENTS):
-    """Run an image request (generation or edit) and answer it: JSON, or events (named ``events``.partial_image,
-    ``events``.completed) when ``req.stream``."""
-    server.check_model(req.model)
+    """Run an image request (generation or edit) on the model it names and answer it: JSON, or events (named
+    ``events``.partial_image, ``events``.completed) when ``req.stream``."""
+    model = server.model(req.model)
     req = attrs.evolve(req, params=with_timeout_header(req.params, request.headers))
-    if server.is_video:
-        raise invalid(f"model {server.model_name!r} makes videos; use POST /v1/videos", "model",
+    if model.is_video:
+        raise invalid(f"model {model.name!r} makes videos; use POST /v1/videos", "model",
                       code="unsupported_model")
-    if req.stream and not server.streaming:
+    if req.stream and not model.streaming:
         raise invalid("stream=true needs a server that runs its engine with streaming output (omni serve does "
                       "unless started with --no-stream-previews; the pipeline must support step execution)",
                       "stream", code="unsupported_value")
-    handle = server.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.wants_previews,
-                           preview_count=None if req.step_previews else req.partial_images, images=list(req.images))
+    handle = await model.submit(req.prompt, req.negative_prompt, req.params, stream_previews=req.wants_previews,
+                                preview_count=None if req.step_previews else req.partial_images,
+                                images=list(req.images))
     rid = handle.request_id
-    server.track(rid)
+    server.track(rid, model)
     if req.stream:
         state = {"finished": False}
         # the request as the engine completed it (model defaults such as the size filled in)
@@ -124,8 +127,8 @@ async def answer_images(request: Request, server: OmniServer, req: ImageRequest,
                     server.metrics.count_disconnect()
                 handle.abort()
 
-        return EventStream(image_events(server, req, handle, state, events), on_close)
-    out = await server.run_to_end(request, handle)
+        return EventStream(image_events(server, model, req, handle, state, events), on_close)
+    out = await server.run_to_end(request, handle, model)
     if out is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     return JSONResponse(await asyncio.to_thread(image_payload, out))
@@ -148,14 +151,14 @@ def usage(out: Any) -> dict[str, Any]:
             "peak_memory_mb": out.metrics.get("peak_memory_mb", 0.0)}
 
 
-async def image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict,
+async def image_events(server: OmniServer, model: ServedModel, req: ImageRequest, handle: Any, state: dict,
                        events: str = GENERATION_EVENTS):
     """Server-sent events: the partial images (``req.partial_images`` of the engine's per-step previews, spread
     over the steps; or, with ``req.step_previews``, every one), then one completed event per image.
 
     A failure while streaming ends the stream with an ``error`` event (what the ``openai`` client raises)."""
     try:
-        async for event in _image_events(server, req, handle, state, events):
+        async for event in _image_events(server, model, req, handle, state, events):
             yield event
     except Exception as exc:  # noqa: BLE001 - e.g. an image that cannot be encoded
         logger.exception("streaming request %s failed", handle.request_id)
@@ -163,7 +166,8 @@ async def image_events(server: OmniServer, req: ImageRequest, handle: Any, state
         yield sse("error", internal_error(exc, "streaming failed").body())
 
 
-async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, state: dict, events: str):
+async def _image_events(server: OmniServer, model: ServedModel, req: ImageRequest, handle: Any, state: dict,
+                        events: str):
     index = 0
     common = {"quality": "auto", "background": "opaque", "output_format": "png"}
     size = f"{req.params.width}x{req.params.height}"
@@ -186,9 +190,9 @@ async def _image_events(server: OmniServer, req: ImageRequest, handle: Any, stat
             continue
         state["finished"] = True
         if out.status != "completed":
-            yield sse("error", generation_failed(out, server.engine.is_dead).body())
+            yield sse("error", generation_failed(out, model.engine.is_dead, model.failure_prefix()).body())
             return
-        server.metrics.observe_generation("image", out.metrics)
+        server.metrics.observe_generation("image", out.metrics, model=model.name)
         images = await asyncio.to_thread(pil_outputs, out)
         encoded = await asyncio.to_thread(lambda: [png_b64(im) for im in images])
         for k, b64 in enumerate(encoded):

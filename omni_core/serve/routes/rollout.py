@@ -164,12 +164,12 @@ async def rollout_generate(request: Request):
     body = await read_json(request, server)
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object (a RolloutRequest)", None)
-    server.check_model(body.get("model"))
+    model = server.model(body.get("model"))
     params, body = _params(body, limits)
     t0 = time.perf_counter()
-    handle = server.submit(str(body.get("prompt") or ""), body.get("negative_prompt"), params)
-    server.track(handle.request_id)
-    out = await server.run_to_end(request, handle)
+    handle = await model.submit(str(body.get("prompt") or ""), body.get("negative_prompt"), params)
+    server.track(handle.request_id, model)
+    out = await server.run_to_end(request, handle, model)
     if out is None:
         return Response(status_code=499)
     payload = await asyncio.to_thread(_samples, out, body.get("prompt"), out.metrics.get("seed"),
@@ -185,15 +185,17 @@ async def encode(request: Request):
     server, body = current(request), await read_json(request, current(request))
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
         raise invalid("prompt: the text to encode", "prompt")
-    params, _ = _params({k: v for k, v in body.items() if k != "prompt" and k != "negative_prompt"} | {"rollout": False},
+    params, _ = _params({k: v for k, v in body.items() if k not in ("prompt", "negative_prompt", "model")}
+                        | {"rollout": False},
                         server.rollout_limits)
     from omni_core.errors import OmniError
 
+    engine = server.model(body.get("model")).engine
     try:
-        req = server.engine.prepare_request(OmniDiffusionRequest(prompt=body["prompt"],
-                                                                 negative_prompt=body.get("negative_prompt"),
-                                                                 sampling_params=params))
-        (encoded, *_) = await asyncio.to_thread(server.engine.collective_rpc, "encode_prompt", (req,))
+        req = engine.prepare_request(OmniDiffusionRequest(prompt=body["prompt"],
+                                                          negative_prompt=body.get("negative_prompt"),
+                                                          sampling_params=params))
+        (encoded, *_) = await asyncio.to_thread(engine.collective_rpc, "encode_prompt", (req,))
     except OmniError as exc:
         raise invalid(str(exc), getattr(exc, "field", None)) from None
     return JSONResponse({k: (encode_tensor(v) if v is not None else None) for k, v in encoded.items()})
@@ -210,8 +212,18 @@ async def _engine_call(fn: Any, *args: Any) -> Any:
         raise invalid(str(exc), getattr(exc, "field", None), code="weight_update_failed") from None
 
 
-async def _weight_call(server: Any, method: str, *args: Any) -> Any:
-    return await _engine_call(server.engine.weight_call, method, args)
+async def _weight_call(server: Any, body: Any, method: str, *args: Any) -> Any:
+    """``method`` on the model the body names (the default one when it names none)."""
+    return await _engine_call(server.model_of(body).engine.weight_call, method, args)
+
+
+async def _optional_json(request: Request) -> dict:
+    """A body that may be empty (release and resume take none, or ``{"model": ...}``)."""
+    server = current(request)
+    if not await request.body():
+        return {}
+    body = await read_json(request, server)
+    return body if isinstance(body, dict) else {}
 
 
 def _target(body: dict) -> str:
@@ -232,7 +244,7 @@ async def update_weights_from_disk(request: Request):
 
     if os.path.isdir(os.path.join(path, target)):  # a pipeline folder: its component's weights
         path = os.path.join(path, target)
-    (checksum, *_) = await _weight_call(server, "update_weights", path, target, True)
+    (checksum, *_) = await _weight_call(server, body, "update_weights", path, target, True)
     return JSONResponse({"success": True, "message": "updated", "checksum": checksum})
 
 
@@ -244,7 +256,7 @@ async def update_weights_from_tensor(request: Request):
         raise invalid("serialized_named_tensors: {name: tensor}", "serialized_named_tensors")
     tensors = {name: decode_tensor(value, f"serialized_named_tensors.{name}") for name, value in named.items()}
     strict = (body.get("weight_update_mode") or "full") == "full"
-    (checksum, *_) = await _weight_call(server, "update_weights", tensors, _target(body), strict)
+    (checksum, *_) = await _weight_call(server, body, "update_weights", tensors, _target(body), strict)
     return JSONResponse({"success": True, "message": "updated", "checksum": checksum})
 
 
@@ -254,21 +266,21 @@ async def get_weights_checksum(request: Request):
     names = (body or {}).get("module_names") or ["transformer"]
     out = {}
     for name in names:
-        (out[name], *_) = await _weight_call(server, "weights_checksum", name)
+        (out[name], *_) = await _weight_call(server, body, "weights_checksum", name)
     return JSONResponse(out)
 
 
 @router.post("/release_memory_occupation")
 async def release_memory_occupation(request: Request):
     server = current(request)
-    (freed, *_) = await _engine_call(server.engine.release_memory)
+    (freed, *_) = await _engine_call(server.model_of(await _optional_json(request)).engine.release_memory)
     return JSONResponse({"success": True, "released_bytes": freed})
 
 
 @router.post("/resume_memory_occupation")
 async def resume_memory_occupation(request: Request):
     server = current(request)
-    (restored, *_) = await _engine_call(server.engine.resume_memory)
+    (restored, *_) = await _engine_call(server.model_of(await _optional_json(request)).engine.resume_memory)
     return JSONResponse({"success": True, "restored_bytes": restored})
 
 

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 
 from omni_core.serve.media import mp4_bytes, pil_outputs
+from omni_core.serve.served_model import ServedModel
 from omni_core.serve.omni_server import OmniServer, current
 from omni_core.serve.errors import APIError, invalid
 from omni_core.serve.openapi import error_doc, error_docs, form_schema, video_body_schema
@@ -40,14 +41,19 @@ _VIDEO_BODY = {"requestBody": {"required": True, "content": {
     "application/x-www-form-urlencoded": {"schema": form_schema(video_body_schema(()))}}}}
 
 
-async def read_video_request(request: Request, server: OmniServer) -> tuple[VideoRequest, list]:
-    """The body of ``POST /v1/videos`` (and ``/sync``) in any of its three encodings, checked against the served
-    model, with its input image (none, or one PIL image)."""
+async def read_video_request(request: Request, server: OmniServer) -> tuple[VideoRequest, list, ServedModel]:
+    """The body of ``POST /v1/videos`` (and ``/sync``) in any of its three encodings, checked against the model
+    it names, with its input image (none, or one PIL image) and that model."""
     content_type = request.headers.get("content-type", "")
-    frame_multiple, model_fields = server.model_info.frame_multiple, server.model_info.sampling_fields
     reference: Any = None  # the input image: a file part, or a data URL in a text field
+
+    def fields_of(body: Any) -> tuple[int, Any]:
+        model = server.model_of(body)
+        return model.info.frame_multiple, model.info.sampling_fields
+
     if content_type.startswith("multipart/form-data"):
         body, files = await read_multipart(request, server, content_type)
+        frame_multiple, model_fields = fields_of(body)
         unknown = sorted(set(files) - {INPUT_REFERENCE})
         if unknown:
             raise invalid(f"unexpected file field '{unknown[0]}'; a video job takes one file, 'input_reference'",
@@ -59,16 +65,18 @@ async def read_video_request(request: Request, server: OmniServer) -> tuple[Vide
     elif content_type.startswith("application/x-www-form-urlencoded"):  # aiohttp's form without files
         body = await read_urlencoded(request, server)
         reference = body.pop(INPUT_REFERENCE, None)
+        frame_multiple, model_fields = fields_of(body)
         req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
     else:
         body = await read_json(request, server)
         if isinstance(body, dict) and INPUT_REFERENCE in body:
             body = dict(body)
             reference = body.pop(INPUT_REFERENCE)
+        frame_multiple, model_fields = fields_of(body)
         req = parse_video_request(body, frame_multiple=frame_multiple, model_fields=model_fields)
-    server.check_model(req.model)
-    if not server.is_video:
-        raise invalid(f"model {server.model_name!r} makes images, not videos; use POST /v1/images/generations",
+    model = server.model(req.model)
+    if not model.is_video:
+        raise invalid(f"model {model.name!r} makes images, not videos; use POST /v1/images/generations",
                       "model", code="unsupported_model")
     field = INPUT_REFERENCE
     if req.image_reference is not None:
@@ -76,20 +84,20 @@ async def read_video_request(request: Request, server: OmniServer) -> tuple[Vide
             raise invalid(f"give either '{INPUT_REFERENCE}' or '{IMAGE_REFERENCE}', not both", IMAGE_REFERENCE)
         reference, field = req.image_reference, IMAGE_REFERENCE
     images = [] if reference in (None, "") else [reference]
-    if images and server.image_input is None:
-        raise invalid(f"model {server.model_name!r} makes videos from text alone (it takes no input image); "
+    if images and model.image_input is None:
+        raise invalid(f"model {model.name!r} makes videos from text alone (it takes no input image); "
                       f"remove '{field}'", field, code="unsupported_parameter")
-    check_count(images, field, server.image_input, server.model_name)
-    images = [read_image(ref, field, server.max_image_pixels) if isinstance(ref, (bytes, bytearray))
-              else read_data_url(ref, field, server.max_image_pixels) for ref in images]
-    return req, images
+    check_count(images, field, model.image_input, model.name)
+    images = [read_image(ref, field, model.max_image_pixels) if isinstance(ref, (bytes, bytearray))
+              else read_data_url(ref, field, model.max_image_pixels) for ref in images]
+    return req, images, model
 
 
 @v1.post("/videos", responses={200: {"description": "the video job"}, **error_docs(400, 404, 413, 429, 503)},
          openapi_extra=_VIDEO_BODY)
 async def create_video(request: Request):
     server = current(request)
-    req, images = await read_video_request(request, server)
+    req, images, model = await read_video_request(request, server)
     server.videos.sweep()
     job: VideoJob | None = None
 
@@ -97,20 +105,20 @@ async def create_video(request: Request):
         if job is not None:
             job.on_step(step, total)
 
-    handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
-                           on_progress=on_progress, images=images)
+    handle = await model.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
+                                on_progress=on_progress, images=images)
     params = handle.request.sampling_params
-    job = VideoJob(id=server.videos.new_id(), model=server.model_name, prompt=req.prompt,
+    job = VideoJob(id=server.videos.new_id(), model=model.name, prompt=req.prompt,
                    size=f"{params.width}x{params.height}",
                    seconds=req.seconds or f"{params.num_frames / req.fps:g}", num_frames=params.num_frames,
                    fps=req.fps, request_id=handle.request_id, seed=params.seed,
-                   warnings=server.adjusted(req.params, handle))
+                   warnings=model.adjusted(req.params, handle))
     try:
         server.videos.add(job)
     except APIError:
         handle.abort()
         raise
-    job.task = asyncio.create_task(run_video_job(server, job, handle))
+    job.task = asyncio.create_task(run_video_job(server, job, handle, model))
     return job.to_dict()
 
 
@@ -124,17 +132,17 @@ async def create_video_sync(request: Request):
     omni adds ``X-Omni-Warning`` when the model changed the request, e.g. rounded ``num_frames``)."""
     server = current(request)
     started = time.perf_counter()
-    req, images = await read_video_request(request, server)
-    handle = server.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
-                           images=images)
-    warnings = server.adjusted(req.params, handle)
-    server.track(handle.request_id)
-    out = await server.run_to_end(request, handle, kind="video")
+    req, images, model = await read_video_request(request, server)
+    handle = await model.submit(req.prompt, req.negative_prompt, with_timeout_header(req.params, request.headers),
+                                images=images)
+    warnings = model.adjusted(req.params, handle)
+    server.track(handle.request_id, model)
+    out = await server.run_to_end(request, handle, model, kind="video")
     if out is None:
         return Response(status_code=499)
     (frames,) = await asyncio.to_thread(pil_outputs, out)
     data = await asyncio.to_thread(mp4_bytes, frames, req.fps)
-    headers = {"X-Request-Id": handle.request_id, "X-Model": server.model_name,
+    headers = {"X-Request-Id": handle.request_id, "X-Model": model.name,
                "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}"}
     if warnings:
         headers["X-Omni-Warning"] = "; ".join(warnings)
@@ -176,7 +184,7 @@ async def delete_video(video_id: str, request: Request):
     return {"id": job.id, "object": "video.deleted", "deleted": True, "status": job.status}
 
 
-async def run_video_job(server: OmniServer, job: VideoJob, handle: Any) -> None:
+async def run_video_job(server: OmniServer, job: VideoJob, handle: Any, model: ServedModel) -> None:
     """Follow the job's request to its end and write the MP4 (the task is cancelled on delete)."""
     from omni_core.utils.media import write_video
 
@@ -187,9 +195,9 @@ async def run_video_job(server: OmniServer, job: VideoJob, handle: Any) -> None:
         if out.status != "completed":
             status = CANCELLED if out.status == "aborted" else FAILED
             job.finish(status, server.videos.ttl_s, None if status == CANCELLED else
-                       {"code": "generation_failed", "message": str(out.error)})
+                       {"code": "generation_failed", "message": f"{model.failure_prefix()}{out.error}"})
             return
-        server.metrics.observe_generation("video", out.metrics)
+        server.metrics.observe_generation("video", out.metrics, model=model.name)
         job.seed = out.metrics.get("seed")
         job.peak_memory_mb = out.metrics.get("peak_memory_mb", 0.0)
         (frames,) = await asyncio.to_thread(pil_outputs, out)
