@@ -39,7 +39,8 @@ ENTRY_KEYS = ("name", "model", "pinned", "working_memory")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000 ** 4, "tb": 1000 ** 4}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+#: a served model's name: what requests give as ``model`` (a short name, ``org/model``, or a folder path)
+_NAME = re.compile(r"\S{1,256}")
 
 
 def parse_bytes(value: Any, field: str) -> int | None:
@@ -75,8 +76,8 @@ class FleetModel:
 
     def __attrs_post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
-            raise ConfigError(f"model name {self.name!r} is invalid: 1-128 characters of letters, digits and "
-                              f"'._:/-', starting with a letter or digit", field="name")
+            raise ConfigError(f"model name {self.name!r} is invalid: 1-256 characters without whitespace",
+                              field="name")
         if "model" in self.options:
             raise ConfigError(f"model {self.name!r}: 'model' is the model itself, not an engine option", field="model")
 
