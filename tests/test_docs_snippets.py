@@ -29,6 +29,7 @@ SNIPPETS = {
     ("docs/serving.md", 'client.images.edit(model="qwen-image-edit", image=open("cat.png", "rb"), prompt="make the '
                         'cat red", n=2,'): "continues the example above against an edit model (qwen-image-edit)",
     ("docs/serving.md", "from omni_core import AsyncOmni"): "serves on port 8000 until stopped (run_server blocks)",
+    ("docs/serving.md", "from omni_core import Omni"): "run",
 }
 
 

@@ -359,3 +359,33 @@ def test_no_warmup_and_oversubscribe_reach_the_engine(tiny_model, cli_server):
     assert r.status_code == 200
     code, stderr = over.stop(signal.SIGTERM)
     assert code == 0, stderr
+
+
+def test_omni_serve_several_models_from_a_models_file_and_arguments(cli_server, tmp_path):
+    """A models file (a pinned model, the contention policy) plus a NAME=MODEL argument and --device-budget: the
+    pinned model holds the budget, so the other is refused at once (503) naming it; routing by model, 404 for
+    another name; and bad several-model options are refused before any model loads."""
+    import httpx
+
+    models = tmp_path / "models.toml"
+    models.write_text('[residency]\ncontention = "fail"\n\n'
+                      '[[models]]\nname = "circles"\nmodel = "shapes"\npinned = true\n')
+    body = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 2, "seed": 0}
+    for bad, words in ((["--models-file", str(tmp_path / "none.toml")], "does not exist"),
+                       (["--models-file", str(models), "--pin", "squares"], "--pin 'squares' is not a served model"),
+                       (["a=shapes", "b=shapes", "--device-budget", "lots"], "device_budget='lots' is invalid")):
+        proc = subprocess.run([*_omni_command(), "serve", *bad, "--port", "0"], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 1 and words in proc.stderr, proc.stderr
+    srv = cli_server("--models-file", str(models), "squares=shapes", "--device-budget", "20MB", "--port", "0",
+                     "--no-auth", "--no-warmup")
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert listed["circles"]["state"] == "device" and listed["circles"]["pinned"], listed
+        assert listed["squares"]["state"] == "cold" and not listed["squares"]["pinned"], listed
+        r = c.post("/v1/images/generations", json={**body, "model": "squares"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_busy", r.text
+        assert "'circles'" not in r.json()["error"]["message"] and "circles" in r.json()["error"]["message"]
+        assert c.post("/v1/images/generations", json={**body, "model": "circles"}).status_code == 200
+        r = c.post("/v1/images/generations", json={**body, "model": "triangles"})
+        assert r.status_code == 404 and "'circles', 'squares'" in r.json()["error"]["message"], r.text
