@@ -311,6 +311,7 @@ class ModelFleet:
                 slot.dead_reason = f"{type(exc).__name__}: {exc}"
                 self._lock.notify_all()
             raise
+        fits = True
         with self._lock:
             slot.weight_bytes, slot.measured = held, True
             budget = self.residency.device_budget

@@ -141,3 +141,45 @@ def test_a_pinned_model_is_never_evicted_waiting_ends_naming_it(two_shapes):
         assert {s["name"]: s["state"] for s in fleet.states()}["a"] == "device"
     finally:
         fleet.close()
+
+
+def test_a_model_whose_files_do_not_tell_its_size_is_measured_at_start(monkeypatch, two_shapes):
+    """A model without weight files (so no estimate) is loaded once at start and measured: too big alone, it is
+    refused then (not at its first request); else it waits in host memory with its measured size."""
+    import omni_core.engine.fleet as fleet_module
+    from omni_core.engine.client import start_fleet
+
+    monkeypatch.setattr(fleet_module, "weight_file_bytes", lambda folder: 0)
+    with pytest.raises(ConfigError, match=r"model 'a' cannot fit the device budget alone: \d+ bytes of weights "
+                                          r"\(its pipeline, measured\)"):
+        start_fleet(FleetConfig.from_specs(["a=shapes", "b=shapes"], {"device_budget": 1000}, common=SHAPES))
+    fleet = start_fleet(FleetConfig.from_specs(["a=shapes"], {"device_budget": two_shapes + 1}, common=SHAPES))
+    try:
+        (state,) = fleet.states()
+        assert state["measured"] and state["state"] == "host" and state["weight_bytes"] > 1_000_000, state
+    finally:
+        fleet.close()
+
+
+def test_with_restart_never_a_dead_model_stays_reported_dead_and_the_other_serves(two_shapes):
+    import os
+    import signal
+
+    from omni_core.errors import EngineDeadError
+
+    fleet = fleet_of(two_shapes * 2, restart="never")
+    try:
+        members = fleet.members()
+        assert members["a"].submit([request()])[0].result(timeout=60).status == "completed"
+        (worker,) = fleet.slot("a").engine.executor.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not members["a"].is_dead:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(EngineDeadError, match=r"model 'a': .*exited with code -9"):
+            members["a"].submit([request()])
+        assert {s["name"]: s["state"] for s in fleet.states()}["a"] == "dead"
+        assert members["b"].submit([request()])[0].result(timeout=60).status == "completed"
+    finally:
+        fleet.close()
