@@ -167,6 +167,15 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
 #: comparisons that fail today because of a bug (not a refusal): (run, ref) -> the bug; strict, so a fix shows
 KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
+#: comparisons CI leaves to ``-m slow`` (every one still runs there), and why each repeats one CI runs: the
+#: sequence-parallel strategy runs eagerly around the compiled blocks (``torch.compiler.disable`` in
+#: ``omni_core/attention/layer.py``), so two-rank compile meets Ring and CFG-parallel where it meets Ulysses -- a
+#: compiled block per rank with its own graphs -- and C+ulysses, the costliest of the three, runs in CI
+SLOW_REPEATS: dict[tuple[str, str], str] = {
+    ("C+ring", "C"): "repeats C+ulysses for compile (the strategy is eager; ring's own merge: A+ulysses+ring)",
+    ("C+cfg", "C"): "repeats C+ulysses for compile (two ranks, one compiled block each; CFG-parallel: A+cfg, B+cfg)",
+}
+
 
 def _group(run: str) -> str:
     """The test-run group of a comparison (``pytest -n``: a group runs on one worker, computing each of its runs
@@ -188,6 +197,8 @@ def _params():
         marks = [pytest.mark.xdist_group(_group(run))]
         if (run, ref) in KNOWN_BUGS:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[(run, ref)]))
+        if (run, ref) in SLOW_REPEATS:
+            marks.append(pytest.mark.slow)
         yield pytest.param(run, ref, marks=marks, id=f"{run}-vs-{ref}")
 
 
