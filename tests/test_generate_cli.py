@@ -42,11 +42,9 @@ def test_readme_command_prints_its_seed_and_seeds_reproduce_images(omni_env, tmp
     assert f"seed={seed} " in again
     assert np.array_equal(pixels(tmp_path / "again.png"), first)  # the printed seed is the one that was used
 
-    for name in ("zero-a.png", "zero-b.png"):
-        assert "seed=0 " in generate(omni_env, tmp_path, *README_COMMAND[:-1], name, "--seed", "0")
-    zero = pixels(tmp_path / "zero-a.png")
-    assert np.array_equal(zero, pixels(tmp_path / "zero-b.png"))
-    assert seed != 0 and not np.array_equal(zero, first)  # another seed, another image
+    # another seed, another image (that one seed gives one image is the run above)
+    assert "seed=0 " in generate(omni_env, tmp_path, *README_COMMAND[:-1], "zero.png", "--seed", "0")
+    assert seed != 0 and not np.array_equal(pixels(tmp_path / "zero.png"), first)
 
 
 def test_no_warmup_skips_a_failing_warmup(omni_env, tiny_model, tmp_path):

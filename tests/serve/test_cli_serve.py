@@ -338,21 +338,22 @@ def _added(url: str) -> int:
     return int(re.search(r'^omni_engine_requests_total\{[^}]*outcome="added"\} (\d+)$', text, re.M).group(1))
 
 
-def test_no_warmup_and_oversubscribe_reach_the_engine(tiny_model, cli_server):
+def test_no_warmup_and_oversubscribe_reach_the_engine(tiny_model, cli_server, capsys):
     """--no-warmup: the engine admitted nothing at start (the warm-up is one request); --oversubscribe: a
     world size beyond the usable cores starts instead of being refused."""
+    from omni_core.cli.main import main
+
     warm = cli_server(tiny_model, "--port", "0", "--log-level", "warning")
     assert _added(warm.url) == 1  # the warm-up request
     warm.stop(signal.SIGTERM)
-    cold = cli_server(tiny_model, "--port", "0", "--no-warmup", "--log-level", "warning")
-    assert _added(cold.url) == 0
-    cold.stop(signal.SIGTERM)
     world = json.dumps({"data_parallel_size": len(os.sched_getaffinity(0)) + 1})
-    proc = subprocess.run([*_omni_command(), "serve", tiny_model, "--port", "0", "--parallel-config", world],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "--oversubscribe" in proc.stderr, proc.stderr
+    # refused before any worker starts (in process: no server is started)
+    assert main(["serve", tiny_model, "--port", "0", "--parallel-config", world]) == 1
+    err = capsys.readouterr().err
+    assert "--oversubscribe" in err, err
     over = cli_server(tiny_model, "--port", "0", "--parallel-config", world, "--oversubscribe", "--no-warmup",
                       "--log-level", "warning")
+    assert _added(over.url) == 0  # --no-warmup
     import httpx
 
     r = httpx.post(f"{over.url}/v1/images/generations", json={"prompt": "x", "num_inference_steps": 2}, timeout=120)
