@@ -202,6 +202,7 @@ class ModelFleet:
     def _acquire(self, slot: Slot) -> Any:
         deadline = time.monotonic() + (self.residency.wait_timeout_s if self.residency.contention == "wait" else 0)
         while True:
+            idle = self._idle_now(slot)
             with self._lock:
                 if self._closed:
                     raise EngineDeadError(f"model {slot.name!r}: the server is shutting down")
@@ -216,7 +217,7 @@ class ModelFleet:
                 if slot.state not in ("cold", "host", "dead"):  # moving, or draining for a waiting model
                     self._lock.wait(0.1)
                     continue
-                victims, holders = self._room_for(slot)
+                victims, holders = self._room_for(slot, idle)
                 if victims is None:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -242,9 +243,20 @@ class ModelFleet:
             slot.state, slot.dead_reason = "dead", slot.engine.dead_reason
             logger.error("model %r: %s", slot.name, slot.dead_reason)
 
-    def _room_for(self, slot: Slot) -> tuple[list[Slot] | None, list[str]]:
+    def _idle_now(self, slot: Slot) -> dict[str, int]:
+        """The models that could make room for ``slot`` and whose engines track no request now, each with its
+        lease count (``uses``) at the time: asked of each engine outside the lock (an engine answers between two
+        steps, which may take a while), and trusted under the lock only if no lease was taken since."""
+        with self._lock:
+            if slot.state == "device" or self.residency.device_budget is None:
+                return {}
+            probe = [(s, s.uses) for s in self.slots.values()
+                     if s is not slot and s.state == "device" and not s.entry.pinned and s.leases == 0]
+        return {s.name: uses for s, uses in probe if is_idle(s.engine)}
+
+    def _room_for(self, slot: Slot, idle: dict[str, int]) -> tuple[list[Slot] | None, list[str]]:
         """Idle models to evict, least recently used first, so ``slot`` fits (None: busy models hold the budget,
-        named in the second value). Idleness is asked of each engine (what it tracks), without waiting on it."""
+        named in the second value). ``idle``: :meth:`_idle_now`, valid for a model no lease reached since."""
         budget = self.residency.device_budget
         resident = [s for s in self.slots.values() if s.state in ON_DEVICE and s is not slot]
         used = sum(s.charge for s in resident)
@@ -252,7 +264,7 @@ class ModelFleet:
             return [], []
         victims: list[Slot] = []
         for s in sorted(resident, key=lambda s: s.last_used):
-            if s.state == "device" and not s.entry.pinned and s.leases == 0 and is_idle(s.engine):
+            if s.state == "device" and not s.entry.pinned and s.leases == 0 and idle.get(s.name) == s.uses:
                 victims.append(s)
                 used -= s.charge
                 if used + slot.charge <= budget:

@@ -172,12 +172,22 @@ def test_killing_one_models_worker_fails_only_its_requests_the_others_keep_servi
                 r = c.post(ROUTES[name], json={**VARIANTS[name][k % 3], "model": name})
                 others.append(((name, k % 3), r))
 
+    before = fleet.slot("shapes").engine  # loaded by the test above, or not loaded when this one runs alone
+    added_before = before.stats()["requests_added"] if before is not None else 0
     pool = concurrent.futures.ThreadPoolExecutor(CLIENTS)
     try:
         busy = [pool.submit(keep_serving, k) for k in range(CLIENTS - 4)]
         doomed = [pool.submit(lambda: live.client(timeout=120).post(ROUTES["shapes"], json=long)) for _ in range(4)]
         deadline = time.monotonic() + 60
-        while fleet.slot("shapes").state != "device" or not fleet.slot("shapes").engine.stats()["running"]:
+        def all_running() -> bool:  # every doomed request admitted (none still waiting for room) and running
+            engine = fleet.slot("shapes").engine
+            if fleet.slot("shapes").state != "device":
+                return False
+            stats = engine.stats()
+            added = stats["requests_added"] - (added_before if engine is before else 0)
+            return added >= len(doomed) and stats["running"] > 0
+
+        while not all_running():
             assert time.monotonic() < deadline, \
                 f"the long shapes requests never ran: {[f.result().text for f in doomed if f.done()]} {fleet.states()}"
             time.sleep(0.05)
