@@ -31,6 +31,10 @@ class DiffusionOutput:
     #: what a request that asked for a rollout gets back (``omni_core.pipelines.rollout.rollout_output``: per-sample
     #: log-probabilities per chosen step, timesteps, sigmas, optionally the trajectory); None otherwise
     rollout: dict | None = None
+    #: a video's sound track, for models that make one (LTX-2): float ``[n, channels, samples]`` in [-1, 1], one
+    #: per output, at ``audio_sample_rate`` Hz; ``omni generate`` and ``/v1/videos`` mux it into the MP4
+    audio: Any = None
+    audio_sample_rate: int | None = None
 
     @property
     def frames(self) -> list | None:
