@@ -47,7 +47,7 @@ for pyproject in plugins/*/*/pyproject.toml; do
 done
 stage packages "omni-core, ${#names[@]} plugin(s) (${names[*]}), the test tools and the libraries (diffusers, transformers, cache-dit, torchao, fastapi, playwright, ...): the longest step, several minutes"
 pip_install "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
-    pytest pytest-xdist httpx "openai>=3.60,<4" schemathesis uv playwright \
+    pytest pytest-xdist httpx "openai>=3.60,<4" schemathesis uv playwright av \
     diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg peft torchao gguf
 
 # the playground's browser tests drive a system Chromium through playwright (never `playwright install`: no

@@ -100,7 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from omni_core.entrypoints.omni import Omni
     from omni_core.pipelines.shape_check import check_before_loading
-    from omni_core.utils.media import VIDEO_SUFFIXES, upscale_for_display, write_video
+    from omni_core.utils.media import AUDIO_CODECS, VIDEO_SUFFIXES, upscale_for_display, write_video
     from omni_core.utils.progress import progress
 
     sampling = {"num_inference_steps": args.steps, "seed": args.seed, "guidance_scale": args.guidance,
@@ -114,7 +114,10 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
     t0 = time.perf_counter()
     # what needs no model is refused before it loads (importing torch and loading take seconds)
-    check_before_loading(args.model, sampling, names=FLAG_OF_FIELD, pipeline=args.pipeline)
+    resolved = check_before_loading(args.model, sampling, names=FLAG_OF_FIELD, pipeline=args.pipeline)
+    if resolved.spec.makes_audio and args.out and os.path.splitext(args.out)[1].lower() not in AUDIO_CODECS:
+        raise ConfigError(f"--out {args.out!r}: {args.model} makes videos with a sound track; write one of "
+                          f"{', '.join(AUDIO_CODECS)}", field="out")
     if args.image:  # read before the model loads: a bad path fails at once
         prompt["image"] = [open_image(path) for path in args.image]
     progress(f"loading {args.model} (importing torch, reading the weights) ...")
@@ -132,8 +135,11 @@ def _generate(args: argparse.Namespace) -> int:
     for k, item in enumerate(out.images):
         target = path if len(out.images) == 1 else f"{root}-{k}{suffix}"
         if is_video:
-            write_video(item, target, fps=args.fps)
+            audio = None if out.audio is None else out.audio[k]
+            write_video(item, target, fps=args.fps, audio=audio, sample_rate=out.audio_sample_rate)
             desc = f"{len(item)} frames {item[0].width}x{item[0].height}"
+            if audio is not None:
+                desc += f", sound {audio.shape[-1] / out.audio_sample_rate:.2f} s at {out.audio_sample_rate} Hz"
         else:
             shown = item if args.native_size else upscale_for_display(item)
             shown.save(target)

@@ -173,6 +173,9 @@ class PipelineSpec(ComponentSpec):
     #: class it can run: how (``"own call"``, ``"modular steps"``: step mode through diffusers' modular blocks) and
     #: what that gives; None: ``("own call", description)``
     class_description: str | None = attrs.field(default=None, validator=_check_impl)
+    #: the pipeline's videos carry a sound track (``DiffusionOutput.audio``, LTX-2): a file that cannot carry one
+    #: (GIF) is refused before the model loads
+    makes_audio: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)

@@ -37,8 +37,9 @@ def size_of(image: Any) -> str:
     return f"{image.width}x{image.height}"
 
 
-def mp4_bytes(frames: Any, fps: int) -> bytes:
-    """One video (a list of PIL frames) as MP4 bytes, written by ``omni_core.utils.media.write_video``."""
+def mp4_bytes(frames: Any, fps: int, audio: Any = None, sample_rate: int | None = None) -> bytes:
+    """One video (a list of PIL frames, with its sound track if the model made one) as MP4 bytes, written by
+    ``omni_core.utils.media.write_video``."""
     import os
     import tempfile
 
@@ -48,7 +49,7 @@ def mp4_bytes(frames: Any, fps: int) -> bytes:
     fd, path = tempfile.mkstemp(suffix=".mp4")
     os.close(fd)
     try:
-        write_video(frames, path, fps)
+        write_video(frames, path, fps, audio=audio, sample_rate=sample_rate)
         with open(path, "rb") as f:
             return f.read()
     finally:

@@ -64,8 +64,11 @@ def chat_payload(out: Any, model: str, fps: int | None = None, warnings: list | 
         parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64(im)}"},
                   "peak_memory_mb": peak} for im in pil_outputs(out)]
     else:
-        parts = [{"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{mp4_b64(frames, fps)}"},
-                  "peak_memory_mb": peak} for frames in pil_outputs(out)]
+        videos = pil_outputs(out)
+        sound = [None] * len(videos) if out.audio is None else list(out.audio)  # the model's sound track, if any
+        parts = [{"type": "video_url", "video_url": {
+                     "url": f"data:video/mp4;base64,{mp4_b64(frames, fps, audio, out.audio_sample_rate)}"},
+                  "peak_memory_mb": peak} for frames, audio in zip(videos, sound)]
     payload = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "peak_memory_mb": peak,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": parts}, "finish_reason": "stop"}],
@@ -77,11 +80,11 @@ def chat_payload(out: Any, model: str, fps: int | None = None, warnings: list | 
     return payload
 
 
-def mp4_b64(frames: Any, fps: int) -> str:
-    """One video (a list of PIL frames) as a base64 MP4."""
+def mp4_b64(frames: Any, fps: int, audio: Any = None, sample_rate: int | None = None) -> str:
+    """One video (a list of PIL frames, with its sound track if any) as a base64 MP4."""
     import base64
 
-    return base64.b64encode(mp4_bytes(frames, fps)).decode("ascii")
+    return base64.b64encode(mp4_bytes(frames, fps, audio, sample_rate)).decode("ascii")
 
 
 __all__ = ["chat_payload", "mp4_b64", "v1"]

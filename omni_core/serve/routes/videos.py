@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -204,7 +205,9 @@ async def run_video_job(server: OmniServer, job: VideoJob, handle: Any, model: S
         if not isinstance(frames, list):  # an image model's output: one frame
             frames = [frames]
         path = server.videos.path_for(job.id)
-        write = asyncio.get_running_loop().run_in_executor(None, write_video, frames, path, job.fps)
+        audio = None if out.audio is None else out.audio[0]  # the model's sound track (LTX-2), muxed in
+        write = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(write_video, frames, path, job.fps, audio=audio, sample_rate=out.audio_sample_rate))
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:  # deleted while writing: remove the file once it is written
