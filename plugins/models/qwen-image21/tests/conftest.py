@@ -1,0 +1,21 @@
+"""Session fixtures: the tiny Qwen-Image 2.1 folder, Omni's and diffusers' pipelines loaded from it (``q21_dir``,
+``omni_q21``, ``diffusers_q21``); torch at one thread per test (``one_torch_thread``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from omni_core.testing import tiny_model_fixtures
+from omni_model_qwen_image21.testing import build_tiny_qwen_image21, diffusers_reference_kwargs
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+q21_dir, omni_q21, diffusers_q21 = tiny_model_fixtures("q21", build_tiny_qwen_image21,
+                                                       reference_components=diffusers_reference_kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_torch_thread):
+    """The tiny model's kernels are microseconds long: a second thread only spins on a shared machine."""
