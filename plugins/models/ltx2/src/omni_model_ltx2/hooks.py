@@ -1,0 +1,21 @@
+"""Entry-point module: registers ``LTX2Pipeline`` (and ``LTX2ImageToVideoPipeline``). Imports nothing heavy."""
+
+from omni_core import hookimpl
+from omni_core.plugins.types import PipelineSpec
+from omni_model_ltx2.fields import SAMPLING_FIELDS
+
+
+@hookimpl
+def omni_register_pipelines():
+    return [PipelineSpec(
+        name="LTX2Pipeline",
+        impl="omni_model_ltx2.pipeline:LTX2Pipeline",
+        requires=("torch", "diffusers", "transformers"),
+        supported_parallel=(),
+        description="LTX-2 text-to-video with its audio track; request batching and step-wise",
+        sampling_fields=SAMPLING_FIELDS,
+        is_video=True,
+        size_multiple=32,  # the released VAE; a folder's own decide (size_rules)
+        frame_multiple=8,
+        size_rules="omni_model_ltx2.fields:size_rules",
+    )]
