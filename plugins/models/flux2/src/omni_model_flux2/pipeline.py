@@ -216,7 +216,7 @@ class Flux2Base(DiffusersStepPipeline):
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         self.start_schedule(state, scheduler, timesteps)
         state.extra.update(do_cfg=do_cfg, cfg_scale=sp.guidance_scale, height=height, width=width,
-                           img_ids=img_ids, latent_ids=latent_ids[:1])
+                           img_ids=img_ids, grid=(height // vsf // 2, width // vsf // 2))
         return state
 
     def batch_key(self, state: StepState) -> tuple:
@@ -250,12 +250,17 @@ class Flux2Base(DiffusersStepPipeline):
                                    joint_attention_kwargs=None)
         return [p[:, :tokens] for p in preds]
 
+    def _latent_ids(self, state: StepState, rows: int) -> torch.Tensor:
+        """diffusers' ``_prepare_latent_ids`` of the request's latent grid (built from plain ints in ``extra``, which
+        is all the decode stage gets of the state)."""
+        h, w = state.extra["grid"]
+        return self.pipe._prepare_latent_ids(torch.empty(rows, 0, h, w, device="meta")).to(self.device)
+
     def _unpacked(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         """Packed ``[B, S, 4C]`` -> the VAE's ``[B, C, H, W]`` (diffusers: scatter by ids, batch-norm statistics,
         unpatchify)."""
         pipe = self.pipe
-        ids = state.extra["latent_ids"].expand(latents.shape[0], -1, -1)
-        latents = pipe._unpack_latents_with_ids(latents, ids)
+        latents = pipe._unpack_latents_with_ids(latents, self._latent_ids(state, latents.shape[0]))
         bn = pipe.vae.bn
         mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(latents.device,
@@ -269,8 +274,7 @@ class Flux2Base(DiffusersStepPipeline):
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The first image's patchified latents ``[4C, h, w]`` (the transformer's normalized space)."""
-        ids = state.extra["latent_ids"]
-        return self.pipe._unpack_latents_with_ids(state.latents[:1], ids)[0]
+        return self.pipe._unpack_latents_with_ids(state.latents[:1], self._latent_ids(state, 1))[0]
 
 
 class Flux2Pipeline(Flux2Base):
