@@ -229,10 +229,13 @@ class QwenImage21Pipeline(DiffusersStepPipeline):
         return tables[0] if len(tables) == 1 else torch.cat(tables)
 
     def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
+        """diffusers' decode, RGB only: the 2.1 VAE decodes RGBA (four channels); Omni's image outputs are RGB
+        (``PipelineContract``: PIL mode ``RGB``), so the fourth (alpha) channel is dropped and the three colour
+        channels are diffusers' own values (not composited over a background)."""
         pipe = self.pipe
         latents = pipe._unpack_latents(latents, state.extra["height"], state.extra["width"], pipe.vae_scale_factor)
         image = vae_decode(pipe.vae, self.denormalize_latents(latents))[:, :, 0]  # split across ranks when it pays
-        return pipe.image_processor.postprocess(image, output_type="pt")
+        return pipe.image_processor.postprocess(image, output_type="pt")[:, :3]
 
     def preview_latents(self, state: StepState) -> torch.Tensor:
         """The first image's unpacked latents ``[C, h, w]``."""
