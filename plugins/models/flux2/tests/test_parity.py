@@ -49,6 +49,15 @@ class Flux2Reference:
         return h._REFERENCES[key]
 
 
+def pictures():
+    """Reference images: 72x64 and 64x64 RGB noise (PIL; diffusers refuses a side under 64), deterministic."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((64, 72), (64, 64))]
+
+
 class TestKleinParity(Flux2Reference, DiffusersParityContract):
     tiny_model = "klein"
     pipeline_takes_negative = True
@@ -69,6 +78,30 @@ class TestKleinParity(Flux2Reference, DiffusersParityContract):
         (other,) = self.omni.forward([self.make_state(neg)])
         assert levels_apart(other.tensor, out.tensor) > 1
 
+    def input_images(self):
+        return pictures()
+
+    def test_reference_image_sets_the_size_and_matches_diffusers(self):
+        """A reference image and no size: diffusers makes an image of the reference's size (cropped to the
+        packing multiple); its tokens follow the noisy ones and change the image."""
+        case = self.case(0, 3, images=(0,), height=None, width=None)
+        state = self.make_state(case)
+        (out,) = self.omni.forward([state])
+        assert tuple(out.tensor.shape[-2:]) == (64, 72)
+        self.assert_parity(state, out, case)
+        (plain,) = self.omni.forward([self.make_state(self.case(0, 3, height=64, width=72))])
+        assert levels_apart(plain.tensor, out.tensor) > 1  # the reference really conditions the image
+
+    def test_reference_image_requests_batch_in_one_call(self):
+        """Requests with a reference image of one size share every call (CFG on and off, other prompts, two
+        outputs), each equal to diffusers' run alone."""
+        cases = [self.case(0, 4, images=(0,)), self.case(1, 5, cfg=False, images=(0,), num_outputs_per_prompt=2),
+                 self.case(2, 6, images=(0,), negative=None)]
+        states = [self.make_state(c) for c in cases]
+        outs, _ = self.forward_one_call_per_step(states, "reference-image requests")
+        for state, out, case in zip(states, outs, cases):
+            self.assert_parity(state, out, case)
+
 
 class TestDevParity(Flux2Reference, DiffusersParityContract):
     tiny_model = "dev"
@@ -83,6 +116,16 @@ class TestDevParity(Flux2Reference, DiffusersParityContract):
 
     def guided_at(self, state, step):
         return False
+
+    def input_images(self):
+        return pictures()
+
+    def test_two_reference_images_match_diffusers(self):
+        """Several references: their tokens one after the other, each with its own time coordinate."""
+        case = self.case(2, 7, images=(0, 1))
+        state = self.make_state(case)
+        (out,) = self.omni.forward([state])
+        self.assert_parity(state, out, case)
 
     def test_guidance_is_per_row_and_reaches_the_transformer(self):
         cases = [self.case(1, 5, cfg=1.5), self.case(1, 5, cfg=7.0)]
