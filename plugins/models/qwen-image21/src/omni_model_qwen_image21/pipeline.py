@@ -214,19 +214,22 @@ class QwenImage21Pipeline(DiffusersStepPipeline):
                                   attention_kwargs={})
 
     def rotary_rows(self, segments: list[tuple[StepState, str]], rows: list[int]) -> torch.Tensor:
-        """``[rows, S, D/2]``: each row's target rotary table, its frame index at its own prefix length (one table per
-        distinct length, memoised on the pipeline by (length, grid))."""
+        """``[rows, S, D/2]``: each row's target rotary table, its frame index at its own prefix length."""
+        tables = [self.target_table(self.segment_text(s, b)[0].shape[1], s)[None].expand(r, -1, -1)
+                  for (s, b), r in zip(segments, rows)]
+        return tables[0] if len(tables) == 1 else torch.cat(tables)
+
+    def target_table(self, text_len: int, state: StepState) -> torch.Tensor:
+        """The ``[S, D/2]`` rotary table of ``state``'s target image after a prefix of ``text_len`` tokens
+        (memoised on the pipeline per length and grid: it depends on nothing else)."""
         from omni_model_qwen_image21.model import target_rotary
 
         memo = self.__dict__.setdefault("_rotary_memo", {})
         vsf = self.pipe.vae_scale_factor
-        tables = []
-        for (s, branch), r in zip(segments, rows):
-            key = (self.segment_text(s, branch)[0].shape[1], s.extra["height"] // vsf, s.extra["width"] // vsf)
-            if key not in memo:
-                memo[key] = target_rotary(self.transformer, key[0], key[1:], self.device)
-            tables.append(memo[key][None].expand(r, -1, -1))
-        return tables[0] if len(tables) == 1 else torch.cat(tables)
+        key = (text_len, state.extra["height"] // vsf, state.extra["width"] // vsf)
+        if key not in memo:
+            memo[key] = target_rotary(self.transformer, text_len, key[1:], self.device)
+        return memo[key]
 
     def decode_latents(self, latents: torch.Tensor, state: StepState) -> torch.Tensor:
         """diffusers' decode, RGB only: the 2.1 VAE decodes RGBA (four channels); Omni's image outputs are RGB
