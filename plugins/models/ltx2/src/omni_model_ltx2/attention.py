@@ -10,20 +10,24 @@ transformer block's six attentions:
 ========================  =================  ==========  =====================================
 module                    role               category    keys
 ========================  =================  ==========  =====================================
-``attn1``                 ``self``           self        video tokens
+``attn1``                 ``video_self``     self        video tokens
 ``audio_attn1``           ``audio_self``     self        audio tokens
-``attn2``                 ``cross``          cross       text (video connector), masked
+``attn2``                 ``video_cross``    cross       text (video connector), masked
 ``audio_attn2``           ``audio_cross``    cross       text (audio connector), masked
 ``audio_to_video_attn``   ``audio_to_video`` cross       audio tokens (queries: video)
 ``video_to_audio_attn``   ``video_to_audio`` cross       video tokens (queries: audio)
 ========================  =================  ==========  =====================================
 
 The text attention mask arrives as diffusers' additive bias (``0`` = attend, ``-10000`` = padding, one row of
-keys per batch row); it is handed to the layer as the boolean ``[rows, keys]`` key-padding mask every Omni
+keys per batch row); ``attention_config={"per_role": {"self": ...}}`` picks both self-attentions by their
+category, ``{"video_self": ...}`` one of them. The mask is handed to the layer as the boolean ``[rows, keys]`` key-padding mask every Omni
 backend takes (the same result: ``exp(-10000)`` is 0 in float32).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
@@ -31,9 +35,25 @@ from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rot
 from omni_core.attention import Attention
 
 #: module attribute name -> (role, role category)
-ROLES = {"attn1": ("self", "self"), "audio_attn1": ("audio_self", "self"), "attn2": ("cross", "cross"),
+ROLES = {"attn1": ("video_self", "self"), "audio_attn1": ("audio_self", "self"), "attn2": ("video_cross", "cross"),
          "audio_attn2": ("audio_cross", "cross"), "audio_to_video_attn": ("audio_to_video", "cross"),
          "video_to_audio_attn": ("video_to_audio", "cross")}
+
+
+#: per-row 1/0 (keep / drop) of the audio-video cross-attentions in the current transformer call: the rows of
+#: modality-isolation guidance run in the same call as the others with those attentions' outputs zeroed, which is
+#: exactly diffusers' ``isolate_modalities=True`` for them (the block adds ``gate * 0``); None: all kept
+_CROSS_MODAL_KEEP: contextvars.ContextVar = contextvars.ContextVar("omni_ltx2_cross_modal_keep", default=None)
+
+
+@contextlib.contextmanager
+def cross_modal_rows(keep: torch.Tensor | None):
+    """Inside the block, the audio-video cross-attentions of rows where ``keep`` is 0 output zeros."""
+    token = _CROSS_MODAL_KEEP.set(keep)
+    try:
+        yield
+    finally:
+        _CROSS_MODAL_KEEP.reset(token)
 
 
 def _rope(attn, x: torch.Tensor, freqs) -> torch.Tensor:
@@ -63,8 +83,10 @@ class OmniLTX2AttnProcessor:
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, layer: Attention) -> None:
+    def __init__(self, layer: Attention, cross_modal: bool = False) -> None:
         self.layer = layer
+        #: an audio-to-video / video-to-audio attention (zeroed for modality-isolation rows)
+        self.cross_modal = cross_modal
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, query_rotary_emb=None, key_rotary_emb=None,
@@ -94,8 +116,14 @@ class OmniLTX2AttnProcessor:
         if gate_logits is not None:
             hidden_states = hidden_states.unflatten(2, (attn.heads, -1))
             hidden_states = (hidden_states * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)).flatten(2, 3)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        keep = _CROSS_MODAL_KEEP.get() if self.cross_modal else None
+        if keep is not None:
+            if keep.shape[0] != batch:
+                raise ValueError(f"LTX-2 modality-isolation rows: {keep.shape[0]} rows marked, the call has {batch} "
+                                 f"(a backend that runs only some rows of a call cannot take modality guidance)")
+            hidden_states = hidden_states * keep.to(hidden_states.dtype)[:, None, None]
+        return hidden_states
 
 
 def install_omni_attention(transformer: torch.nn.Module, prefix: str = "") -> list[Attention]:
@@ -108,7 +136,8 @@ def install_omni_attention(transformer: torch.nn.Module, prefix: str = "") -> li
             layer = Attention(module.heads, module.head_dim, role=role, role_category=category,
                               prefix=f"{prefix}transformer_blocks.{i}.{attr}")
             module.add_module("omni_attn", layer)
-            module.set_processor(OmniLTX2AttnProcessor(layer))
+            module.set_processor(OmniLTX2AttnProcessor(layer, cross_modal=attr.endswith("_to_video_attn")
+                                                       or attr.endswith("_to_audio_attn")))
             layers.append(layer)
     if not layers:
         raise ValueError(f"{type(transformer).__name__} has no LTX-2 transformer blocks to route through Omni")

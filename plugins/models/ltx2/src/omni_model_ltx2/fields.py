@@ -4,7 +4,7 @@ classes. Imports nothing heavy.
 The names and defaults are diffusers' ``LTX2Pipeline.__call__`` keywords (0.42.1), so a diffusers user's call
 translates one to one. Guidance is computed per request in the denoised (x0) space as diffusers does: CFG
 (``guidance_scale`` / ``audio_guidance_scale``), spatio-temporal guidance (STG: ``stg_scale`` /
-``audio_stg_scale`` at the blocks ``stg_blocks``), modality-isolation guidance (``modality_scale`` /
+``audio_stg_scale`` at the block ``stg_block``), modality-isolation guidance (``modality_scale`` /
 ``audio_modality_scale``) and the rescale of the guided prediction (``guidance_rescale`` /
 ``audio_guidance_rescale``). As in diffusers, an audio knob that is unset **or 0** takes its video counterpart's
 value (diffusers' ``audio_guidance_scale or guidance_scale``).
@@ -20,7 +20,7 @@ AUDIO_GUIDANCE_SCALE = SamplingField(
 STG_SCALE = SamplingField(
     name="stg_scale", type="float", default=1.0, min=0.0, max=GUIDANCE_MAX,
     help="spatio-temporal guidance scale of the video stream (an extra transformer pass with the self-attention "
-         "of the stg_blocks skipped); 0: off")
+         "of the stg_block skipped); 0: off")
 AUDIO_STG_SCALE = SamplingField(
     name="audio_stg_scale", type="float", default=1.0, min=0.0, max=GUIDANCE_MAX,
     help="spatio-temporal guidance scale of the audio stream; 0: stg_scale's value")
@@ -44,31 +44,14 @@ FRAME_RATE = SamplingField(
     help="frames per second of the video; the audio track lasts num_frames / frame_rate seconds")
 
 
-def check_stg_blocks(value):
-    """Why ``value`` is not comma-separated block indices (``"28"``, ``"27,28"``), or None."""
-    try:
-        blocks = [int(v) for v in str(value).split(",") if v.strip()]
-    except ValueError:
-        return "expected comma-separated block indices, e.g. '28' or '27,28'"
-    if not blocks or any(b < 0 for b in blocks):
-        return "expected one or more block indices >= 0"
-    return None
-
-
-def parse_stg_blocks(value) -> list[int]:
-    """``"27,28"`` -> ``[27, 28]``."""
-    return [int(v) for v in str(value).split(",") if v.strip()]
-
-
-#: diffusers' ``spatio_temporal_guidance_blocks`` (default ``[28]``), as text; one set per denoiser call
-STG_BLOCKS = SamplingField(
-    name="stg_blocks", type="str", default="28", splits_batch=True, check=check_stg_blocks,
-    allowed="comma-separated transformer block indices",
-    help="transformer blocks whose self-attention spatio-temporal guidance skips, comma-separated (diffusers' "
-         "spatio_temporal_guidance_blocks)")
+#: diffusers' ``spatio_temporal_guidance_blocks`` (default ``[28]``) as one block index; one per denoiser call
+STG_BLOCK = SamplingField(
+    name="stg_block", type="int", default=28, min=0, max=1024, splits_batch=True,
+    help="the transformer block whose self-attentions spatio-temporal guidance skips (diffusers' "
+         "spatio_temporal_guidance_blocks=[stg_block]); an index past the last block perturbs nothing")
 
 SAMPLING_FIELDS = (AUDIO_GUIDANCE_SCALE, STG_SCALE, AUDIO_STG_SCALE, MODALITY_SCALE, AUDIO_MODALITY_SCALE,
-                   GUIDANCE_RESCALE, AUDIO_GUIDANCE_RESCALE, FRAME_RATE, STG_BLOCKS)
+                   GUIDANCE_RESCALE, AUDIO_GUIDANCE_RESCALE, FRAME_RATE, STG_BLOCK)
 
 
 def size_rules(model_path: str | None) -> tuple[int, int, int]:
@@ -78,8 +61,8 @@ def size_rules(model_path: str | None) -> tuple[int, int, int]:
     tr = folder_config(model_path, "transformer") or {}
     if vae:
         levels = sum(1 for s in vae.get("spatio_temporal_scaling", ()) if s)
-        spatial = vae.get("patch_size", 1) * 2 ** levels
-        temporal = vae.get("patch_size_t", 1) * 2 ** levels
+        spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 1) * 2 ** levels
+        temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2 ** levels
     else:
         spatial, temporal = 32, 8
     return spatial * tr.get("patch_size", 1), spatial * tr.get("patch_size", 1), temporal * tr.get("patch_size_t", 1)

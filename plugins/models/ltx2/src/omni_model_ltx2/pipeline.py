@@ -13,10 +13,11 @@ text window, previews). What is LTX-2's own, and why it is written here rather t
 * **Guidance in the denoised space.** diffusers converts each prediction to x0, adds CFG, STG and
   modality-isolation deltas per stream with their own scales, rescales, and converts back to a velocity;
   :meth:`guide` does the same per request, so requests with different scales share a call.
-* **One transformer call per wave for the plain branches**: every request's conditional rows, then the guided
-  ones' unconditional rows (per-row timesteps, positions and text masks); STG rows (the ``stg_blocks``
-  self-attentions skipped) and modality-isolation rows (no audio-video cross-attention) are one call each,
-  because the transformer takes those switches once per call.
+* **One transformer call per wave**: every request's conditional rows, then the guided ones' unconditional
+  rows, STG rows (the ``stg_block`` self-attentions skipped: the transformer's own per-row
+  ``perturbation_mask``) and modality-isolation rows (their audio-video cross-attentions zeroed per row, which is
+  what diffusers' per-call ``isolate_modalities`` does to them), with per-row timesteps, positions and text
+  masks. diffusers runs the STG and modality passes as calls of their own.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from omni_core.pipelines import StepState
 from omni_core.pipelines.denoiser import DenoiserSpec
 from omni_core.pipelines.diffusers_step import DiffusersStepPipeline, fill_defaults
 from omni_core.pipelines.shape_check import round_frames
-from omni_model_ltx2.fields import SAMPLING_FIELDS, parse_stg_blocks, size_rules
+from omni_model_ltx2.fields import SAMPLING_FIELDS, size_rules
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,41 @@ class LTX2Pipeline(DiffusersStepPipeline):
                     layers += cls.install_attention(module, name)
         return cls(pipe, device, dtype, layers)
 
+    @classmethod
+    def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any, apart: tuple = ("decode",)) -> dict:
+        """``from_pretrained`` keywords for one side of the stage split, as the core's
+        ``omni_core.pipelines.stages.diffusers_stage_kwargs`` makes them, restated because that helper imports a
+        ``model_index.json`` library by its name and LTX-2's ``connectors`` / ``vocoder`` are recorded as library
+        ``ltx2`` (diffusers' own ``diffusers.pipelines.ltx2``; see :meth:`load`). A diffusers model the side does
+        not need becomes a config-only stand-in, any other module is left out (None)."""
+        import importlib
+        import json
+        import os
+
+        from omni_core.pipelines.stages import DENOISE, config_only_component
+
+        with open(os.path.join(model_path, "model_index.json"), encoding="utf-8") as f:
+            index = json.load(f)
+        names = {k: tuple(v) for k, v in index.items() if not k.startswith("_") and isinstance(v, list)
+                 and len(v) == 2 and v[0] is not None}
+        components = cls.stage_components_for(model_path)
+        if stage == DENOISE:
+            skip = {n for s in apart for n in components.get(s, ())} - set(components.get(DENOISE, ()))
+        else:
+            skip = set(names) - set(components.get(stage, ()))
+        kwargs: dict = {}
+        for name in sorted(skip & set(names)):
+            library, class_name = names[name]
+            module = f"diffusers.pipelines.{library}" if library in DIFFUSERS_PIPELINE_LIBRARIES else library
+            klass = getattr(importlib.import_module(module), class_name, None)
+            if not (isinstance(klass, type) and issubclass(klass, torch.nn.Module)):
+                continue
+            kwargs[name] = (config_only_component(model_path, name, library, class_name, dtype)
+                            if library == "diffusers" and hasattr(klass, "load_config") else None)
+            if kwargs[name] is not None:
+                _stand_in_ratios(kwargs[name])
+        return kwargs
+
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
         super().__init__(pipe, device, dtype, layers)
         tr = pipe.transformer
@@ -190,7 +226,7 @@ class LTX2Pipeline(DiffusersStepPipeline):
             residual_stream="hidden_states", side_inputs=SIDE_INPUTS,
             batch_args=("hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio_encoder_hidden_states",
                         "timestep", "audio_timestep", "sigma", "encoder_attention_mask", "audio_encoder_attention_mask",
-                        "video_coords", "audio_coords"),
+                        "video_coords", "audio_coords", "perturbation_mask"),
             # the video stream after block 0's timestep modulation (the first 6 modulation rows' shift/scale)
             modulated_input=_modulated_input,
             num_heads=model.config.num_attention_heads, tp_plan=tp_plan(model))]
@@ -253,7 +289,7 @@ class LTX2Pipeline(DiffusersStepPipeline):
         mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
         state.extra.update(height=sp.height, width=sp.width, latent_grid=(frames, h, w), audio_frames=audio_frames,
                            mel_bins=mel_bins, fps=conditioning_frame_rate(sp.frame_rate, 1.0),
-                           stg_blocks=tuple(parse_stg_blocks(sp.stg_blocks)), **guidance)
+                           stg_blocks=(sp.stg_block,), **guidance)
         video_latents, audio_latents = self.initial_latents(state)
         state.extra["video_shape"] = tuple(video_latents.shape[1:])
         state.extra["audio_shape"] = tuple(audio_latents.shape[1:])
@@ -303,9 +339,8 @@ class LTX2Pipeline(DiffusersStepPipeline):
 
     # -- the denoise loop
     def denoise_step(self, states: list[StepState]) -> list[torch.Tensor]:
-        """Per batch key: one call with the plain branches (cond rows of all, uncond rows of the guided), one with
-        the STG rows and one with the modality-isolation rows of the requests that use them; each request's
-        velocity guided as diffusers does (:meth:`guide`)."""
+        """Per batch key ONE transformer call (:meth:`_denoise_group`); each request's velocity guided as diffusers
+        does (:meth:`guide`)."""
         preds: list[Any] = [None] * len(states)
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
@@ -318,19 +353,18 @@ class LTX2Pipeline(DiffusersStepPipeline):
         return preds
 
     def _denoise_group(self, group: list[StepState]) -> list[torch.Tensor]:
-        guided = [s for s in group if s.extra["do_cfg"]]
-        segments = [(s, "cond") for s in group] + [(s, "uncond") for s in guided]
-        out = self.run_segments("transformer", segments)
-        cond = dict(zip(map(id, group), out[:len(group)]))
-        uncond = dict(zip(map(id, guided), out[len(group):]))
-        stg_states = [s for s in group if s.extra["do_stg"]]
-        stg = dict(zip(map(id, stg_states), self.run_segments("transformer", [(s, "stg") for s in stg_states],
-                                                             stg_blocks=list(group[0].extra["stg_blocks"]))
-                       if stg_states else []))
-        mod_states = [s for s in group if s.extra["do_modality"]]
-        mod = dict(zip(map(id, mod_states), self.run_segments("transformer", [(s, "modality") for s in mod_states],
-                                                             isolate=True) if mod_states else []))
-        return [self.guide(s, cond[id(s)], uncond.get(id(s)), stg.get(id(s)), mod.get(id(s))) for s in group]
+        """ONE transformer call for the group: every request's conditional rows, then the guided ones'
+        unconditional rows, the STG rows (``perturbation_mask`` 0: the ``stg_block`` self-attentions skip to
+        their values, as diffusers' separate STG pass with every row perturbed) and the modality-isolation rows
+        (their audio-video cross-attentions zeroed: diffusers' ``isolate_modalities``) of those that use them."""
+        segments = [(s, "cond") for s in group]
+        for branch, flag in (("uncond", "do_cfg"), ("stg", "do_stg"), ("modality", "do_modality")):
+            segments += [(s, branch) for s in group if s.extra[flag]]
+        preds: dict[tuple, tuple] = {}
+        for (s, b), pred in zip(segments, self.run_segments("transformer", segments)):
+            preds[(id(s), b)] = pred
+        return [self.guide(s, preds[(id(s), "cond")], preds.get((id(s), "uncond")), preds.get((id(s), "stg")),
+                           preds.get((id(s), "modality"))) for s in group]
 
     def guide(self, state: StepState, cond: tuple, uncond: tuple | None, stg: tuple | None,
               mod: tuple | None) -> torch.Tensor:
@@ -393,24 +427,34 @@ class LTX2Pipeline(DiffusersStepPipeline):
                 "audio_num_frames": states[0].extra["audio_frames"], "video_coords": video_coords,
                 "audio_coords": audio_coords}
 
-    def run_segments(self, expert: str, segments: list[tuple[StepState, str]], stg_blocks: list | None = None,
-                     isolate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One transformer call over ``segments``; (video, audio) predictions per segment. Like the base's
-        ``call_denoiser`` (the typed call context, diffusers' cache context), for a denoiser with two outputs."""
+    def run_segments(self, expert: str, segments: list[tuple[StepState, str]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One transformer call over ``segments`` ((state, branch): ``cond``, ``uncond``, ``stg``, ``modality``);
+        (video, audio) predictions per segment. Like the base's ``call_denoiser`` (the typed call context,
+        diffusers' cache context) for a denoiser with two outputs and per-row STG / modality switches."""
+        from omni_model_ltx2.attention import cross_modal_rows
+
         kwargs = self.transformer_inputs(segments)
         rows = [s.latents.shape[0] for s, _ in segments]
+        branches = [b for _, b in segments]
+        if "stg" in branches:
+            kwargs["spatio_temporal_guidance_blocks"] = list(segments[0][0].extra["stg_blocks"])
+            kwargs["perturbation_mask"] = torch.tensor([0.0 if b == "stg" else 1.0 for b, r in zip(branches, rows)
+                                                        for _ in range(r)], device=self.device)
+        keep = None
+        if "modality" in branches:
+            keep = torch.tensor([0.0 if b == "modality" else 1.0 for b, r in zip(branches, rows) for _ in range(r)],
+                                device=self.device)
         module = self.experts[expert]
-        branches = {b for _, b in segments}
-        context = branches.pop() if len(branches) == 1 else "cond+uncond"
+        names = set(branches)
+        context = names.pop() if len(names) == 1 else "+".join(sorted(set(branches)))
         cache_context = getattr(module, "cache_context", None)
-        # the STG and modality passes are conditional passes (the prompt, perturbed blocks): "cond" to the typed
-        # call context, which knows two branches; diffusers' cache context names them apart
+        # the STG and modality rows are conditional passes (the prompt, perturbed): "cond" to the typed call
+        # context, which knows two branches; diffusers' cache context names the mix
         with use_denoise_call([(s, r, "uncond" if b == "uncond" else "cond") for (s, b), r in zip(segments, rows)],
-                              expert=expert,
-                              text_mask=kwargs["encoder_attention_mask"]), \
-                (cache_context(context) if cache_context is not None else contextlib.nullcontext()):
-            video, audio = module(**kwargs, isolate_modalities=isolate, spatio_temporal_guidance_blocks=stg_blocks,
-                                  use_cross_timestep=True, return_dict=False)
+                              expert=expert, text_mask=kwargs["encoder_attention_mask"]), \
+                (cache_context(context) if cache_context is not None else contextlib.nullcontext()), \
+                cross_modal_rows(keep):
+            video, audio = module(**kwargs, use_cross_timestep=True, return_dict=False)
         if len(rows) == 1:
             return [(video, audio)]
         return list(zip(video.split(rows), audio.split(rows)))
@@ -467,6 +511,21 @@ class LTX2Pipeline(DiffusersStepPipeline):
         video = self.split_latents(state)[0][:1]
         frames, h, w = state.extra["latent_grid"]
         return self.pipe._unpack_latents(video, frames, h, w, *self.patch)[0]
+
+
+def _stand_in_ratios(module: Any) -> None:
+    """The compression ratios LTX-2's VAEs set in ``__init__`` (not in their configs), on a config-only stand-in:
+    diffusers' ``LTX2Pipeline.__init__`` reads them from both VAEs, on every side of the stage split."""
+    name, config = type(module).__name__, module.config
+    if name == "AutoencoderKLLTX2Video":
+        levels = sum(1 for s in config.spatio_temporal_scaling if s)
+        module.spatial_compression_ratio = config.get("spatial_compression_ratio") or config.patch_size * 2 ** levels
+        module.temporal_compression_ratio = (config.get("temporal_compression_ratio")
+                                             or config.patch_size_t * 2 ** levels)
+    elif name == "AutoencoderKLLTX2Audio":
+        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
+
+        module.temporal_compression_ratio = module.mel_compression_ratio = LATENT_DOWNSAMPLE_FACTOR
 
 
 def _modulated_input(module: Any, block: Any, args: dict) -> torch.Tensor:

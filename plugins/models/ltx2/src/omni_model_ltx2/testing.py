@@ -44,7 +44,9 @@ def tiny_gemma3(vocab_size: int = 128):
 
 def tiny_ltx2_components(num_layers: int = 2, num_heads: int = 2, registers: int | None = None) -> dict:
     """diffusers' test components (transformer, connectors, both VAEs, vocoder, scheduler) around the tiny
-    Gemma-3. ``num_heads`` (video and audio attention heads, 2 as in diffusers' tests) must be divisible by a
+    Gemma-3, with two changes: the transformer's blocks take STG's perturbation (``perturbed_attn``, as LTX-2.3;
+    without it diffusers' STG pass equals the conditional one) and the vocoder upsamples x160 (its mel hop), so
+    the waveform lasts about num_frames / frame_rate seconds as a released folder's does (diffusers' test: x4). ``num_heads`` (video and audio attention heads, 2 as in diffusers' tests) must be divisible by a
     Ulysses degree; ``registers``: the connectors' learnable registers (None as in diffusers' tests: the text
     keeps its padding mask; a number: padding replaced by registers, the mask all ones)."""
     import torch
@@ -61,7 +63,7 @@ def tiny_ltx2_components(num_layers: int = 2, num_heads: int = 2, registers: int
         attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
         audio_num_attention_heads=num_heads, audio_attention_head_dim=4, audio_cross_attention_dim=8,
         num_layers=num_layers, qk_norm="rms_norm_across_heads", caption_channels=width, rope_double_precision=False,
-        rope_type="split")
+        rope_type="split", perturbed_attn=True)
     torch.manual_seed(0)
     connectors = LTX2TextConnectors(
         caption_channels=width, text_proj_in_factor=depth + 1, video_connector_num_attention_heads=4,
