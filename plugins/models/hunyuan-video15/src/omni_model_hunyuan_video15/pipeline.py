@@ -259,6 +259,11 @@ class HunyuanVideo15Pipeline(DiffusersStepPipeline):
         embeds = state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds
         return embeds, torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
 
+    def _mask_only_when_folded(self, segments: list[tuple[StepState, str]]) -> bool:
+        """Never: diffusers' HunyuanVideo 1.5 always hands its transformer the text masks (its padding is masked
+        everywhere), so a request's cond and uncond rows fold into one masked call with the same result."""
+        return False
+
     def condition(self, state: StepState) -> torch.Tensor:
         """``[condition latents, mask]`` rows of ``state`` (text-to-video: zeros, as diffusers)."""
         b, c, f, h, w = state.latents.shape
