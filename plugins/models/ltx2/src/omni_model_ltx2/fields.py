@@ -66,3 +66,10 @@ def size_rules(model_path: str | None) -> tuple[int, int, int]:
     else:
         spatial, temporal = 32, 8
     return spatial * tr.get("patch_size", 1), spatial * tr.get("patch_size", 1), temporal * tr.get("patch_size_t", 1)
+
+#: image-to-video: diffusers' ``image_crf`` (H.264 re-compression of the conditioning image before the VAE)
+IMAGE_CRF = SamplingField(
+    name="image_crf", type="int", default=None, min=0, max=51,
+    help="H.264 CRF the input image is re-compressed at before it conditions the video (as LTX-2 was trained); "
+         "default: the model's (33; 18 with a Gemma-4 text encoder); 0: no re-compression")
+I2V_SAMPLING_FIELDS = SAMPLING_FIELDS + (IMAGE_CRF,)

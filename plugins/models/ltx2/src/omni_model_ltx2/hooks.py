@@ -2,7 +2,7 @@
 
 from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
-from omni_model_ltx2.fields import SAMPLING_FIELDS
+from omni_model_ltx2.fields import I2V_SAMPLING_FIELDS, SAMPLING_FIELDS
 
 
 @hookimpl
@@ -16,6 +16,18 @@ def omni_register_pipelines():
         sampling_fields=SAMPLING_FIELDS,
         is_video=True,
         size_multiple=32,  # the released VAE; a folder's own decide (size_rules)
+        frame_multiple=8,
+        size_rules="omni_model_ltx2.fields:size_rules",
+    ), PipelineSpec(
+        name="LTX2ImageToVideoPipeline",
+        impl="omni_model_ltx2.i2v:LTX2ImageToVideoPipeline",
+        # av: diffusers re-compresses the input image as H.264 (image_crf) with PyAV
+        requires=("torch", "diffusers", "transformers", "av"),
+        supported_parallel=(),
+        description="LTX-2 image-to-video with its audio track; request batching and step-wise",
+        sampling_fields=I2V_SAMPLING_FIELDS,
+        is_video=True,
+        size_multiple=32,
         frame_multiple=8,
         size_rules="omni_model_ltx2.fields:size_rules",
     )]
