@@ -15,6 +15,7 @@ def omni_register_pipelines():
         description="LTX-2 text-to-video with its audio track; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
         is_video=True,
+        makes_audio=True,  # DiffusionOutput.audio: omni generate and /v1/videos mux it into the file
         size_multiple=32,  # the released VAE; a folder's own decide (size_rules)
         frame_multiple=8,
         size_rules="omni_model_ltx2.fields:size_rules",
@@ -27,6 +28,7 @@ def omni_register_pipelines():
         description="LTX-2 image-to-video with its audio track; request batching and step-wise",
         sampling_fields=I2V_SAMPLING_FIELDS,
         is_video=True,
+        makes_audio=True,  # DiffusionOutput.audio: omni generate and /v1/videos mux it into the file
         size_multiple=32,
         frame_multiple=8,
         size_rules="omni_model_ltx2.fields:size_rules",
