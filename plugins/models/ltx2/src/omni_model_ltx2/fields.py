@@ -19,14 +19,14 @@ AUDIO_GUIDANCE_SCALE = SamplingField(
     help="CFG scale of the audio stream (diffusers' audio_guidance_scale); 0: guidance_scale's value")
 STG_SCALE = SamplingField(
     name="stg_scale", type="float", default=1.0, min=0.0, max=GUIDANCE_MAX,
-    help="spatio-temporal guidance scale of the video stream (an extra transformer pass with the self-attention "
-         "of the stg_block skipped); 0: off")
+    help="spatio-temporal guidance scale of the video stream (extra rows with the self-attention of stg_block "
+         "skipped); 0: off")
 AUDIO_STG_SCALE = SamplingField(
     name="audio_stg_scale", type="float", default=1.0, min=0.0, max=GUIDANCE_MAX,
     help="spatio-temporal guidance scale of the audio stream; 0: stg_scale's value")
 MODALITY_SCALE = SamplingField(
     name="modality_scale", type="float", default=3.0, min=0.0, max=GUIDANCE_MAX,
-    help="modality-isolation guidance scale of the video stream (an extra pass without the audio-video "
+    help="modality-isolation guidance scale of the video stream (extra rows without the audio-video "
          "cross-attention); 1: off")
 AUDIO_MODALITY_SCALE = SamplingField(
     name="audio_modality_scale", type="float", default=3.0, min=0.0, max=GUIDANCE_MAX,
