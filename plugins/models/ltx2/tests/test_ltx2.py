@@ -37,6 +37,12 @@ class TestLTX2Parity(LTX2Parity):
         for s, o, c in zip(states, outs, cases):
             self.assert_parity(s, o, c)
 
+    def test_audio_check_has_teeth(self):
+        """Another seed moves the waveform far outside ``audio_atol`` (the video is left as diffusers' own)."""
+        case = self.case(1, self.seeds[1])
+        other = self.reference_audio({**case, "seed": case["seed"] + 1})
+        assert (other - self.reference_audio(case)).abs().max() > 100 * self.audio_atol
+
     @pytest.mark.parametrize("knob", ["audio_guidance_scale", "stg_scale", "modality_scale", "audio_guidance_rescale"])
     def test_audio_and_guidance_knobs_have_teeth(self, knob):
         """Each knob moves the output far outside the parity tolerance (so the parity above checks it)."""

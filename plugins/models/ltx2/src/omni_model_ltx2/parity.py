@@ -1,6 +1,6 @@
 """The parity harness of this plugin's tests: the core's :class:`~omni_core.testing.DiffusersParityContract` with
 LTX-2's audio track compared too (diffusers' waveform memoised with its frames; ``audio`` within one level of 255
-over its [-1, 1] range; the joined state's video part against diffusers' packed latents). Imports pytest (through
+over its [-1, 1] range and within ``audio_atol``; the joined state's video part against diffusers' packed latents). Imports pytest (through
 ``omni_core.testing``): for tests only.
 """
 
@@ -28,6 +28,8 @@ class LTX2Parity(DiffusersParityContract):
     sampling = SAMPLING
     cfg_field, cfg_scale, cfg_off = "guidance_scale", 4.0, 1.0
     outputs_kwarg = "num_videos_per_prompt"
+    #: the waveform against diffusers' (measured: <= 3e-8; another seed moves it by ~1e-3)
+    audio_atol = 1e-5
 
     def case(self, i, seed, *, cfg=True, **kwargs):
         """The contract's case with the audio stream guided at its own scale (1 more than the video's) when the
@@ -78,3 +80,6 @@ class LTX2Parity(DiffusersParityContract):
         assert output.audio_sample_rate == self.diffusers.vocoder.config.output_sampling_rate
         diff = audio_levels(output.audio, ref)
         assert diff <= self.levels, f"audio {diff} levels of 255 apart from diffusers ({case['prompt']!r})"
+        # the tiny folder's waveform moves little with its latents (another seed: ~1e-3), so it is held tighter
+        # than one level of 255 too
+        torch.testing.assert_close(output.audio, ref, atol=self.audio_atol, rtol=0)
