@@ -19,9 +19,9 @@ module                    role               category    keys
 ========================  =================  ==========  =====================================
 
 The text attention mask arrives as diffusers' additive bias (``0`` = attend, ``-10000`` = padding, one row of
-keys per batch row); ``attention_config={"per_role": {"self": ...}}`` picks both self-attentions by their
-category, ``{"video_self": ...}`` one of them. The mask is handed to the layer as the boolean ``[rows, keys]`` key-padding mask every Omni
-backend takes (the same result: ``exp(-10000)`` is 0 in float32).
+keys per batch row); the layer gets it as the boolean ``[rows, keys]`` key-padding mask every Omni backend takes
+(the same result: ``exp(-10000)`` is 0 in float32). ``attention_config={"per_role": {"self": ...}}`` picks both
+self-attentions by their category, ``{"video_self": ...}`` one of them.
 """
 
 from __future__ import annotations
