@@ -165,14 +165,17 @@ COMPARISONS: list[tuple[str, str]] = [
 #: around the hooks, guards, AOTAutograd with torchao tensor subclasses) without generating kernels, which cold in
 #: CI costs ~100 s per run; inductor itself is tested with the caches in tests/optimize
 COMPILE_BACKEND = "aot_eager"
-#: runs with GGUF weights compile with inductor: under aot_eager, diffusers' ``GGUFParameter.__torch_function__``
-#: rebuilds a parameter without its quant type on a recompile (``KeyError: None``), which inductor never does
-GGUF_COMPILE_BACKEND = "inductor"
+#: dynamo's capture alone (its graphs, graph breaks, guards and recompiles around Omni's hooks, run eagerly) for
+#: the runs with GGUF weights -- under aot_eager diffusers' ``GGUFParameter.__torch_function__`` rebuilds a
+#: parameter without its quant type on a recompile (``KeyError: None``), and inductor cold took 63 s of CI's run
+#: (205 s at load 6) against ~15 s -- and for the multi-rank runs (each rank traces on the 2 CI cores: C+ulysses
+#: 58 s vs 83 s at load 6); AOTAutograd is what the one-process runs check
+CAPTURE_BACKEND = "eager"
 
 
 def compile_backend(features: frozenset[str] | set[str]) -> str:
     """The torch.compile backend a run with ``features`` uses (``OMNI_COMPILE_BACKEND``)."""
-    return GGUF_COMPILE_BACKEND if "gguf" in features else COMPILE_BACKEND
+    return CAPTURE_BACKEND if "gguf" in features or world_size(features) > 1 else COMPILE_BACKEND
 
 
 
