@@ -11,16 +11,21 @@ module path below the denoiser, where ``*`` matches one path segment (a block in
         "blocks.*.norm1.linear": "colwise_gather",     # adaLN modulation: weights split, output whole
         "blocks.*.attn.norm_q": "norm_across_heads",   # an RMSNorm over all heads (Wan)
         "single_blocks.*.proj_out": {"style": "rowwise", "segments": ["attn.inner_dim", "proj_mlp.out_features"]},
+        "blocks.*.ff.linear_in": {"style": "colwise", "segments": ["linear_out.in_features"] * 2},  # [gate | up]
     }
 
 The styles (Megatron-LM's column/row split, which torch's ``ColwiseParallel``/``RowwiseParallel`` also express):
 
 * ``colwise``   -- ``Linear`` weight rows (and bias) split: each rank computes its slice of the outputs (its
-  heads, its share of the MLP's hidden units). No collective.
+  heads, its share of the MLP's hidden units). No collective. ``segments`` says the output is a concatenation of
+  parts each split on its own, so a rank's output is its slice of every part, in order (a SwiGLU's fused
+  ``[gate | up]``, FLUX.2's fused ``[q | k | v | gate | up]``): the model's own ``chunk``/``split`` of the output
+  then finds its parts, with its widths divided like the heads.
 * ``rowwise``   -- ``Linear`` weight columns split: each rank multiplies its slice of the inputs (the local heads'
   output, the local hidden units); one all-reduce sums the partial products, then the bias is added once.
-  ``segments`` (attribute paths from the layer's parent, read before anything is split) says the input is a
-  concatenation of parts each split on its own (FLUX's single-stream ``proj_out`` over attention and MLP outputs).
+  ``segments`` (attribute paths from the layer's parent, or sizes, read before anything is split) says the input
+  is a concatenation of parts each split on its own (FLUX's single-stream ``proj_out`` over attention and MLP
+  outputs).
 * ``colwise_gather`` -- ``colwise`` whose output is all-gathered back to whole (a modulation ``Linear`` whose
   output is chunked into shift/scale/gate: its weights are a large share of a DiT's, its output is small).
 * ``norm_across_heads`` -- an RMSNorm over the concatenated heads (Wan's ``norm_q``/``norm_k``): its weight is
@@ -66,8 +71,9 @@ class LayerStyle:
     """How one declared layer splits."""
 
     style: str
-    #: ``rowwise`` only: attribute paths (from the layer's parent) of the sizes of the concatenated input parts
-    segments: tuple[str, ...] = ()
+    #: ``rowwise``: the concatenated input parts, ``colwise``: the concatenated output parts, each split on its own:
+    #: attribute paths (from the layer's parent) of their sizes, or the sizes
+    segments: tuple[str | int, ...] = ()
 
     @classmethod
     def coerce(cls, value: Any, where: str) -> LayerStyle:
@@ -84,8 +90,9 @@ class LayerStyle:
             raise ConfigError(f"tp_plan[{where!r}] style {style!r} is not one of {', '.join(STYLES)}"
                               + (f" (did you mean {hint!r}?)" if hint else ""), field="tp_plan")
         segments = tuple(value.get("segments") or ())
-        if segments and style != "rowwise":
-            raise ConfigError(f"tp_plan[{where!r}]: segments apply to 'rowwise' layers only", field="tp_plan")
+        if segments and style not in ("rowwise", "colwise"):
+            raise ConfigError(f"tp_plan[{where!r}]: segments apply to 'rowwise' and 'colwise' layers only (a "
+                              f"gathered output comes back rank by rank, not part by part)", field="tp_plan")
         return cls(style, segments)
 
 
@@ -148,7 +155,9 @@ class ParamShard:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
 
-def _size(parent: nn.Module, path: str) -> int:
+def _size(parent: nn.Module, path: str | int) -> int:
+    if isinstance(path, int):
+        return path
     value: Any = parent
     for part in path.split("."):
         value = getattr(value, part)
@@ -173,16 +182,12 @@ def param_shards(module: nn.Module, layers: Mapping[str, LayerStyle], tp: int) -
             raise ConfigError(f"tp_plan: {name!r} is a {type(layer).__name__}, but {style.style!r} applies to "
                               f"nn.Linear layers", field="tp_plan")
         if style.style in ("colwise", "colwise_gather"):
-            shard = ParamShard(0, (layer.out_features,))
+            shard = ParamShard(0, _segments(parent, name, style, layer.out_features, "outputs"))
             out[f"{name}.weight"] = shard
             if layer.bias is not None:
                 out[f"{name}.bias"] = shard
         else:
-            segments = tuple(_size(parent, s) for s in style.segments) or (layer.in_features,)
-            if sum(segments) != layer.in_features:
-                raise ConfigError(f"tp_plan: {name!r} segments {list(style.segments)} = {list(segments)} do not "
-                                  f"add up to its {layer.in_features} inputs", field="tp_plan")
-            out[f"{name}.weight"] = ParamShard(1, segments)
+            out[f"{name}.weight"] = ParamShard(1, _segments(parent, name, style, layer.in_features, "inputs"))
     for pname, shard in out.items():
         bad = [s for s in shard.segments if s % tp]
         if bad:
@@ -190,6 +195,15 @@ def param_shards(module: nn.Module, layers: Mapping[str, LayerStyle], tp: int) -
                               f"{shard.dim}); allowed: a divisor of the model's head count and widths",
                               field="parallel_config.tensor_parallel_size")
     return out
+
+
+def _segments(parent: nn.Module, name: str, style: LayerStyle, width: int, what: str) -> tuple[int, ...]:
+    """The sizes of the parts split one by one along the layer's ``what`` (one part: all ``width`` of them)."""
+    segments = tuple(_size(parent, s) for s in style.segments) or (width,)
+    if sum(segments) != width:
+        raise ConfigError(f"tp_plan: {name!r} segments {list(style.segments)} = {list(segments)} do not add up to "
+                          f"its {width} {what}", field="tp_plan")
+    return segments
 
 
 def _local_param(param: torch.Tensor, shard: ParamShard, rank: int, tp: int) -> nn.Parameter:

@@ -20,8 +20,8 @@ def test_a_bad_plan_is_refused_naming_the_entry_and_the_allowed_styles():
 
     with pytest.raises(ConfigError, match=r"style 'colwize' is not one of colwise, rowwise.*did you mean 'colwise'"):
         TensorParallelPlan.coerce({"blocks.*.to_q": "colwize"})
-    with pytest.raises(ConfigError, match="segments apply to 'rowwise' layers only"):
-        TensorParallelPlan.coerce({"blocks.*.to_q": {"style": "colwise", "segments": ["a"]}})
+    with pytest.raises(ConfigError, match="segments apply to 'rowwise' and 'colwise' layers only"):
+        TensorParallelPlan.coerce({"blocks.*.mod": {"style": "colwise_gather", "segments": ["a"]}})
     model = nn.Module()
     model.blocks = nn.ModuleList([nn.Module() for _ in range(2)])
     for block in model.blocks:
@@ -36,6 +36,37 @@ def test_a_bad_plan_is_refused_naming_the_entry_and_the_allowed_styles():
     assert info.value.field == "parallel_config.tensor_parallel_size"
     with pytest.raises(ConfigError, match="applies to nn.Linear"):
         param_shards(model, TensorParallelPlan.coerce({"blocks.*.act": "rowwise"}).resolve(model), 2)
+
+
+def test_a_segmented_colwise_layer_gives_each_rank_its_slice_of_every_part():
+    """A SwiGLU's fused ``[gate | up]`` projection (FLUX.2): each rank's output is its share of the gate and its
+    share of the up part, so the model's own ``chunk(2)`` pairs them; the rowwise layer after it sums to the whole."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from omni_core.distributed.tensor_parallel import TensorParallelPlan, param_shards
+
+    torch.manual_seed(0)
+    ff = nn.Module()
+    ff.linear_in, ff.linear_out = nn.Linear(8, 2 * 6), nn.Linear(6, 8)
+    plan = TensorParallelPlan.coerce({"linear_in": {"style": "colwise", "segments": ["linear_out.in_features", 6]},
+                                      "linear_out": "rowwise"})
+    shards = param_shards(ff, plan.resolve(ff), 2)
+    x = torch.randn(3, 8)
+
+    def swiglu(w_in, b_in, w_out):
+        gate, up = F.linear(x, w_in, b_in).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w_out)
+
+    partial = [swiglu(*(shards[f"{n}"].take(getattr(ff, n.split(".")[0]).get_parameter(n.split(".")[1]).detach(),
+                                               rank, 2) for n in ("linear_in.weight", "linear_in.bias",
+                                                                  "linear_out.weight"))) for rank in (0, 1)]
+    whole = swiglu(ff.linear_in.weight, ff.linear_in.bias, ff.linear_out.weight)
+    assert torch.allclose(partial[0] + partial[1], whole, atol=1e-6)
+    assert shards["linear_in.weight"].ranges(1, 2) == [(3, 3), (9, 3)]
+    with pytest.raises(ConfigError, match=r"'linear_in' segments \[6\] = \[6\] do not add up to its 12 outputs"):
+        param_shards(ff, TensorParallelPlan.coerce({"linear_in": {"style": "colwise", "segments": [6]}}).resolve(ff), 2)
 
 
 def test_the_parallel_config_refuses_a_size_that_does_not_divide_the_heads():
