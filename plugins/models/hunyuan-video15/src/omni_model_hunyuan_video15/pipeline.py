@@ -60,6 +60,16 @@ TP_PLAN = {**attention_layers("transformer_blocks.*.attn", joint=True),
            "transformer_blocks.*.norm1.linear": "colwise_gather",
            "transformer_blocks.*.norm1_context.linear": "colwise_gather"}
 
+#: TeaCache: no HunyuanVideo 1.5 polynomial is published (TeaCache4HunyuanVideo's is for HunyuanVideo 1.0, another
+#: architecture). These are fitted by ``omni cache calibrate`` on the tiny test folder (8 prompts, 20 steps, CFG,
+#: 16x16x5; 304 step pairs, input changes 0.021-0.129, R^2 0.82): what the tests run on. Calibrate a released folder
+#: before relying on them (``omni cache calibrate --model <folder> --write`` stores its own in the folder's
+#: cache_defaults.json, which overrides these key by key).
+TEACACHE_COEFFICIENTS = (-4.03043799e+03, 1.17584769e+03, -1.22090899e+02, 6.06044694e+00, -6.01138381e-02)
+TEACACHE_DEFAULTS = {"coefficients": TEACACHE_COEFFICIENTS, "rel_l1_thresh": 0.3, "warmup_steps": 1}
+#: cache_dit: first block computed, the rest reused while the residual change stays under the threshold
+CACHE_DIT_DEFAULTS = {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}
+
 
 def modulated_input(transformer: Any, block: Any, a: dict) -> torch.Tensor:
     """TeaCache's signal: block 0's ``norm1(hidden_states, emb=temb)`` (the timestep-modulated video tokens)."""
@@ -155,7 +165,8 @@ class HunyuanVideo15Pipeline(DiffusersStepPipeline):
             batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask",
                         "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds"),
             modulated_input=modulated_input, num_heads=model.config.num_attention_heads,
-            sp_plan=SP_PLAN, tp_plan=TP_PLAN)]
+            sp_plan=SP_PLAN, tp_plan=TP_PLAN,
+            cache_defaults={"tea_cache": TEACACHE_DEFAULTS, "cache_dit": CACHE_DIT_DEFAULTS})]
 
     # -- text
     def text_keys(self, state: StepState) -> list:
