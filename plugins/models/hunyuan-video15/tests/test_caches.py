@@ -1,5 +1,5 @@
 """Both cache backends work on HunyuanVideo 1.5 by its DenoiserSpec alone (the dual-stream blocks carry the video and
-the condition streams): with the shipped defaults, fewer evaluations of the last block and >= 30 dB PSNR against
+the condition streams): with the shipped defaults, fewer evaluations of the last block and >= 35 dB PSNR against
 uncached, for a batch of four text-to-video requests with CFG over 20 steps."""
 
 from __future__ import annotations
@@ -56,4 +56,5 @@ def test_cache_skips_evaluations_and_stays_close(omni_hv, uncached, backend):
     assert rows < plain_rows, f"{backend} computed every row"
     dbs = [psnr(a, b) for a, b in zip(plain, cached)]
     print(f"{backend}: {rows} of {plain_rows} rows computed, PSNR {min(dbs):.1f}-{max(dbs):.1f} dB")
-    assert min(dbs) >= 30, f"{backend}: PSNR {min(dbs):.1f} dB against uncached"
+    # 35 dB: with a constant TeaCache signal (a broken modulated_input) it reuses 14 of 20 steps at 30.6 dB
+    assert min(dbs) >= 35, f"{backend}: PSNR {min(dbs):.1f} dB against uncached"
