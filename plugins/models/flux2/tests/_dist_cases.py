@@ -1,6 +1,8 @@
 """Worker of ``test_parallel.py`` (run by ``spawn_workers`` in two gloo processes): per parallel config the tiny
 [klein] folder loaded through the real loader after ``init_parallel_state`` (so the core installs the spec's SP
-plan), one request batch, each output against the same batch in one process (loaded before any group exists)."""
+plan, or splits the transformer by its TP plan, each rank reading only its shard), one request batch, each output
+against the same batch in one process (loaded before any group exists), and the share of the transformer's
+parameter bytes the rank holds."""
 
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ def worker(rank: int, world_size: int, folder: str, configs: list[dict]) -> list
     from omni_core.config import ParallelConfig
     from omni_core.distributed.parallel_state import (communication_stats, destroy_parallel_state,
                                                       init_parallel_state, reset_communication_stats)
+    from omni_core.distributed.sharded_load import parameter_bytes
     from omni_core.testing import load_model
 
-    ref = run(load_model(folder))
+    plain = load_model(folder)
+    ref = run(plain)
+    full_bytes = parameter_bytes(plain.transformer)
     rows = []
     for cfg in configs:
         pc = ParallelConfig.from_kwargs(**cfg)
@@ -44,8 +49,9 @@ def worker(rank: int, world_size: int, folder: str, configs: list[dict]) -> list
             reset_communication_stats()
             outs = run(pipeline)
             sent = communication_stats()["total"]
+            held = parameter_bytes(pipeline.transformer) / full_bytes
         finally:
             destroy_parallel_state()
         label = ", ".join(f"{k}={v}" for k, v in cfg.items())
-        rows.append((label, max(float((o - r).abs().max()) for o, r in zip(outs, ref)), float(sent)))
+        rows.append((label, max(float((o - r).abs().max()) for o, r in zip(outs, ref)), float(sent), held))
     return rows

@@ -139,7 +139,7 @@ class TestDevParity(Flux2Reference, DiffusersParityContract):
 def test_folders_resolve_to_the_two_pipelines(klein_dir, dev_dir):
     assert resolve_model(klein_dir).spec.name == "Flux2KleinPipeline"
     assert resolve_model(dev_dir).spec.name == "Flux2Pipeline"
-    assert resolve_model(dev_dir).spec.supported_parallel == ("ulysses", "ring", "cfg")
+    assert resolve_model(dev_dir).spec.supported_parallel == ("tensor", "ulysses", "ring", "cfg")
 
 
 def test_bad_sizes_and_lengths_are_refused_naming_the_field(klein_dir):

@@ -69,10 +69,10 @@ class OmniFlux2ParallelSelfAttnProcessor:
         if attention_mask is not None:
             raise ValueError("FLUX.2 attention through Omni takes no attention_mask")
         hidden_states = attn.to_qkv_mlp_proj(hidden_states)
+        # [q | k | v | gate | up]: under tensor parallelism ``inner_dim`` is this rank's (the plan's ``heads``
+        # entry) and the layer's output this rank's slice of every part, so the rest is the local MLP part
         qkv_dim = 3 * attn.inner_dim
-        mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
-        local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
-        qkv, mlp = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
+        qkv, mlp = torch.split(hidden_states, [qkv_dim, hidden_states.shape[-1] - qkv_dim], dim=-1)
         query, key, value = qkv.chunk(3, dim=-1)
         query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
         key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))

@@ -4,8 +4,8 @@ Imports nothing heavy."""
 from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
 
-#: what both pipelines can do (tensor parallelism needs a segmented ``colwise`` style in the core: see README)
-PARALLEL = ("ulysses", "ring", "cfg")
+#: what both pipelines can do (the DenoiserSpec's tp_plan and sp_plan, the core's CFG split)
+PARALLEL = ("tensor", "ulysses", "ring", "cfg")
 
 
 @hookimpl

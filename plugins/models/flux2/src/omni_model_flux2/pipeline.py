@@ -22,6 +22,7 @@ import torch
 
 from omni_core.config import SamplingParams
 from omni_core.distributed.parallel_decode import vae_decode
+from omni_core.distributed.tensor_parallel import attention_layers
 from omni_core.errors import ConfigError
 from omni_core.images import ImageInput, to_pil
 from omni_core.pipelines import StepState
@@ -45,6 +46,28 @@ REFERENCE_AREA = 1024 * 1024
 #: rank's part of the rotary table; the text stays whole on every rank, in front of the image tokens of every joint
 #: attention (double- and single-stream); the output ``[B, S, C]`` is gathered on dim 1
 SP_PLAN = {"shard": {"hidden_states": 1, "img_ids": 0}, "gather": 1, "joint_text": "encoder_hidden_states"}
+
+#: tensor-parallel plan (module paths of diffusers' ``Flux2Transformer2DModel``). Double-stream blocks: the joint
+#: attention by heads (image and text projections; ``to_out.0`` / ``to_add_out`` by input) and both SwiGLU MLPs, whose
+#: ``linear_in`` holds ``[gate | up]``: colwise in two segments, so each rank's output is its slice of the gate, then
+#: the same slice of the up, and ``Flux2SwiGLU``'s halving pairs them; ``linear_out`` by input. Single-stream blocks:
+#: the fused ``to_qkv_mlp_proj`` ``[q | k | v | gate | up]`` colwise in five segments, the fused ``to_out`` over
+#: ``[attention | MLP]`` by input in two; ``Flux2ParallelSelfAttention`` has no ``to_q``, so its ``heads`` entry makes
+#: the core divide its ``heads`` / ``inner_dim`` (and its Omni layer's); the processor
+#: (:class:`~omni_model_flux2.attention.OmniFlux2ParallelSelfAttnProcessor`) splits the local output at
+#: ``3 * inner_dim`` and takes the rest as the local MLP part, so ``mlp_hidden_dim`` (left whole) is never read. The
+#: three shared modulations (the largest single weights: ``dim x 18 dim`` for the double-stream ones together) are
+#: split and their small outputs gathered. Left whole: the embedders, ``norm_out`` and ``proj_out``.
+TP_PLAN = {**attention_layers("transformer_blocks.*.attn", joint=True),
+           **{f"transformer_blocks.*.{ff}.linear_in": {"style": "colwise", "segments": ["linear_out.in_features"] * 2}
+              for ff in ("ff", "ff_context")},
+           **{f"transformer_blocks.*.{ff}.linear_out": "rowwise" for ff in ("ff", "ff_context")},
+           "single_transformer_blocks.*.attn": "heads",
+           "single_transformer_blocks.*.attn.to_qkv_mlp_proj": {
+               "style": "colwise", "segments": ["inner_dim"] * 3 + ["mlp_hidden_dim"] * 2},
+           "single_transformer_blocks.*.attn.to_out": {"style": "rowwise", "segments": ["inner_dim", "mlp_hidden_dim"]},
+           **{f"{m}.linear": "colwise_gather"
+              for m in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation")}}
 
 #: TeaCache: no FLUX.2 polynomial is published (TeaCache4FLUX and ComfyUI-TeaCache publish FLUX.1's). These are
 #: fitted by ``omni cache calibrate`` on the tiny [klein] test folder (8 prompts, 20 steps, CFG; 304 step pairs, input
@@ -137,7 +160,7 @@ class Flux2Base(DiffusersStepPipeline):
             batch_args=("hidden_states", "encoder_hidden_states", "timestep", "guidance"),
             modulated_input=modulated_input,
             num_heads=t.config.num_attention_heads,
-            sp_plan=SP_PLAN,
+            sp_plan=SP_PLAN, tp_plan=TP_PLAN,
             cache_defaults={"tea_cache": TEACACHE_DEFAULTS, "cache_dit": CACHE_DIT_DEFAULTS})]
 
     # -- guidance
