@@ -108,3 +108,40 @@ def test_qwen_image_loader_refuses_pickled_weights_before_unpickling(tmp_path, m
     with pytest.raises(ConfigError, match="pickle") as info:
         QwenImagePipeline.load(folder)
     assert pickle_path in str(info.value) and loads == [] and not os.path.exists(marker)
+
+
+def test_diffusers_own_pipeline_modules_are_components_and_other_libraries_are_remote_code(tmp_path):
+    """LTX-2's folders name their connectors and vocoder by diffusers' pipeline module (``"ltx2"``): they load
+    from ``diffusers.pipelines.ltx2`` as diffusers' loader does; a library that is neither is refused."""
+    from omni_core.utils.diffusers_folder import library_module
+
+    assert library_module("ltx2") == "diffusers.pipelines.ltx2"
+    assert library_module("transformers") == "transformers"
+    for remote in ("my_models", "os", "../ltx2", "ltx2.evil", None):
+        assert library_module(remote) is None, remote
+    index = {"_class_name": "LTX2Pipeline", "vocoder": ["ltx2", "LTX2Vocoder"], "scheduler": [None, None]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    assert check_model_index(str(tmp_path), "LTX2Pipeline")["vocoder"] == ["ltx2", "LTX2Vocoder"]
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "vocoder": ["my_models", "Vocoder"]}))
+    with pytest.raises(ConfigError, match="component 'vocoder' .* comes from library 'my_models'"):
+        check_model_index(str(tmp_path), "LTX2Pipeline")
+
+
+def test_a_config_only_stand_in_keeps_what_init_derives_from_the_config(tmp_path):
+    """A stage's stand-in for a component it does not load (no weights) answers what the pipeline reads from it,
+    also what ``__init__`` computes rather than stores (LTX-2's VAE compression ratios)."""
+    import torch
+    from diffusers import AutoencoderKLLTX2Video
+
+    from omni_core.pipelines.stages import config_only_component
+
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=2, patch_size_t=1)
+    vae.save_pretrained(tmp_path / "vae")
+    stand_in = config_only_component(str(tmp_path), "vae", "diffusers", "AutoencoderKLLTX2Video", torch.bfloat16)
+    assert (stand_in.spatial_compression_ratio, stand_in.temporal_compression_ratio) == (4, 2) == \
+        (vae.spatial_compression_ratio, vae.temporal_compression_ratio)
+    assert sum(p.numel() for p in stand_in.parameters()) == 0 and stand_in.dtype == torch.bfloat16

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from omni_core.errors import ConfigError
+from omni_core.utils.diffusers_folder import library_module
 
 
 DECODE = "decode"
@@ -135,7 +136,24 @@ def config_only_component(model_path: str, name: str, library: str, class_name: 
     obj.register_to_config(**klass.extract_init_dict(config)[0])
     obj._internal_dict = FrozenDict({**obj._internal_dict, **{k: v for k, v in config.items() if k.startswith("_")}})
     obj.register_buffer("omni_config_only_dtype", torch.empty(0, dtype=dtype))
+    obj.__dict__.update(_init_attributes(klass, config))
     return obj
+
+
+def _init_attributes(klass: Any, config: dict) -> dict[str, Any]:
+    """The plain values (numbers, strings, tuples) that ``klass.__init__`` sets outside its config -- LTX-2's VAEs
+    derive ``spatial_compression_ratio`` / ``temporal_compression_ratio``, which its pipeline reads on every side of
+    the split -- from an instance built on the meta device (no weight is allocated); {} if it cannot be built
+    there."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            real = klass.from_config(config)
+    except Exception:  # noqa: BLE001 - a class that insists on real tensors in __init__: its config is all we have
+        return {}
+    plain = (bool, int, float, str, tuple, type(None))
+    return {k: v for k, v in vars(real).items() if not k.startswith("_") and k != "training" and isinstance(v, plain)}
 
 
 def diffusers_stage_kwargs(model_path: str, stage: str, components: dict[str, tuple[str, ...]], dtype: Any,
@@ -161,11 +179,12 @@ def diffusers_stage_kwargs(model_path: str, stage: str, components: dict[str, tu
     kwargs: dict[str, Any] = {}
     for name in sorted(skip & set(names)):
         library, class_name = names[name]
-        klass = getattr(importlib.import_module(library), class_name, None)
+        module = library_module(library)
+        klass = getattr(importlib.import_module(module), class_name, None) if module else None
         if not (isinstance(klass, type) and issubclass(klass, torch.nn.Module)):
             continue
-        kwargs[name] = (config_only_component(model_path, name, library, class_name, dtype)
-                        if library == "diffusers" and hasattr(klass, "load_config") else None)
+        kwargs[name] = (config_only_component(model_path, name, module, class_name, dtype)
+                        if module.startswith("diffusers") and hasattr(klass, "load_config") else None)
     return kwargs
 
 

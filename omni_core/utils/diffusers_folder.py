@@ -11,8 +11,27 @@ from typing import Any
 
 from omni_core.errors import ConfigError
 
-#: libraries whose component classes a folder may name (anything else would mean remote code)
+#: libraries whose component classes a folder may name (besides diffusers' own pipeline modules: see
+#: :func:`library_module`; anything else would mean remote code)
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
+
+
+def library_module(library: Any, allowed: tuple[str, ...] = ALLOWED_LIBRARIES) -> str | None:
+    """The module a ``model_index.json`` library name loads its class from, as diffusers' loader resolves it: an
+    allowed library as named; a diffusers pipeline's own subpackage as ``diffusers.pipelines.<name>`` (diffusers
+    records a class defined there by the subpackage's name: LTX-2's ``connectors`` and ``vocoder`` say ``"ltx2"``);
+    None for anything else (remote code). Looks at the installed diffusers' files, importing nothing."""
+    import importlib.util
+
+    if library in allowed:
+        return library
+    if not isinstance(library, str) or not library.isidentifier() or "diffusers" not in allowed:
+        return None
+    spec = importlib.util.find_spec("diffusers")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(root, "pipelines", library, "__init__.py")):
+            return f"diffusers.pipelines.{library}"
+    return None
 
 
 def read_json(path: str | None) -> dict | None:
@@ -52,9 +71,10 @@ def check_model_index(model_path: str, class_name: str, allowed: tuple[str, ...]
     for name, value in index.items():
         if name.startswith("_") or not isinstance(value, list) or value[0] is None:
             continue
-        if value[0] not in allowed:
+        if library_module(value[0], allowed) is None:
             raise ConfigError(f"component {name!r} of {model_path!r} comes from library {value[0]!r}; only "
-                              f"{', '.join(allowed)} components are loaded (no remote code)", field="model")
+                              f"{', '.join(allowed)} components (and diffusers' own pipeline modules) are loaded "
+                              f"(no remote code)", field="model")
     refuse_pickled_weights(model_path, [n for n, v in index.items() if not n.startswith("_") and isinstance(v, list)])
     return index
 
@@ -101,5 +121,5 @@ def load_diffusers_pipeline(model_path: str) -> Any:
     return pipe
 
 
-__all__ = ["ALLOWED_LIBRARIES", "PICKLE_SUFFIXES", "check_model_index", "dtype_kwarg", "load_diffusers_pipeline",
+__all__ = ["ALLOWED_LIBRARIES", "PICKLE_SUFFIXES", "check_model_index", "library_module", "dtype_kwarg", "load_diffusers_pipeline",
            "read_json", "read_model_index", "refuse_pickled_weights"]
