@@ -1,6 +1,6 @@
 """Both cache backends work on HunyuanVideo 1.5 by its DenoiserSpec alone (the dual-stream blocks carry the video and
 the condition streams): with the shipped defaults, fewer evaluations of the last block and >= 35 dB PSNR against
-uncached, for a batch of four text-to-video requests with CFG over 20 steps."""
+uncached, for a batch of three text-to-video requests with CFG over 16 steps."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from omni_core.testing import enabled_cache_backend, make_state, output_tensors
 
-PROMPTS = ["a red fox jumps over a lazy dog", "a cat", 'a sign that reads "OPEN"', "two ships"]
-STEPS = 20
+PROMPTS = ["a red fox jumps over a lazy dog", "a cat", 'a sign that reads "OPEN"']
+STEPS = 16
 
 
 def states(pipeline):
@@ -56,5 +56,5 @@ def test_cache_skips_evaluations_and_stays_close(omni_hv, uncached, backend):
     assert rows < plain_rows, f"{backend} computed every row"
     dbs = [psnr(a, b) for a, b in zip(plain, cached)]
     print(f"{backend}: {rows} of {plain_rows} rows computed, PSNR {min(dbs):.1f}-{max(dbs):.1f} dB")
-    # 35 dB: with a constant TeaCache signal (a broken modulated_input) it reuses 14 of 20 steps at 30.6 dB
+    # 35 dB: with a constant TeaCache signal (a broken modulated_input) it computes 12 of 96 rows at 29.4 dB
     assert min(dbs) >= 35, f"{backend}: PSNR {min(dbs):.1f} dB against uncached"
