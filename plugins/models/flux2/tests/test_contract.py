@@ -16,10 +16,11 @@ class TestKleinContract(PipelineContract):
     batch_atol = 1e-4
     abort_steps = 20
     engine_kwargs = {"warmup": False, "cpu_threads": 1}
+    #: checked in ``test_engine_options.py`` against the in-line engine the LoRA, offload and int8 checks share (one
+    #: engine start fewer; the same check: stage processes' images bit for bit, no text encoder in the model process)
+    test_stages_apart_equal_in_line = None
 
 
 class TestDevContract(TestKleinContract):
     model_fixture = "dev_dir"
-    #: the stage split is one code path for both models (the same decode, diffusers' ``encode_prompt`` either way)
-    #: and spawns two processes (~10 s here): [klein] checks it
-    test_stages_apart_equal_in_line = None
+    #: (stages apart: one code path for both models, the same decode and diffusers' ``encode_prompt``; [klein]'s)
