@@ -19,7 +19,8 @@ requests of different prompt lengths (a text of ``L`` tokens puts the target ima
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -66,11 +67,52 @@ def target_rotary(transformer: torch.nn.Module, text_len: int, grid: tuple[int, 
     return transformer.pos_embed([(1, h, w)], mask, device=device)[text_len:]
 
 
+#: the name diffusers' ``apply_group_offloading`` registers its hook under (``diffusers.hooks.group_offloading``)
+GROUP_OFFLOADING_HOOK = "group_offloading"
+
+
+@contextlib.contextmanager
+def weights_in(module: torch.nn.Module) -> Iterator[None]:
+    """The offload hooks ``module``'s own ``forward`` would run, around code that uses its submodules directly
+    (:func:`prefix_kv` calls the blocks' projections and norms, never ``forward``, so offload hooks on ``forward``
+    would otherwise leave the weights on the host):
+
+    * ``offload="model"`` (Omni's :class:`~omni_core.optimize.model_offload.ModelOffload`, accelerate's
+      ``CpuOffload``): the module's ``_hf_hook.pre_forward``, the protocol diffusers' ``apply_forward_hook`` follows
+      for ``vae.encode`` / ``vae.decode``: the whole component comes in (and evicts the one before it);
+    * ``offload="group"`` (diffusers' ``apply_group_offloading``): the module's group-offloading hook onloads its
+      group before and offloads it after, as its ``forward`` does (the top-level module's group: the parameters
+      outside the blocks; each block's group: that block).
+
+    Without any offload hook this does nothing."""
+    hf = getattr(module, "_hf_hook", None)
+    if hf is not None and hasattr(hf, "pre_forward"):
+        hf.pre_forward(module)
+    registry = getattr(module, "_diffusers_hook", None)
+    group = registry.get_hook(GROUP_OFFLOADING_HOOK) if registry is not None else None
+    if group is not None:
+        group.pre_forward(module)
+    try:
+        yield
+    finally:
+        if group is not None:
+            group.post_forward(module, None)
+        if hf is not None and hasattr(hf, "post_forward"):
+            hf.post_forward(module, None)
+
+
 @torch.no_grad()
 def prefix_kv(transformer: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
     """The text prefix's keys and values of every block, ``[1, L, layers * 2 * heads * head_dim]``, for text
     embeddings ``[1, L, context_in_dim]`` (diffusers' extract step for one unpadded prompt; see the module
-    docstring). The last block's attention output and MLP are not needed and not computed."""
+    docstring). The last block's attention output and MLP are not needed and not computed. Offload hooks are
+    honoured (:func:`weights_in`: the transformer's own weights around the whole computation, each block's around
+    its part), so ``offload="model"`` / ``"group"`` bring the weights in as for a denoising step."""
+    with weights_in(transformer):
+        return _prefix_kv(transformer, text)
+
+
+def _prefix_kv(transformer: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
     t = transformer
     head_dim = head_dim_of(t)
     x = t.txt_in(text)
@@ -82,18 +124,19 @@ def prefix_kv(transformer: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
     kv = []
     blocks = t.transformer_blocks
     for i, block in enumerate(blocks):
-        h, gate1 = block._modulate(block.img_norm1(x), mod1, None)
-        q, k, v = qkv(block.attn, h, freqs, head_dim)
-        kv.append(torch.stack([k, v], dim=2))  # [1, L, 2, H, D]
-        if i == len(blocks) - 1:
-            break
-        out = dispatch_attention_fn(q, k, v, attn_mask=causal, dropout_p=0.0, backend=None)
-        out = block.attn.to_out[1](block.attn.to_out[0](out.flatten(2, 3).type_as(q)))
-        x = x + gate1.tanh() * out
-        h2, gate2 = block._modulate(block.img_norm2(x), mod2, None)
-        x = x + gate2.tanh() * block.img_mlp(h2)
-        if x.dtype == torch.float16:
-            x = x.clip(-65504, 65504)
+        with weights_in(block):
+            h, gate1 = block._modulate(block.img_norm1(x), mod1, None)
+            q, k, v = qkv(block.attn, h, freqs, head_dim)
+            kv.append(torch.stack([k, v], dim=2))  # [1, L, 2, H, D]
+            if i == len(blocks) - 1:
+                break
+            out = dispatch_attention_fn(q, k, v, attn_mask=causal, dropout_p=0.0, backend=None)
+            out = block.attn.to_out[1](block.attn.to_out[0](out.flatten(2, 3).type_as(q)))
+            x = x + gate1.tanh() * out
+            h2, gate2 = block._modulate(block.img_norm2(x), mod2, None)
+            x = x + gate2.tanh() * block.img_mlp(h2)
+            if x.dtype == torch.float16:
+                x = x.clip(-65504, 65504)
     return torch.stack(kv, dim=2).flatten(2)  # [1, L, layers, 2, H, D] -> [1, L, layers * 2 * H * D]
 
 
@@ -142,5 +185,5 @@ def install_step_forward(transformer: torch.nn.Module) -> torch.nn.Module:
     return transformer
 
 
-__all__ = ["OmniQwenImage21Transformer", "install_step_forward", "prefix_kv", "target_rotary", "text_rotary",
+__all__ = ["OmniQwenImage21Transformer", "install_step_forward", "prefix_kv", "weights_in", "target_rotary", "text_rotary",
            "rotate"]
