@@ -1,0 +1,72 @@
+"""HunyuanVideo 1.5 under the engine's options, each against one shared in-line engine (``plain``: float32, one torch
+thread) on the tiny text-to-video folder, with CFG on and two prompts of different lengths (one with ByT5 glyph text) per generate:
+
+* **offload** ``"model"`` and ``"group"`` give those videos bit for bit;
+* **stages apart** (``encode_workers=1``, ``decode_workers=1``: both text encoders and the VAE in processes of their
+  own; the contract's ``test_stages_apart_equal_in_line``, on this engine's in-line videos) give them bit for
+  bit, and the model process holds neither text encoder nor the VAE;
+* **int8** weight-only quantization of the transformer: smaller, close to float32, not equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core.config import SamplingParams
+
+PROMPTS = [{"prompt": "a red fox jumps over a lazy dog", "negative_prompt": "blurry, low quality"},
+           {"prompt": 'a neon sign that reads "OPEN"'}]
+FIELDS = dict(height=16, width=16, num_frames=5, num_inference_steps=2, guidance_scale=4.0, seed=5, output_type="pt")
+ENGINE = dict(warmup=False, cpu_threads=1, max_num_seqs=2)
+
+
+def generate(omni) -> list[torch.Tensor]:
+    outs = omni.generate(PROMPTS, SamplingParams(**FIELDS), use_tqdm=False)
+    assert all(o.status == "completed" for o in outs), [o.error for o in outs]
+    return [torch.stack([torch.as_tensor(f) for f in o.images[0]]) if isinstance(o.images[0], list) else o.images[0]
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(hv_dir) -> dict:
+    from omni_core import Omni
+
+    with Omni(hv_dir, **ENGINE) as omni:
+        return {"wave": generate(omni), "bytes": omni.stats()["model_bytes"]}
+
+
+@pytest.mark.parametrize("mode", ["model", "group"])
+def test_offload_equals_no_offload(hv_dir, plain, mode):
+    from omni_core import Omni
+
+    with Omni(hv_dir, offload=mode, **ENGINE) as omni:
+        wave = generate(omni)
+    for got, want in zip(wave, plain["wave"]):
+        assert torch.equal(got, want)
+
+
+def test_stages_apart_equal_in_line(hv_dir, plain):
+    from omni_core import Omni
+
+    with Omni(hv_dir, encode_workers=1, decode_workers=1, **ENGINE) as omni:
+        wave = generate(omni)
+        held = set(omni.stats()["model_bytes"])
+    assert not held & {"text_encoder", "text_encoder_2", "vae"} and "transformer" in held, held
+    for got, want in zip(wave, plain["wave"]):
+        assert torch.equal(got, want)
+
+
+def test_int8_shrinks_the_transformer_and_stays_close(hv_dir, plain):
+    pytest.importorskip("torchao")
+    from omni_core import Omni
+
+    with Omni(hv_dir, quantization="int8", **ENGINE) as omni:
+        wave = generate(omni)
+        after = omni.stats()["model_bytes"]
+    before = plain["bytes"]
+    assert after["transformer"] < 0.75 * before["transformer"], (before, after)
+    assert after["vae"] == before["vae"] and after["text_encoder"] == before["text_encoder"]
+    diff = max((g - w).abs().max().item() for g, w in zip(wave, plain["wave"]))
+    print(f"int8 transformer {after['transformer']} of {before['transformer']} bytes, max |diff| {diff:.2e}")
+    assert 0 < diff < 0.05
