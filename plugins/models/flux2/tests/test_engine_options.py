@@ -94,14 +94,21 @@ def test_stages_apart_equal_in_line(klein_dir, plain):
 
 def test_int8_shrinks_the_transformer_and_stays_close(klein_dir, plain):
     pytest.importorskip("torchao")
+    import math
+    import os
+
+    from safetensors import safe_open
+
     from omni_core import Omni
 
     with Omni(klein_dir, quantization="int8", **ENGINE) as omni:
         (out,) = generate(omni, [None])
         after = omni.stats()["model_bytes"]
-    before = plain["bytes"]
-    assert after["transformer"] < 0.75 * before["transformer"], (before, after)
+    before = plain["bytes"]  # its transformer holds the adapter too: the float32 size is the folder's
+    with safe_open(os.path.join(klein_dir, "transformer", "diffusion_pytorch_model.safetensors"), "pt") as f:
+        full = sum(4 * math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert after["transformer"] <= 0.35 * full, (full, after)
     assert after["vae"] == before["vae"] and after["text_encoder"] == before["text_encoder"]
     diff = (out.images[0] - plain["plain"]).abs().max().item()
-    print(f"int8 transformer {after['transformer']} of {before['transformer']} bytes, max |diff| {diff:.2e}")
+    print(f"int8 transformer {after['transformer']} of {full} bytes, max |diff| {diff:.2e}")
     assert 0 < diff < 0.05
