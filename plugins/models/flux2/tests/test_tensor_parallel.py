@@ -26,7 +26,7 @@ def test_each_tp2_rank_holds_about_half_of_the_dev_transformer():
     split = sum(model.get_parameter(p).numel() * model.get_parameter(p).element_size() for p in shards)
     held = (full - split / 2) / full
     print(f"FLUX.2 [dev] TP-2: a rank holds {held:.3f} of {full / 2**30:.1f} GiB (float32)")
-    assert 0.5 <= held <= 0.52, held
+    assert 0.5 <= held <= 0.51, held  # 0.504: the embedders, norm_out and proj_out stay whole
     # the fused single-stream projection is split part by part: [q | k | v | gate | up] of 6144 x 3 and 18432 x 2
     fused = shards["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"]
     assert fused.segments == (6144, 6144, 6144, 18432, 18432)
