@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 README_COMMAND = ["generate", "--prompt", "a red circle in the top left", "--out", "circle.png"]
@@ -79,3 +80,27 @@ def test_image_input_for_an_edit_model(omni_env, tiny_model, tmp_path):
     text_model = omni(omni_env, tmp_path, "generate", "--model", tiny_model, "--prompt", "x", "--image", "a.png",
                       "--no-warmup", "--out", "x.png")
     assert text_model.returncode != 0 and "does not take input images" in text_model.stderr
+
+
+def test_fps_sets_the_frame_rate_of_a_model_whose_frames_have_one():
+    """``--fps`` is LTX-2's ``frame_rate`` (its sound follows it) and defaults to it; for other models it only
+    writes the file (16 by default); both flags disagreeing is refused before anything loads."""
+    import argparse
+
+    from omni_core.cli.generate import video_fps
+    from omni_core.errors import ConfigError
+    from omni_core.plugins.types import PipelineSpec
+    from omni_core.sampling_fields import SamplingField
+
+    field = SamplingField(name="frame_rate", type="float", default=24.0)
+    own = PipelineSpec(name="P", impl="m:P", sampling_fields=(field,), fps_field="frame_rate")
+    plain = PipelineSpec(name="Q", impl="m:Q", sampling_fields=(field,))
+    args = argparse.Namespace(fps=None, model="ltx2")
+    sampling: dict = {}
+    assert video_fps(args, own, sampling) == 24.0 and sampling == {}
+    assert video_fps(argparse.Namespace(fps=30, model="ltx2"), own, sampling) == 30 and sampling == {"frame_rate": 30}
+    assert video_fps(args, own, {"frame_rate": 25.0}) == 25.0
+    assert video_fps(args, plain, {}) == 16 and video_fps(argparse.Namespace(fps=8, model="m"), plain, {}) == 8
+    with pytest.raises(ConfigError, match="--fps 30 and --frame-rate 25.0 disagree") as err:
+        video_fps(argparse.Namespace(fps=30, model="ltx2"), own, {"frame_rate": 25.0})
+    assert err.value.field == "fps"

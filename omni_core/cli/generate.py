@@ -7,6 +7,7 @@ import os
 
 import attrs
 import time
+from typing import Any
 
 from omni_core.cli.options import add_engine_options, engine_options
 from omni_core.errors import ConfigError
@@ -31,7 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-frames", type=int, default=None, help="frames (video models)")
     p.add_argument("--n", type=int, default=1, help="outputs for the prompt (files get a -K suffix)")
     p.add_argument("--out", default=None, help="output file (default: out.png, or out.mp4 for video)")
-    p.add_argument("--fps", type=int, default=16, help="frames per second of a video file")
+    p.add_argument("--fps", type=int, default=None,
+                   help="frames per second of a video (default: the model's frame rate where its frames have one of "
+                        "their own, and it sets it; else 16, for the file only)")
     p.add_argument("--native-size", action="store_true",
                    help="write images at the model's size (by default small images are upscaled for display)")
     p.add_argument("--no-warmup", action="store_true",
@@ -97,6 +100,23 @@ def run_generate(args: argparse.Namespace) -> int:
         return _generate(args)
 
 
+def video_fps(args: argparse.Namespace, spec: Any, sampling: dict[str, Any]) -> int | float:
+    """The rate the video's frames play at: a model whose frames have their own (``PipelineSpec.fps_field``, LTX-2's
+    ``frame_rate``) takes ``--fps`` as that field (``sampling`` gets it) and defaults to the field's default; for
+    the others ``--fps`` only says how the file is written (default 16)."""
+    name = spec.fps_field
+    if name is None:
+        return args.fps or 16
+    own, flag = sampling.get(name), "--" + name.replace("_", "-")
+    if args.fps is not None and own is not None and args.fps != own:
+        raise ConfigError(f"--fps {args.fps} and {flag} {own} disagree: {args.model}'s frames play at its {name}; "
+                          f"give one of them", field="fps")
+    if args.fps is not None:
+        sampling[name] = args.fps
+    default = next((f.default for f in spec.sampling_fields if f.name == name), None)
+    return sampling.get(name) or default or 16
+
+
 def _generate(args: argparse.Namespace) -> int:
     from omni_core.entrypoints.omni import Omni
     from omni_core.pipelines.shape_check import check_before_loading
@@ -114,6 +134,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = {"prompt": args.prompt, "negative_prompt": args.negative_prompt}
     t0 = time.perf_counter()
     # what needs no model is refused before it loads (importing torch and loading take seconds)
+    fps = video_fps(args, check_before_loading(args.model, pipeline=args.pipeline).spec, sampling)
     resolved = check_before_loading(args.model, sampling, names=FLAG_OF_FIELD, pipeline=args.pipeline)
     if resolved.spec.makes_audio and args.out and os.path.splitext(args.out)[1].lower() not in AUDIO_CODECS:
         raise ConfigError(f"--out {args.out!r}: {args.model} makes videos with a sound track; write one of "
@@ -136,7 +157,7 @@ def _generate(args: argparse.Namespace) -> int:
         target = path if len(out.images) == 1 else f"{root}-{k}{suffix}"
         if is_video:
             audio = None if out.audio is None else out.audio[k]
-            write_video(item, target, fps=args.fps, audio=audio, sample_rate=out.audio_sample_rate)
+            write_video(item, target, fps=fps, audio=audio, sample_rate=out.audio_sample_rate)
             desc = f"{len(item)} frames {item[0].width}x{item[0].height}"
             if audio is not None:
                 desc += f", sound {audio.shape[-1] / out.audio_sample_rate:.2f} s at {out.audio_sample_rate} Hz"

@@ -38,6 +38,8 @@ class ModelInfo:
     sampling_fields: tuple = ()
     #: the input images a request carries (``omni_core.images.ImageInput``), or None: the model takes none
     image_input: object = None
+    #: the sampling field that is the video's frame rate (``PipelineSpec.fps_field``), or None
+    fps_field: str | None = None
 
 
 __all__ = ["ModelInfo", "ProgressFn"]

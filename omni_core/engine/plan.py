@@ -51,7 +51,7 @@ class EnginePlan:
                          model_path=self.resolved.model_path, is_video=bool(getattr(cls, "is_video", False)),
                          frame_multiple=frames, size_multiple=max(height, width),
                          streaming=bool(self.config.streaming_output), sampling_fields=tuple(spec.sampling_fields),
-                         image_input=cls.image_input)
+                         image_input=cls.image_input, fps_field=spec.fps_field)
 
     def summary(self) -> dict[str, Any]:
         """The plan in words: which model, mode and classes (``omni env`` style, and for tests)."""

@@ -176,6 +176,17 @@ class PipelineSpec(ComponentSpec):
     #: the pipeline's videos carry a sound track (``DiffusionOutput.audio``, LTX-2): a file that cannot carry one
     #: (GIF) is refused before the model loads
     makes_audio: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: the sampling field that is the rate the video's frames play at, for a model whose frames have one of their
+    #: own (LTX-2's ``frame_rate``: its sound and its positions follow it): ``omni generate --fps`` and the servers'
+    #: ``fps`` set that field, and files are written at its value (default: the field's); None: files are written
+    #: at the requested fps, 16 by default
+    fps_field: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(str)))
+
+    def __attrs_post_init__(self) -> None:
+        if self.fps_field is not None and self.fps_field not in {f.name for f in self.sampling_fields}:
+            raise ValueError(f"fps_field={self.fps_field!r} is not one of the pipeline's sampling fields "
+                             f"({', '.join(f.name for f in self.sampling_fields) or 'none declared'})")
 
 
 @attrs.frozen(kw_only=True)

@@ -202,8 +202,8 @@ def _model_fields_in_extra(fields: dict[str, Any], kinds: Mapping[str, str], cor
     return fields
 
 
-def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, video: bool = False
-                       ) -> ChatImageRequest:
+def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, video: bool = False,
+                       fps_field: str | None = None) -> ChatImageRequest:
     """``POST /v1/chat/completions`` (vLLM-Omni's image route, and its older server's video route): the last user
     message is the prompt (its text parts joined; its ``image_url`` parts are input images), generation fields come
     at the top level or in ``extra_body``. ``video``: the served model makes videos (``num_frames`` and ``fps``
@@ -229,14 +229,16 @@ def parse_chat_request(body: Any, *, model_fields: Sequence[Any] | None = None, 
     kinds, sampling = with_model_fields({"model": "str", **CHAT_GENERATION_FIELDS}, _CHAT_SAMPLING, model_fields)
     fields = _aliases(read_fields(body, kinds, ignored=CHAT_IGNORED), VLLM_OMNI_ALIASES)
     fields = _model_fields_in_extra(fields, kinds, CHAT_GENERATION_FIELDS)
-    fps = fields.pop("fps", DEFAULT_FPS)  # vLLM-Omni's client sends its --fps with image requests too
+    fixed: dict[str, Any] = {}
     if video:
-        if not 1 <= fps <= MAX_FPS:
-            raise invalid(f"'fps'={fps} is invalid: must be between 1 and {MAX_FPS}", "fps")
-    elif fields.get("num_frames") == 1:
-        fields.pop("num_frames")
+        fps, fixed = video_fps(fields, fps_field, model_fields)
+        fields.pop("fps", None)
+    else:
+        fps = fields.pop("fps", DEFAULT_FPS)  # vLLM-Omni's client sends its --fps with image requests too
+        if fields.get("num_frames") == 1:
+            fields.pop("num_frames")
     request = ImageRequest(prompt=text, negative_prompt=fields.get("negative_prompt"),
-                           params=sampling_params(fields, sampling), model=fields.get("model"), stream=False)
+                           params=sampling_params(fields, sampling, **fixed), model=fields.get("model"), stream=False)
     return ChatImageRequest(request=request, image_urls=tuple(urls), fps=fps)
 
 
@@ -309,6 +311,28 @@ class VideoRequest:
     image_reference: str | None = None
 
 
+def video_fps(fields: dict[str, Any], fps_field: str | None, model_fields: Sequence[Any] | None
+              ) -> tuple[int | float, dict[str, Any]]:
+    """The rate a video's frames play at, and the sampling field it sets: a model whose frames have a rate of their
+    own (``fps_field``, LTX-2's ``frame_rate``) takes ``fps`` as that field (default: the field's default); for
+    the others ``fps`` only says how the file is written (default 16)."""
+    fps, fixed = fields.get("fps"), {}
+    if fps_field is not None:
+        own = fields.get(fps_field)
+        if fps is not None and own is not None and fps != own:
+            raise invalid(f"'fps'={fps} and '{fps_field}'={own} disagree: this model's frames play at its "
+                          f"{fps_field}; give one of them", "fps")
+        if fps is None:
+            fps = own if own is not None else next(
+                (f.default for f in model_fields or () if f.name == fps_field and f.default), None)
+        if own is None and fps is not None:
+            fixed[fps_field] = fps
+    fps = DEFAULT_FPS if fps is None else fps
+    if not 1 <= fps <= MAX_FPS:
+        raise invalid(f"'fps'={fps} is invalid: must be between 1 and {MAX_FPS}", "fps")
+    return fps, fixed
+
+
 def frames_for_seconds(seconds: float, fps: int, frame_multiple: int) -> int:
     """The frame count closest to ``seconds`` at ``fps`` that the model accepts (``(n - 1) % multiple == 0``)."""
     target = max(1.0, seconds * fps)
@@ -317,9 +341,9 @@ def frames_for_seconds(seconds: float, fps: int, frame_multiple: int) -> int:
 
 
 def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool = False,
-                        model_fields: Sequence[Any] | None = None) -> VideoRequest:
+                        model_fields: Sequence[Any] | None = None, fps_field: str | None = None) -> VideoRequest:
     """``POST /v1/videos`` body (JSON or form fields) -> validated :class:`VideoRequest`; ``model_fields`` as in
-    :func:`parse_image_request`."""
+    :func:`parse_image_request`, ``fps_field`` as in :func:`video_fps`."""
     kinds, sampling = with_model_fields(VIDEO_FIELDS, _VIDEO_SAMPLING, model_fields)
     fields = read_fields(body, kinds, ignored=("user",), unsupported=VIDEO_UNSUPPORTED,
                          accepted_defaults=VIDEO_ACCEPTED_DEFAULTS, from_form=from_form)
@@ -335,11 +359,8 @@ def parse_video_request(body: Any, *, frame_multiple: int = 1, from_form: bool =
             if block.get(name) is not None and name not in fields:
                 fields[name] = check_kind(f"video_params.{name}", block[name], "int")
     prompt = required_prompt(fields)
-    fps = fields.get("fps", DEFAULT_FPS)
-    if not 1 <= fps <= MAX_FPS:
-        raise invalid(f"'fps'={fps} is invalid: must be between 1 and {MAX_FPS}", "fps")
+    fps, fixed = video_fps(fields, fps_field, model_fields)
     seconds = fields.get("seconds")
-    fixed: dict[str, Any] = {}
     if seconds is not None:
         if "num_frames" in fields:
             raise invalid("give either 'seconds' or 'num_frames', not both", "seconds")

@@ -186,3 +186,38 @@ def test_max_sequence_length_is_a_body_field_of_every_generation_route(route):
     with pytest.raises(APIError) as err:
         parse_image_request({"prompt": "x", "max_sequence_length": "long"})
     assert err.value.param == "max_sequence_length"
+
+
+def test_a_model_whose_frames_have_their_own_rate_takes_fps_as_that_field():
+    """LTX-2's frames play at its ``frame_rate`` (its sound and positions follow it): ``fps`` sets that field and
+    defaults to it; a request giving both differently is refused; other models' ``fps`` only writes the file."""
+    from omni_core.sampling_fields import SamplingField
+    from omni_core.serve.protocol import video_fps
+
+    fields = [SamplingField(name="frame_rate", type="float", default=24.0, min=1.0, max=120.0)]
+    assert video_fps({}, "frame_rate", fields) == (24.0, {"frame_rate": 24.0})
+    assert video_fps({"fps": 30}, "frame_rate", fields) == (30, {"frame_rate": 30})
+    assert video_fps({"frame_rate": 25.0}, "frame_rate", fields) == (25.0, {})
+    assert video_fps({"fps": 25, "frame_rate": 25.0}, "frame_rate", fields) == (25, {})
+    assert video_fps({}, None, fields) == (16, {}) and video_fps({"fps": 8}, None, fields) == (8, {})
+    for body, param in (({"fps": 30, "frame_rate": 25.0}, "fps"), ({"fps": 0}, "fps")):
+        with pytest.raises(APIError) as info:
+            video_fps(body, "frame_rate", fields)
+        assert info.value.status == 400 and info.value.param == param
+    # seconds count at the model's rate: 2 s at 24 fps, frames of 8k + 1
+    from omni_core.config import registered_sampling_fields
+    if "frame_rate" in registered_sampling_fields():  # a model declaring it is installed (LTX-2)
+        req = parse_video_request({"prompt": "x", "seconds": "2"}, frame_multiple=8, model_fields=fields,
+                                  fps_field="frame_rate")
+        assert req.fps == 24.0 and req.params.num_frames == 49
+
+
+def test_a_pipeline_record_names_a_declared_field_as_its_frame_rate():
+    from omni_core.plugins.types import PipelineSpec
+    from omni_core.sampling_fields import SamplingField
+
+    field = SamplingField(name="frame_rate", type="float", default=24.0)
+    spec = PipelineSpec(name="P", impl="m:P", sampling_fields=(field,), fps_field="frame_rate")
+    assert spec.fps_field == "frame_rate"
+    with pytest.raises(ValueError, match="fps_field='fps' is not one of the pipeline's sampling fields"):
+        PipelineSpec(name="P", impl="m:P", sampling_fields=(field,), fps_field="fps")

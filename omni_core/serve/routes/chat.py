@@ -40,7 +40,8 @@ async def chat_completions(request: Request):
     server = current(request)
     body = await read_json(request, server)
     model = server.model_of(body)
-    chat = parse_chat_request(body, model_fields=model.info.sampling_fields, video=model.is_video)
+    chat = parse_chat_request(body, model_fields=model.info.sampling_fields, video=model.is_video,
+                              fps_field=model.info.fps_field)
     req = chat.request
     model = server.model(req.model)
     check_count(list(chat.image_urls), "messages", model.image_input, model.name)

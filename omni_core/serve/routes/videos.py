@@ -48,13 +48,14 @@ async def read_video_request(request: Request, server: OmniServer) -> tuple[Vide
     content_type = request.headers.get("content-type", "")
     reference: Any = None  # the input image: a file part, or a data URL in a text field
 
-    def fields_of(body: Any) -> tuple[int, Any]:
-        model = server.model_of(body)
-        return model.info.frame_multiple, model.info.sampling_fields
+    def fields_of(body: Any) -> dict[str, Any]:
+        info = server.model_of(body).info
+        return {"frame_multiple": info.frame_multiple, "model_fields": info.sampling_fields,
+                "fps_field": info.fps_field}
 
     if content_type.startswith("multipart/form-data"):
         body, files = await read_multipart(request, server, content_type)
-        frame_multiple, model_fields = fields_of(body)
+        model_options = fields_of(body)
         unknown = sorted(set(files) - {INPUT_REFERENCE})
         if unknown:
             raise invalid(f"unexpected file field '{unknown[0]}'; a video job takes one file, 'input_reference'",
@@ -62,19 +63,17 @@ async def read_video_request(request: Request, server: OmniServer) -> tuple[Vide
         if len(files.get(INPUT_REFERENCE, [])) > 1:
             raise invalid("'input_reference' takes one image", INPUT_REFERENCE, code="invalid_image_count")
         reference = files[INPUT_REFERENCE][0] if INPUT_REFERENCE in files else body.pop(INPUT_REFERENCE, None)
-        req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
+        req = parse_video_request(body, from_form=True, **model_options)
     elif content_type.startswith("application/x-www-form-urlencoded"):  # aiohttp's form without files
         body = await read_urlencoded(request, server)
         reference = body.pop(INPUT_REFERENCE, None)
-        frame_multiple, model_fields = fields_of(body)
-        req = parse_video_request(body, frame_multiple=frame_multiple, from_form=True, model_fields=model_fields)
+        req = parse_video_request(body, from_form=True, **fields_of(body))
     else:
         body = await read_json(request, server)
         if isinstance(body, dict) and INPUT_REFERENCE in body:
             body = dict(body)
             reference = body.pop(INPUT_REFERENCE)
-        frame_multiple, model_fields = fields_of(body)
-        req = parse_video_request(body, frame_multiple=frame_multiple, model_fields=model_fields)
+        req = parse_video_request(body, **fields_of(body))
     model = server.model(req.model)
     if not model.is_video:
         raise invalid(f"model {model.name!r} makes images, not videos; use POST /v1/images/generations",
