@@ -19,3 +19,13 @@ q21_dir, omni_q21, diffusers_q21 = tiny_model_fixtures("q21", build_tiny_qwen_im
 @pytest.fixture(autouse=True)
 def _threads(one_torch_thread):
     """The tiny model's kernels are microseconds long: a second thread only spins on a shared machine."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_early():
+    """Start Omni's fork server (it imports torch, diffusers and transformers once, then forks every stage process)
+    at the start of the session, so its imports overlap the in-process tests instead of being waited for by the
+    first test that starts a process (the stages apart: 13-15 s with a cold server at load 5-7)."""
+    from omni_core.processes import start_server_soon
+
+    start_server_soon()
