@@ -16,8 +16,8 @@ class TestKleinContract(PipelineContract):
     batch_atol = 1e-4
     abort_steps = 20
     engine_kwargs = {"warmup": False, "cpu_threads": 1}
-    #: checked in ``test_engine_options.py`` against the in-line engine the LoRA, offload and int8 checks share (one
-    #: engine start fewer; the same check: stage processes' images bit for bit, no text encoder in the model process)
+    #: ``test_engine_options.py`` checks the decode stage apart against the in-line engine the LoRA, offload and
+    #: int8 checks share (one spawned process instead of two engines and two stage processes: ~10 s here)
     test_stages_apart_equal_in_line = None
 
 
