@@ -21,11 +21,25 @@ def _threads(one_torch_thread):
     """The tiny model's kernels are microseconds long: a second thread only spins on a shared machine."""
 
 
+#: library modules the stage processes import to load this model (beyond the core's preload: torch, diffusers and
+#: transformers' top levels), imported once by the fork server instead of by each stage process
+STAGE_LIBRARIES = ("diffusers.pipelines.qwenimage21.pipeline_qwenimage21",
+                   "diffusers.models.transformers.transformer_qwenimage21",
+                   "diffusers.models.autoencoders.autoencoder_kl_qwenimage21",
+                   "transformers.models.qwen3_vl.modeling_qwen3_vl", "transformers.models.qwen3_vl.processing_qwen3_vl")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _fork_server_early():
-    """Start Omni's fork server (it imports torch, diffusers and transformers once, then forks every stage process)
-    at the start of the session, so its imports overlap the in-process tests instead of being waited for by the
-    first test that starts a process (the stages apart: 13-15 s with a cold server at load 5-7)."""
-    from omni_core.processes import start_server_soon
+    """Start Omni's fork server (it imports the libraries once, then forks every stage process) at the start of the
+    session, with this model's library modules added to its preload, so its imports overlap the in-process tests
+    instead of being waited for by the first test that starts a process (the stages apart: 13-15 s with a cold
+    server at load 5-7). Stdlib ``multiprocessing.forkserver``: the preload list is read when the server starts;
+    an import that fails there is skipped. Does nothing where Omni does not use a fork server."""
+    from multiprocessing import forkserver
 
-    start_server_soon()
+    from omni_core.processes import PRELOAD_MODULE, start_method
+
+    if start_method() == "forkserver":
+        forkserver.set_forkserver_preload([PRELOAD_MODULE, *STAGE_LIBRARIES])
+        forkserver.ensure_running()
