@@ -90,6 +90,11 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
     cfg_normalize: ClassVar[bool] = False
     #: decode single latent frames with 2-D convolutions (:func:`single_frame_causal_convs`)
     fast_vae_convs: ClassVar[bool] = True
+    #: a request's cond and uncond rows may always share one denoiser call: the transformer masks (or pads) each
+    #: row's text itself, so folding the branches changes nothing even where one's text is padded to the other's
+    #: (Z-Image pads inside, diffusers' HunyuanVideo 1.5 always passes its masks). False: a lone request whose two
+    #: branches would need a mask only when folded runs them as two calls, as diffusers does
+    cfg_folds_with_masks: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ engine process
     @classmethod
@@ -283,7 +288,7 @@ class DiffusersStepPipeline(TextEncodingWindow, OmniPipeline):
         guided = [s for s in group if s.extra["do_cfg"]]
         if get_cfg_group().world_size == 1 or not guided:
             segments = [(s, "cond") for s in group] + [(s, "uncond") for s in guided]
-            if len(group) == 1 and guided and self._mask_only_when_folded(segments):
+            if len(group) == 1 and guided and not self.cfg_folds_with_masks and self._mask_only_when_folded(segments):
                 out = self.run_segments(expert, segments[:1]) + self.run_segments(expert, segments[1:])
             else:
                 out = self.run_segments(expert, segments)

@@ -80,6 +80,9 @@ class HunyuanVideo15Pipeline(DiffusersStepPipeline):
     """HunyuanVideo 1.5 text-to-video (diffusers ``HunyuanVideo15Pipeline`` semantics)."""
 
     diffusers_class = "HunyuanVideo15Pipeline"
+    #: diffusers always hands the transformer the text masks (its padding is masked everywhere), so a request's
+    #: cond and uncond rows fold into one masked call with the same result
+    cfg_folds_with_masks = True
     is_video = True
     size_multiple = 16
     frame_multiple = 4
@@ -269,11 +272,6 @@ class HunyuanVideo15Pipeline(DiffusersStepPipeline):
     def segment_text(self, state: StepState, branch: str) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds
         return embeds, torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
-
-    def _mask_only_when_folded(self, segments: list[tuple[StepState, str]]) -> bool:
-        """Never: diffusers' HunyuanVideo 1.5 always hands its transformer the text masks (its padding is masked
-        everywhere), so a request's cond and uncond rows fold into one masked call with the same result."""
-        return False
 
     def condition(self, state: StepState) -> torch.Tensor:
         """``[condition latents, mask]`` rows of ``state`` (text-to-video: zeros, as diffusers)."""

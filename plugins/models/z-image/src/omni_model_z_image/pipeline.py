@@ -44,6 +44,9 @@ class ZImagePipeline(DiffusersStepPipeline):
     """Z-Image text-to-image (diffusers ``ZImagePipeline`` semantics, float-exact denoise math)."""
 
     diffusers_class = "ZImagePipeline"
+    #: the transformer takes one text per row and pads and masks inside, and diffusers itself runs a request's two
+    #: CFG branches as one call
+    cfg_folds_with_masks = True
     #: latent-to-RGB preview projections for the released VAE (a folder's preview_projection.json comes first)
     preview_projections = "omni_model_z_image:preview_projections.json"
     fast_vae_convs = False  # AutoencoderKL: 2-D convolutions already
@@ -171,11 +174,6 @@ class ZImagePipeline(DiffusersStepPipeline):
                 embeds = self.pipe._encode_prompt(list(texts), device=self.device, max_sequence_length=msl)
                 out.update({(t, msl): e for t, e in zip(texts, embeds)})
         return out
-
-    def _mask_only_when_folded(self, segments: list[tuple[StepState, str]]) -> bool:
-        """Never: the transformer takes one text per row and pads and masks inside, and diffusers itself runs
-        the two CFG branches of a request as one call."""
-        return False
 
     def segment_text(self, state: StepState, branch: str) -> tuple[torch.Tensor, None]:
         return (state.negative_prompt_embeds if branch == "uncond" else state.prompt_embeds), None
