@@ -2,11 +2,18 @@
 container's own reader (PyAV), lasts the requested duration (num_frames / frame_rate, within one video frame: the
 causal audio VAE decodes 4 L - 3 mel frames from L latent frames, as diffusers does) and equals diffusers' waveform
 for the same seed within one level of 255 and within 16-bit quantization (the file holds 16-bit samples,
-losslessly: FLAC in MP4)."""
+losslessly: FLAC in MP4).
+
+The CLI runs on the session's shared engine (``ltx2_engines``): its ``Omni(...)`` is answered by that started
+engine after checking it asks for the same folder and nothing the engine was not started with (starting engines
+is what the contract's tests pay for once)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+import pytest
 import torch
 
 FRAMES, RATE, SEED = 9, 25.0, 4
@@ -31,15 +38,32 @@ def read_audio(path: str) -> tuple[np.ndarray, int, int]:
     return audio, rate, frames
 
 
-def test_omni_generate_writes_the_audio_track(ltx2_dir, diffusers_ltx2, tmp_path, capsys):
+@pytest.fixture
+def generate(monkeypatch, ltx2_dir, ltx2_engines, capsys):
+    """``generate(*flags)``: ``omni generate --model <tiny folder> ... *flags`` (in process) on the shared engine;
+    returns its printed output."""
+    import omni_core.entrypoints.omni as entry
     from omni_core.cli.main import main
 
+    def shared(model, **kwargs):
+        assert model == ltx2_dir
+        assert kwargs.pop("warmup") is False and set(kwargs) <= {"dtype"}, f"the CLI asked for {kwargs}"
+        return contextlib.nullcontext(ltx2_engines(step_execution=True))
+
+    monkeypatch.setattr(entry, "Omni", shared)
+
+    def run(*flags):
+        rc = main(["generate", "--model", ltx2_dir, "--prompt", "a robot dancing", "--seed", str(SEED), "--steps",
+                   "2", "--height", "32", "--width", "32", "--num-frames", str(FRAMES), "--no-warmup", *flags])
+        assert rc == 0
+        return capsys.readouterr().out
+
+    return run
+
+
+def test_omni_generate_writes_the_audio_track(generate, diffusers_ltx2, tmp_path):
     out = str(tmp_path / "clip.mp4")
-    rc = main(["generate", "--model", ltx2_dir, "--prompt", "a robot dancing", "--seed", str(SEED), "--steps", "2",
-               "--height", "32", "--width", "32", "--num-frames", str(FRAMES), "--frame-rate", str(RATE),
-               "--fps", str(int(RATE)), "--no-warmup", "--out", out])
-    assert rc == 0
-    assert "sound" in capsys.readouterr().out
+    assert "sound" in generate("--frame-rate", str(RATE), "--fps", str(int(RATE)), "--out", out)
     audio, rate, frames = read_audio(out)
     ref = diffusers_ltx2(prompt="a robot dancing", num_inference_steps=2, height=32, width=32, num_frames=FRAMES,
                          frame_rate=RATE, output_type="pt",
