@@ -87,27 +87,67 @@ def resolve_lora_path(lora: str, loras: Mapping[str, str], field: str = "lora") 
     return os.path.abspath(path)
 
 
-def lora_supported(pipeline_cls: Any) -> bool:
-    """Whether the model's pipeline loads LoRA: a diffusers-based pipeline whose diffusers class has diffusers'
-    LoRA loader (``load_lora_weights``)."""
+def diffusers_loader(pipeline_cls: Any) -> Any:
+    """The diffusers pipeline class whose LoRA loader (``lora_state_dict`` / ``load_lora_weights``) reads this
+    model's adapters, or None: not diffusers-based, or diffusers has no loader for the family (HunyuanVideo 1.5)."""
     name = getattr(pipeline_cls, "diffusers_class", "")
     if not name:
-        return False
+        return None
     import diffusers
 
-    return hasattr(getattr(diffusers, name, None), "load_lora_weights")
+    klass = getattr(diffusers, name, None)
+    return klass if hasattr(klass, "load_lora_weights") else None
+
+
+def lora_supported(pipeline_cls: Any, model_path: str | None = None) -> bool:
+    """Whether the model's pipeline loads LoRA: a diffusers-based pipeline whose diffusers class has diffusers'
+    LoRA loader, or whose denoisers (in ``model_path``) take PEFT adapters themselves (diffusers'
+    ``PeftAdapterMixin``: a family diffusers ships no loader for still loads adapters in diffusers' own naming)."""
+    if diffusers_loader(pipeline_cls) is not None:
+        return True
+    return bool(getattr(pipeline_cls, "diffusers_class", "")) and denoisers_take_adapters(pipeline_cls, model_path)
+
+
+def denoisers_take_adapters(pipeline_cls: Any, model_path: str | None) -> bool:
+    """Whether the folder's denoiser components are diffusers models with the PEFT adapter mixin."""
+    import importlib
+
+    from omni_core.utils.diffusers_folder import library_module, read_model_index
+
+    index = (read_model_index(model_path) or {}) if model_path else {}
+    classes = []
+    for name in getattr(pipeline_cls, "denoiser_names", ("transformer",)):
+        entry = index.get(name)
+        module = library_module(entry[0]) if isinstance(entry, list) and len(entry) == 2 else None
+        if module is not None:
+            classes.append(getattr(importlib.import_module(module), entry[1], None))
+    if not classes:
+        return False
+    from diffusers.loaders.peft import PeftAdapterMixin
+
+    return all(isinstance(c, type) and issubclass(c, PeftAdapterMixin) for c in classes)
 
 
 def load_state_dict(path: str, pipeline_cls: Any) -> tuple[dict, dict | None]:
     """The adapter's state dict in diffusers' naming (``transformer.<module>.lora_A.weight``) and its metadata,
-    through the model's own ``lora_state_dict`` (which converts kohya and other formats)."""
-    import diffusers
+    through the model's own ``lora_state_dict`` (which converts kohya and other formats). A family diffusers has no
+    loader for takes diffusers' own naming as its models write it (``save_lora_adapter``: no component prefix;
+    ``save_lora_weights``: ``transformer.``; PEFT's ``base_model.model.``), read here."""
+    loader = diffusers_loader(pipeline_cls)
+    if loader is not None:
+        # DiT loaders return (state_dict, metadata); the UNet ones (SD, SDXL) also the kohya alphas in between
+        result = loader.lora_state_dict(path, return_lora_metadata=True)
+        return dict(result[0]), result[-1]
+    from safetensors import safe_open
 
-    loader = getattr(diffusers, pipeline_cls.diffusers_class)
-    # DiT loaders return (state_dict, metadata); the UNet ones (SD, SDXL) also the kohya network alphas in between
-    result = loader.lora_state_dict(path, return_lora_metadata=True)
-    state_dict, metadata = result[0], result[-1]
-    return dict(state_dict), metadata
+    with safe_open(path, framework="pt") as f:
+        state_dict = {k.removeprefix("base_model.model."): f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata() or {}
+    components = tuple(getattr(pipeline_cls, "denoiser_names", ("transformer",)))
+    if not any(k.split(".", 1)[0] in components for k in state_dict):
+        state_dict = {f"{components[0]}.{k}": v for k, v in state_dict.items()}
+    metadata = json.loads(meta["lora_adapter_metadata"]) if "lora_adapter_metadata" in meta else None
+    return state_dict, metadata
 
 
 def _model_modules(model_path: str, component: str) -> set[str] | None:
@@ -143,6 +183,10 @@ def inspect_lora(path: str, pipeline_cls: Any, field: str = "lora") -> LoraInfo:
         raise ConfigError(f"{field}: {path!r} is not a readable safetensors file ({exc})", field=field) from exc
     if any("lora_down" in k or k.startswith("lora_unet_") for k in raw):
         fmt = "kohya"
+        if diffusers_loader(pipeline_cls) is None:
+            raise ConfigError(f"{field}: {path!r} is a kohya-format LoRA; diffusers has no converter for "
+                              f"{getattr(pipeline_cls, 'diffusers_class', pipeline_cls)} (it takes adapters in "
+                              f"diffusers' own naming: lora_A/lora_B)", field=field)
     elif any("lora_A" in k or "lora.down" in k or "lora_B" in k for k in raw):
         fmt = "diffusers/peft"
     else:
@@ -197,10 +241,10 @@ def fit_problems(info: LoraInfo, model_path: str | None, denoisers: tuple[str, .
 def check_lora_file(lora: str, loras: Mapping[str, str], pipeline_cls: Any, model_path: str | None,
                     max_lora_rank: int, field: str = "lora") -> LoraInfo:
     """Resolve, read and check one adapter against the model (every refusal a ConfigError naming ``field``)."""
-    if not lora_supported(pipeline_cls):
+    if not lora_supported(pipeline_cls, model_path):
         raise ConfigError(f"{field}={lora!r}: model {getattr(pipeline_cls, '__name__', pipeline_cls)} does not "
-                          f"load LoRA adapters (only diffusers-based pipelines with diffusers' LoRA loader do)",
-                          field=field)
+                          f"load LoRA adapters (only diffusers-based pipelines with diffusers' LoRA loader, or whose "
+                          f"denoisers take PEFT adapters, do)", field=field)
     info = inspect_lora(resolve_lora_path(lora, loras, field), pipeline_cls, field)
     if info.rank > max_lora_rank:
         raise ConfigError(f"{field}={lora!r} has rank {info.rank}, above max_lora_rank={max_lora_rank} (start the "

@@ -54,6 +54,18 @@ class LoraManager:
         if region is not None:  # compile=True: the compiled blocks' entry prepares the rows (see PerRowLora)
             region.before_call.append(self.prepare_compiled)
 
+    @staticmethod
+    def serves(pipeline: Any) -> bool:
+        """Whether ``pipeline`` takes adapters: a diffusers-based one whose diffusers pipeline has the LoRA loader,
+        or whose denoisers have diffusers' PEFT mixin (a family diffusers ships no loader for)."""
+        pipe = getattr(pipeline, "pipe", None)
+        if not hasattr(pipeline, "experts") or pipe is None:
+            return False
+        if hasattr(pipe, "load_lora_weights"):
+            return True
+        names = [n for n in getattr(pipeline, "denoiser_names", ("transformer",)) if getattr(pipe, n, None) is not None]
+        return bool(names) and all(hasattr(getattr(pipe, n), "load_lora_adapter") for n in names)
+
     @property
     def diffusers_pipe(self) -> Any:
         return self.pipeline.pipe
@@ -99,7 +111,7 @@ class LoraManager:
                 return
             if not self.users.get(name):
                 with self._components_set_aside():
-                    self.diffusers_pipe.delete_adapters(name)
+                    self._delete_adapter(name)
                 del self.loaded[path]
                 self.users.pop(name, None)
                 logger.info("LoRA %s unloaded (LRU, max_loras=%d)", path, self.config.max_loras)
@@ -117,12 +129,40 @@ class LoraManager:
         # (int8) model detaches its weights, which a tensor subclass cannot do there ("Cannot set
         # version_counter for inference tensor")
         with self._components_set_aside(), torch.inference_mode(False):
-            self.diffusers_pipe.load_lora_weights(os.path.dirname(path), weight_name=os.path.basename(path),
-                                                  adapter_name=name)
+            self._load_adapter(path, name)
         self.loaded[path] = name
         self._patch_layers()
         logger.info("LoRA %s loaded as %s", path, name)
         return name
+
+    def _load_adapter(self, path: str, name: str) -> None:
+        """diffusers' pipeline loader where the family has one; else each denoiser's own PEFT mixin
+        (``load_lora_adapter``) with its part of the file in diffusers' naming (HunyuanVideo 1.5)."""
+        pipe = self.diffusers_pipe
+        if hasattr(pipe, "load_lora_weights"):
+            pipe.load_lora_weights(os.path.dirname(path), weight_name=os.path.basename(path), adapter_name=name)
+            return
+        from omni_core.lora.files import load_state_dict
+
+        state_dict, metadata = load_state_dict(path, type(self.pipeline))
+        for component in self._denoiser_components():
+            part = {k[len(component) + 1:]: v for k, v in state_dict.items() if k.startswith(f"{component}.")}
+            if part:
+                getattr(pipe, component).load_lora_adapter(part, prefix=None, adapter_name=name, metadata=metadata)
+
+    def _delete_adapter(self, name: str) -> None:
+        pipe = self.diffusers_pipe
+        if hasattr(pipe, "delete_adapters"):
+            pipe.delete_adapters(name)
+            return
+        for component in self._denoiser_components():
+            module = getattr(pipe, component)
+            if name in getattr(module, "peft_config", {}):
+                module.delete_adapters(name)
+
+    def _denoiser_components(self) -> list[str]:
+        names = getattr(self.pipeline, "denoiser_names", ("transformer",))
+        return [n for n in names if getattr(self.diffusers_pipe, n, None) is not None]
 
     def _components_set_aside(self):
         """diffusers re-applies group offloading around adapter loads and deletes by reassigning ``forward``;

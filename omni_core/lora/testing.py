@@ -40,6 +40,9 @@ def make_lora(model_path: str, out_dir: str, *, rank: int = 4, alpha: float | No
     os.makedirs(out_dir, exist_ok=True)
     meta = model.peft_config["default"].to_dict()  # keeps lora_alpha (else diffusers reads alpha = rank)
     meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
-    pipe_cls.save_lora_weights(out_dir, **{f"{component}_lora_layers": layers,
-                                           f"{component}_lora_adapter_metadata": meta})
+    if hasattr(pipe_cls, "save_lora_weights"):
+        pipe_cls.save_lora_weights(out_dir, **{f"{component}_lora_layers": layers,
+                                               f"{component}_lora_adapter_metadata": meta})
+    else:  # a family diffusers has no pipeline loader for (HunyuanVideo 1.5): the model's own file
+        model.save_lora_adapter(out_dir, weight_name="pytorch_lora_weights.safetensors")
     return os.path.join(out_dir, "pytorch_lora_weights.safetensors")

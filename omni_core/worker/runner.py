@@ -155,11 +155,10 @@ class ModelRunner(WeightOps, RankAgreement):
             raise ComponentUnavailableError(f"cache backend {name!r} cannot run here: {av.reason}") from av.error
         self.cache_backend = av.cls(self.config.cache_config)
         self.cache_backend.enable(self.pipeline)
-        self.lora = None  # LoRA adapters per request (omni_core.lora): diffusers-based pipelines only
-        if hasattr(self.pipeline, "experts") and hasattr(getattr(self.pipeline, "pipe", None), "load_lora_weights"):
-            from omni_core.lora.manager import LoraManager
+        from omni_core.lora.manager import LoraManager  # LoRA adapters per request: diffusers-based pipelines
 
-            self.lora = LoraManager(self.pipeline, self.config)
+        self.lora = LoraManager(self.pipeline, self.config) if LoraManager.serves(self.pipeline) else None
+        if self.lora is not None:
             self.lora.preload()
         from omni_core.optimize.components import model_bytes
 

@@ -5,7 +5,11 @@ thread) on the tiny text-to-video folder, with CFG on and two prompts of differe
 * **stages apart** (``encode_workers=1``, ``decode_workers=1``: both text encoders and the VAE in processes of their
   own; the contract's ``test_stages_apart_equal_in_line``, on this engine's in-line videos) give them bit for
   bit, and the model process holds neither text encoder nor the VAE;
-* **int8** weight-only quantization of the transformer: smaller, close to float32, not equal.
+* **int8** weight-only quantization of the transformer: smaller, close to float32, not equal;
+* **a LoRA per request**: diffusers has no LoRA loader for HunyuanVideo 1.5's pipelines, so the adapter (diffusers'
+  own naming, as the transformer's ``save_lora_adapter`` writes it) loads through the transformer's PEFT mixin; in
+  one wave the request with the adapter equals itself alone and moves away from no adapter, the other stays the
+  plain video.
 """
 
 from __future__ import annotations
@@ -70,3 +74,20 @@ def test_int8_shrinks_the_transformer_and_stays_close(hv_dir, plain):
     diff = max((g - w).abs().max().item() for g, w in zip(wave, plain["wave"]))
     print(f"int8 transformer {after['transformer']} of {before['transformer']} bytes, max |diff| {diff:.2e}")
     assert 0 < diff < 0.05
+
+
+def test_a_lora_per_request_through_the_transformers_own_adapter_loader(hv_dir, plain, tmp_path):
+    pytest.importorskip("peft")
+    from omni_core import Omni
+    from omni_core.lora.testing import make_lora
+
+    adapter = make_lora(hv_dir, str(tmp_path / "lora"), rank=4, seed=3, std=0.5, targets=("to_q", "to_k", "to_v"))
+    with_lora = SamplingParams(**FIELDS, lora=adapter)
+    with Omni(hv_dir, max_lora_rank=8, **ENGINE) as omni:
+        outs = omni.generate(PROMPTS, [with_lora, SamplingParams(**FIELDS)], use_tqdm=False)
+        (alone,) = omni.generate(PROMPTS[:1], with_lora, use_tqdm=False)
+    assert all(o.status == "completed" for o in [*outs, alone]), [o.error for o in [*outs, alone]]
+    mixed, plain_row, alone = (torch.stack([torch.as_tensor(f) for f in o.images[0]]) for o in [*outs, alone])
+    assert torch.equal(plain_row, plain["wave"][1])
+    assert (mixed - alone).abs().max() <= 1e-5
+    assert (mixed - plain["wave"][0]).abs().max() > 1e-2
