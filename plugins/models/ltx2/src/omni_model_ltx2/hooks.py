@@ -19,6 +19,7 @@ def omni_register_pipelines():
         size_multiple=32,  # the released VAE; a folder's own decide (size_rules)
         frame_multiple=8,
         size_rules="omni_model_ltx2.fields:size_rules",
+        fps_field="frame_rate",  # omni generate --fps / the servers' fps set it; files are written at it
     ), PipelineSpec(
         name="LTX2ImageToVideoPipeline",
         impl="omni_model_ltx2.i2v:LTX2ImageToVideoPipeline",
@@ -32,4 +33,5 @@ def omni_register_pipelines():
         size_multiple=32,
         frame_multiple=8,
         size_rules="omni_model_ltx2.fields:size_rules",
+        fps_field="frame_rate",  # omni generate --fps / the servers' fps set it; files are written at it
     )]

@@ -42,8 +42,6 @@ from omni_model_ltx2.fields import SAMPLING_FIELDS, size_rules
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024
-#: ``model_index.json`` libraries that are diffusers' own pipeline packages (``diffusers.pipelines.ltx2``)
-DIFFUSERS_PIPELINE_LIBRARIES = ("ltx2",)
 
 #: the transformer block's positional parameters (diffusers 0.42.1 ``LTX2VideoTransformerBlock.forward``)
 BLOCK_PARAMS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio_encoder_hidden_states",
@@ -135,73 +133,6 @@ class LTX2Pipeline(DiffusersStepPipeline):
         return cls.check_model_fields(params)
 
     # ------------------------------------------------------------------ worker process
-    @classmethod
-    def load(cls, model_path: str, config: Any = None, device: Any = "cpu", dtype: Any = None) -> LTX2Pipeline:
-        """The base's ``load`` with one difference, which is why it is restated here: an LTX-2 folder's
-        ``connectors`` and ``vocoder`` are modules of diffusers' own ``diffusers.pipelines.ltx2`` package, which
-        ``save_pretrained`` records as library ``"ltx2"`` (not remote code), so that library is allowed besides
-        diffusers and transformers. Everything else as the base (safetensors only, ``model_kwargs``, tensor
-        parallel's unread denoiser, attention installed inside ``use_config``)."""
-        import diffusers
-
-        from omni_core.distributed.sharded_load import meta_component, read_later
-        from omni_core.forward_context import use_config
-        from omni_core.pipelines.diffusers_folder import ALLOWED_LIBRARIES, check_model_index, dtype_kwarg
-
-        check_model_index(model_path, cls.diffusers_class, allowed=ALLOWED_LIBRARIES + DIFFUSERS_PIPELINE_LIBRARIES)
-        dtype = dtype or torch.float32
-        kwargs = dict(getattr(config, "model_kwargs", None) or {})
-        later = read_later(model_path, cls.denoiser_names, kwargs)
-        pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(
-            model_path, **dtype_kwarg(dtype), use_safetensors=True, **{n: None for n in later}, **kwargs)
-        pipe.set_progress_bar_config(disable=True)
-        device = torch.device(device)
-        pipe.to(device)
-        for name in later:
-            setattr(pipe, name, meta_component(model_path, name, dtype))
-        layers: list = []
-        with use_config(config) if config is not None else contextlib.nullcontext():
-            for name in cls.denoiser_names:
-                module = getattr(pipe, name, None)
-                if module is not None and not getattr(module, "omni_config_only", 0):
-                    layers += cls.install_attention(module, name)
-        return cls(pipe, device, dtype, layers)
-
-    @classmethod
-    def stage_load_kwargs(cls, model_path: str, stage: str, dtype: Any, apart: tuple = ("decode",)) -> dict:
-        """``from_pretrained`` keywords for one side of the stage split, as the core's
-        ``omni_core.pipelines.stages.diffusers_stage_kwargs`` makes them, restated because that helper imports a
-        ``model_index.json`` library by its name and LTX-2's ``connectors`` / ``vocoder`` are recorded as library
-        ``ltx2`` (diffusers' own ``diffusers.pipelines.ltx2``; see :meth:`load`). A diffusers model the side does
-        not need becomes a config-only stand-in, any other module is left out (None)."""
-        import importlib
-        import json
-        import os
-
-        from omni_core.pipelines.stages import DENOISE, config_only_component
-
-        with open(os.path.join(model_path, "model_index.json"), encoding="utf-8") as f:
-            index = json.load(f)
-        names = {k: tuple(v) for k, v in index.items() if not k.startswith("_") and isinstance(v, list)
-                 and len(v) == 2 and v[0] is not None}
-        components = cls.stage_components_for(model_path)
-        if stage == DENOISE:
-            skip = {n for s in apart for n in components.get(s, ())} - set(components.get(DENOISE, ()))
-        else:
-            skip = set(names) - set(components.get(stage, ()))
-        kwargs: dict = {}
-        for name in sorted(skip & set(names)):
-            library, class_name = names[name]
-            module = f"diffusers.pipelines.{library}" if library in DIFFUSERS_PIPELINE_LIBRARIES else library
-            klass = getattr(importlib.import_module(module), class_name, None)
-            if not (isinstance(klass, type) and issubclass(klass, torch.nn.Module)):
-                continue
-            kwargs[name] = (config_only_component(model_path, name, library, class_name, dtype)
-                            if library == "diffusers" and hasattr(klass, "load_config") else None)
-            if kwargs[name] is not None:
-                _stand_in_ratios(kwargs[name])
-        return kwargs
-
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, layers: list) -> None:
         super().__init__(pipe, device, dtype, layers)
         tr = pipe.transformer
@@ -511,21 +442,6 @@ class LTX2Pipeline(DiffusersStepPipeline):
         video = self.split_latents(state)[0][:1]
         frames, h, w = state.extra["latent_grid"]
         return self.pipe._unpack_latents(video, frames, h, w, *self.patch)[0]
-
-
-def _stand_in_ratios(module: Any) -> None:
-    """The compression ratios LTX-2's VAEs set in ``__init__`` (not in their configs), on a config-only stand-in:
-    diffusers' ``LTX2Pipeline.__init__`` reads them from both VAEs, on every side of the stage split."""
-    name, config = type(module).__name__, module.config
-    if name == "AutoencoderKLLTX2Video":
-        levels = sum(1 for s in config.spatio_temporal_scaling if s)
-        module.spatial_compression_ratio = config.get("spatial_compression_ratio") or config.patch_size * 2 ** levels
-        module.temporal_compression_ratio = (config.get("temporal_compression_ratio")
-                                             or config.patch_size_t * 2 ** levels)
-    elif name == "AutoencoderKLLTX2Audio":
-        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
-
-        module.temporal_compression_ratio = module.mel_compression_ratio = LATENT_DOWNSAMPLE_FACTOR
 
 
 def _modulated_input(module: Any, block: Any, args: dict) -> torch.Tensor:
