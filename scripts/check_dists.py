@@ -210,7 +210,8 @@ def check(name: str, folder: Path, wheels: dict[str, Path], uv: str, work: Path,
 #: the distributions whose tests take longest (seconds on the 2-core CI machine, 2026-12-06: executor-ray 148,
 #: model-diffusers 102, model-shapes 97; the rest 1-40): started first, so ``--jobs`` workers end together instead of
 #: one of them starting a long one last (366-380 s in listed order; the longest-first order packs the same work)
-LONGEST = ("omni-executor-ray", "omni-model-diffusers", "omni-model-shapes", "omni-cache-dit", "omni-model-qwen-image",
+LONGEST = ("omni-executor-ray", "omni-model-diffusers", "omni-model-hunyuan-video15", "omni-model-ltx2",
+           "omni-model-flux2", "omni-model-qwen-image21", "omni-model-shapes", "omni-cache-dit", "omni-model-qwen-image",
            "omni-cache-teacache")
 
 
