@@ -55,6 +55,18 @@ SIDE_INPUTS = ("encoder_hidden_states", "audio_encoder_hidden_states", "temb", "
                "audio_encoder_attention_mask")
 
 
+#: TeaCache: no LTX-2 polynomial is published. These are fitted by ``omni_cache_teacache.calibrate.collect`` (what
+#: ``omni cache calibrate`` runs) on the tiny test folder (8 prompts, 20 steps, CFG 3 with STG and modality off,
+#: 32x32x9; 304 step pairs, input changes 0.034-0.094, R^2 0.15: the random tiny model's output change follows its
+#: input's loosely): what the tests run on. Calibrate a released folder before relying on them (``omni cache
+#: calibrate --model <folder> --write`` stores its own in the folder's cache_defaults.json, which overrides these).
+TEACACHE_COEFFICIENTS = (-547698.5803901741, 137990.21576726847, -12624.24895114439, 497.275579954105,
+                         -6.922225612930497)
+TEACACHE_DEFAULTS = {"coefficients": TEACACHE_COEFFICIENTS, "rel_l1_thresh": 0.3, "warmup_steps": 1}
+#: cache_dit: first block computed, the rest reused while the residual change stays under the threshold
+CACHE_DIT_DEFAULTS = {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}
+
+
 def _guidance_defaults(sp: SamplingParams) -> dict:
     """The request's guidance knobs as diffusers' ``__call__`` resolves them (an audio knob unset or 0 takes the
     video one's value: diffusers' ``audio_guidance_scale or guidance_scale``)."""
@@ -160,7 +172,8 @@ class LTX2Pipeline(DiffusersStepPipeline):
                         "video_coords", "audio_coords", "perturbation_mask"),
             # the video stream after block 0's timestep modulation (the first 6 modulation rows' shift/scale)
             modulated_input=_modulated_input,
-            num_heads=model.config.num_attention_heads, tp_plan=tp_plan(model))]
+            num_heads=model.config.num_attention_heads, tp_plan=tp_plan(model),
+            cache_defaults={"tea_cache": TEACACHE_DEFAULTS, "cache_dit": CACHE_DIT_DEFAULTS})]
 
     # -- text
     def text_keys(self, state: StepState) -> list:
