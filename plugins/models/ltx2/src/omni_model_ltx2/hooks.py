@@ -11,7 +11,7 @@ def omni_register_pipelines():
         name="LTX2Pipeline",
         impl="omni_model_ltx2.pipeline:LTX2Pipeline",
         requires=("torch", "diffusers", "transformers"),
-        supported_parallel=(),
+        supported_parallel=("cfg",),  # the guidance branches over two ranks
         description="LTX-2 text-to-video with its audio track; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
         is_video=True,
@@ -25,7 +25,7 @@ def omni_register_pipelines():
         impl="omni_model_ltx2.i2v:LTX2ImageToVideoPipeline",
         # av: diffusers re-compresses the input image as H.264 (image_crf) with PyAV
         requires=("torch", "diffusers", "transformers", "av"),
-        supported_parallel=(),
+        supported_parallel=("cfg",),  # the guidance branches over two ranks
         description="LTX-2 image-to-video with its audio track; request batching and step-wise",
         sampling_fields=I2V_SAMPLING_FIELDS,
         is_video=True,

@@ -67,6 +67,10 @@ TEACACHE_DEFAULTS = {"coefficients": TEACACHE_COEFFICIENTS, "rel_l1_thresh": 0.3
 CACHE_DIT_DEFAULTS = {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}
 
 
+#: the guidance branches besides ``cond``, in row order, and the state flag that turns each on
+BRANCH_FLAGS = (("uncond", "do_cfg"), ("stg", "do_stg"), ("modality", "do_modality"))
+
+
 def _guidance_defaults(sp: SamplingParams) -> dict:
     """The request's guidance knobs as diffusers' ``__call__`` resolves them (an audio knob unset or 0 takes the
     video one's value: diffusers' ``audio_guidance_scale or guidance_scale``)."""
@@ -114,6 +118,8 @@ class LTX2Pipeline(DiffusersStepPipeline):
     #: the joined video+audio state is stepped by the flow step; a rollout's SDE noise over it is not diffusers'
     supports_rollout: ClassVar[bool] = False
     fast_vae_convs: ClassVar[bool] = False  # LTX-2's VAE is not a causal-Conv3d Wan VAE
+    #: the guidance branches over cfg ranks (:meth:`_branches_over_ranks`); no sequence-parallel plan (README)
+    supported_parallel: ClassVar[tuple[str, ...]] = ("cfg",)
 
     # ------------------------------------------------------------------ engine process
     @classmethod
@@ -300,15 +306,51 @@ class LTX2Pipeline(DiffusersStepPipeline):
         """ONE transformer call for the group: every request's conditional rows, then the guided ones'
         unconditional rows, the STG rows (``perturbation_mask`` 0: the ``stg_block`` self-attentions skip to
         their values, as diffusers' separate STG pass with every row perturbed) and the modality-isolation rows
-        (their audio-video cross-attentions zeroed: diffusers' ``isolate_modalities``) of those that use them."""
-        segments = [(s, "cond") for s in group]
-        for branch, flag in (("uncond", "do_cfg"), ("stg", "do_stg"), ("modality", "do_modality")):
-            segments += [(s, branch) for s in group if s.extra[flag]]
+        (their audio-video cross-attentions zeroed: diffusers' ``isolate_modalities``) of those that use them.
+        With a cfg group of two ranks, see :meth:`_branches_over_ranks`."""
+        from omni_core.distributed import get_cfg_group
+
         preds: dict[tuple, tuple] = {}
-        for (s, b), pred in zip(segments, self.run_segments("transformer", segments)):
-            preds[(id(s), b)] = pred
+        if get_cfg_group().world_size == 1:
+            segments = [(s, "cond") for s in group]
+            for branch, flag in BRANCH_FLAGS:
+                segments += [(s, branch) for s in group if s.extra[flag]]
+            for (s, b), pred in zip(segments, self.run_segments("transformer", segments)):
+                preds[(id(s), b)] = pred
+        else:
+            preds = self._branches_over_ranks(group)
         return [self.guide(s, preds[(id(s), "cond")], preds.get((id(s), "uncond")), preds.get((id(s), "stg")),
                            preds.get((id(s), "modality"))) for s in group]
+
+    def _branches_over_ranks(self, group: list[StepState]) -> dict[tuple, tuple]:
+        """CFG parallel: the requests with the same guidance branches (cond, and uncond / STG / modality as each
+        uses them) have one call per branch, spread round-robin over the cfg ranks (``parallel_branches``:
+        cond and STG on rank 0, uncond and modality on rank 1 for diffusers' defaults) and all-gathered as
+        joined video+audio velocities; a set with one branch (no guidance) runs on every rank."""
+        from omni_core.distributed.cfg_parallel import parallel_branches
+
+        sets: dict[tuple, list[StepState]] = {}
+        for s in group:
+            sets.setdefault(("cond",) + tuple(b for b, f in BRANCH_FLAGS if s.extra[f]), []).append(s)
+        preds: dict[tuple, tuple] = {}
+        for names, members in sets.items():
+            if len(names) == 1:
+                outs = [self.run_segments("transformer", [(s, "cond") for s in members])]
+            else:
+                joined = parallel_branches([lambda b=b: self._joined([(s, b) for s in members]) for b in names])
+                outs = [self._unjoined(j, members) for j in joined]
+            for b, per in zip(names, outs):
+                preds.update({(id(s), b): p for s, p in zip(members, per)})
+        return preds
+
+    def _joined(self, segments: list[tuple[StepState, str]]) -> torch.Tensor:
+        """One call over ``segments``: its (video, audio) predictions as one ``[rows, S_v*C_v + S_a*C_a]``."""
+        return torch.cat([torch.cat([v.flatten(1), a.flatten(1)], dim=1)
+                          for v, a in self.run_segments("transformer", segments)])
+
+    def _unjoined(self, joined: torch.Tensor, states: list[StepState]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rows = [s.latents.shape[0] for s in states]
+        return [self.split_latents(s, part) for s, part in zip(states, joined.split(rows))]
 
     def guide(self, state: StepState, cond: tuple, uncond: tuple | None, stg: tuple | None,
               mod: tuple | None) -> torch.Tensor:

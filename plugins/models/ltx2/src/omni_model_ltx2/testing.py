@@ -114,3 +114,65 @@ def build_tiny_ltx2_i2v(path: str | os.PathLike, num_layers: int = 2, num_heads:
     """Save a tiny random ``LTX2ImageToVideoPipeline`` folder (the same components); returns the folder."""
     components = tiny_ltx2_components(num_layers, num_heads)
     return _save("LTX2ImageToVideoPipeline", components, path)
+
+
+def parallel_outputs(folder: str, configs: dict[str, dict], requests: list[dict], admit_at: list[int],
+                     world_size: int = 2) -> dict[str, tuple[list, list, int]]:
+    """Run ``requests`` (dicts: ``prompt``, optional ``negative_prompt``, ``seed`` and SamplingParams fields) under
+    each parallel config of ``configs`` in ONE group of ``world_size`` gloo processes (forked: one start serves
+    every config): per config the pipeline is loaded through the real loader with that config's parallel state
+    and the requests run in step mode, admitted at ``admit_at``. Returns ``{config name: (rank 0's video
+    tensors, its waveforms, bytes rank 0 sent)}``."""
+    import socket
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.pt")
+        mp.start_processes(_parallel_worker, args=(world_size, port, folder, configs, requests, admit_at, out),
+                           nprocs=world_size, start_method="fork", join=True)
+        return torch.load(out)
+
+
+def _parallel_worker(rank: int, world_size: int, port: int, folder: str, configs: dict, requests: list,
+                     admit_at: list, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from omni_core.config import OmniDiffusionConfig
+    from omni_core.distributed import (communication_stats, destroy_parallel_state, init_parallel_state,
+                                       reset_communication_stats)
+    from omni_core.pipelines import load_pipeline, resolve_model
+    from omni_core.testing import make_state, run_step_batch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    results = {}
+    try:
+        for name, pc in configs.items():
+            init_parallel_state(pc, rank, world_size)
+            try:
+                config = OmniDiffusionConfig(model=folder, dtype="float32", parallel_config=pc)
+                pipeline = load_pipeline(resolve_model(folder), config, "cpu", torch.float32)
+                reset_communication_stats()
+                states = []
+                for spec in requests:
+                    spec = dict(spec)
+                    prompt, negative = spec.pop("prompt"), spec.pop("negative_prompt", None)
+                    states.append(make_state(pipeline, prompt, negative_prompt=negative, model_path=folder, **spec))
+                with torch.inference_mode():
+                    outs = run_step_batch(pipeline, states, admit_at=admit_at)
+                results[name] = ([o.tensor for o in outs], [o.audio for o in outs],
+                                 communication_stats()["total"])
+            finally:
+                destroy_parallel_state()
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
