@@ -11,6 +11,9 @@ import torch
 
 from omni_core.testing import enabled_cache_backend, make_state, output_tensors
 
+#: one worker under ``pytest -n``: the module's uncached run is made once for both backends
+pytestmark = pytest.mark.xdist_group("flux2-caches")
+
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
 STEPS = 20
 

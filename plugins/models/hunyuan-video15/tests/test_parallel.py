@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.dist
+#: one worker under ``pytest -n``: the module's two-rank job runs once for its four cases, not once per worker
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("hunyuan-video15-parallel")]
 
 LAYOUTS = {"ulysses2": {"ulysses_degree": 2}, "ring2": {"ring_degree": 2}, "cfg2": {"cfg_parallel_size": 2},
            "tp2": {"tensor_parallel_size": 2}}
