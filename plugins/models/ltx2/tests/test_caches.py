@@ -1,6 +1,6 @@
 """Both cache backends work on LTX-2 by its DenoiserSpec alone (two carried streams, video and audio): with the
-shipped defaults (``TEACACHE_DEFAULTS`` fitted on this tiny folder, ``CACHE_DIT_DEFAULTS``), fewer evaluations of
-the last block and >= 30 dB PSNR of the video against uncached, for a wave of three requests with CFG (STG and
+shipped defaults (``omni_model_ltx2.denoiser``: ``TEACACHE_DEFAULTS`` fitted on this tiny folder,
+``CACHE_DIT_DEFAULTS``), fewer evaluations of the last block and >= 30 dB PSNR of the video against uncached, for a wave of three requests with CFG (STG and
 modality rows off: see the README's "Not done") over 12 steps."""
 
 from __future__ import annotations
