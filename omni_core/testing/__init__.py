@@ -84,6 +84,19 @@ def pytest_configure(config: pytest.Config) -> None:
     # registered here too, so plugin packages outside this repository can use the markers without config
     for line in _MARKERS:
         config.addinivalue_line("markers", line)
+    _one_thread_per_process()
+
+
+def _one_thread_per_process() -> None:
+    """torch at ``OMNI_TEST_THREADS`` threads (default 1) in the test process and in the processes its tests start
+    (``OMP_NUM_THREADS``, unless set): tests run beside others (``pytest -n``, ``check_dists``' jobs), and an OpenMP
+    team of two on a busy 2-core machine spins -- the shapes evaluator's check took 55-58 s at two threads against
+    14-16 s at one, beside a test run. An engine's own ``cpu_threads`` still sets its processes' count."""
+    threads = os.environ.get("OMNI_TEST_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(int(threads))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
