@@ -26,14 +26,21 @@ _forward: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar
 BRANCHES = ("cond", "uncond")
 
 
+def _check_branch(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise ValueError(f"RowGroup.branch must be a name: {', '.join(BRANCHES)} or a model's own guidance row "
+                         f"(LTX-2's 'stg', 'modality'), got {value!r}")
+
+
 @attrs.frozen
 class RowGroup:
-    """Consecutive rows of one denoiser call that belong to one request and one CFG branch."""
+    """Consecutive rows of one denoiser call that belong to one request and one guidance branch: CFG's ``cond`` and
+    ``uncond``, or a model's own (LTX-2's ``stg`` and ``modality`` rows), so a cache keeps each branch's state apart."""
 
     #: the request's ``StepState`` (None for a caller that is not a pipeline, e.g. a calibration probe)
     state: Any
     rows: int
-    branch: str = attrs.field(default="cond", validator=attrs.validators.in_(BRANCHES))
+    branch: str = attrs.field(default="cond", validator=_check_branch)
 
 
 @attrs.frozen

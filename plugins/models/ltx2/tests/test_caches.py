@@ -1,7 +1,8 @@
 """Both cache backends work on LTX-2 by its DenoiserSpec alone (two carried streams, video and audio): with the
 shipped defaults (``omni_model_ltx2.denoiser``: ``TEACACHE_DEFAULTS`` fitted on this tiny folder,
-``CACHE_DIT_DEFAULTS``), fewer evaluations of the last block and >= 30 dB PSNR of the video against uncached, for a wave of three requests with CFG (STG and
-modality rows off: see the README's "Not done") over 12 steps."""
+``CACHE_DIT_DEFAULTS``), fewer evaluations of the last block and >= 30 dB PSNR of the video against uncached, for
+a wave of three requests with CFG and STG rows (each branch's cache state apart: ``RowGroup.branch``; modality rows
+off: see the README's "Not done") over 12 steps."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from omni_core.testing import enabled_cache_backend, make_state, run_request_bat
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", 'a sign that reads "OPEN"']
 STEPS = 12
-GUIDANCE = {"guidance_scale": 3.0, "audio_guidance_scale": 5.0, "stg_scale": 0.0, "audio_stg_scale": 0.0,
+GUIDANCE = {"guidance_scale": 3.0, "audio_guidance_scale": 5.0, "stg_scale": 1.0, "audio_stg_scale": 1.0,
             "modality_scale": 1.0, "audio_modality_scale": 1.0}
 
 
@@ -59,7 +60,7 @@ def test_cache_skips_evaluations_and_stays_close(omni_ltx2, uncached, backend):
     if backend not in get_plugin_manager().components("cache"):
         pytest.skip(f"cache backend {backend!r} is not installed")
     plain, plain_audio, plain_rows = uncached
-    assert plain_rows == 2 * len(PROMPTS) * STEPS  # cond and uncond rows, every step
+    assert plain_rows == 3 * len(PROMPTS) * STEPS  # cond, uncond and STG rows, every step
     cached, audio, rows = counted(omni_ltx2, backend)
     assert rows < plain_rows, f"{backend} computed every row"
     dbs = [psnr(a, b) for a, b in zip(plain, cached)]

@@ -385,9 +385,9 @@ class LTX2Pipeline(DiffusersStepPipeline):
         names = set(branches)
         context = names.pop() if len(names) == 1 else "+".join(sorted(set(branches)))
         cache_context = getattr(module, "cache_context", None)
-        # the STG and modality rows are conditional passes (the prompt, perturbed): "cond" to the typed call
-        # context, which knows two branches; diffusers' cache context names the mix
-        with use_denoise_call([(s, r, "uncond" if b == "uncond" else "cond") for (s, b), r in zip(segments, rows)],
+        # every row under its own branch (a cache keeps the STG and modality rows' state apart from cond's);
+        # diffusers' cache context names the mix
+        with use_denoise_call([(s, r, b) for (s, b), r in zip(segments, rows)],
                               expert=expert, text_mask=kwargs["encoder_attention_mask"]), \
                 (cache_context(context) if cache_context is not None else contextlib.nullcontext()), \
                 cross_modal_rows(keep):
