@@ -14,17 +14,20 @@ in a plain loop (TeaCache reuses one residual for all of them; cache-dit stands 
   text in front of the image and splits it off again around each block (cat and slice are exact, so the result is
   diffusers' bit for bit);
 * :func:`omni_forward` is diffusers' forward without the KV-cache branches (which Omni never uses; a call that
-  asks for them goes to diffusers' own forward) with the two block loops as one loop over the wrappers.
+  asks for them goes to diffusers' own forward) with the two block loops as one loop over the wrappers; it runs as
+  a ``kernel``-stage hook in the core's registry (:mod:`omni_core.hooks`), so caches, offload and diffusers' own
+  hooks compose with it as with any forward.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
+#: the registry name of the one-loop forward on the transformer
+HOOK = "flux2.one_block_loop"
 #: the wrappers' call (``DenoiserSpec.block_params``)
 BLOCK_PARAMS = ("hidden_states", "encoder_hidden_states", "temb_mod_img", "temb_mod_txt", "temb_mod_single",
                 "image_rotary_emb", "joint_attention_kwargs")
@@ -69,16 +72,17 @@ class SingleStream(nn.Module):
         return joint[:, :txt], joint[:, txt:]
 
 
-def omni_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+def omni_forward(self, below: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                  timestep: torch.Tensor = None, img_ids: torch.Tensor = None, txt_ids: torch.Tensor = None,
                  guidance: torch.Tensor = None, joint_attention_kwargs: dict[str, Any] | None = None,
                  return_dict: bool = True, **kv_cache: Any) -> Any:
-    """diffusers' ``Flux2Transformer2DModel.forward`` (0.42) without its KV-cache mode, the blocks in one loop."""
+    """diffusers' ``Flux2Transformer2DModel.forward`` (0.42) without its KV-cache mode, the blocks in one loop;
+    ``below``: the module's own forward (the KV-cache calls)."""
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
     if any(v not in (None, 0, 0.0) for v in kv_cache.values()):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance,
-                                  joint_attention_kwargs, return_dict, **kv_cache)
+        return below(hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance,
+                     joint_attention_kwargs, return_dict, **kv_cache)
     timestep = timestep.to(hidden_states.dtype) * 1000
     if guidance is not None:
         guidance = guidance.to(hidden_states.dtype) * 1000
@@ -102,11 +106,16 @@ def omni_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch
 
 def install_block_list(transformer: nn.Module) -> list[nn.Module]:
     """Put the wrappers on ``transformer`` (``omni_blocks``, double- then single-stream) and route its forward
-    through :func:`omni_forward` (with diffusers' LoRA-scale decorator, as its own forward has)."""
+    through :func:`omni_forward` (with diffusers' LoRA-scale decorator, as its own forward has), a ``kernel``-stage
+    hook of the core's registry."""
     from diffusers.utils.peft_utils import apply_lora_scale
+
+    from omni_core.hooks import STAGES, FunctionHook, add_hook
 
     blocks = [DoubleStream(b) for b in transformer.transformer_blocks]
     blocks += [SingleStream(b) for b in transformer.single_transformer_blocks]
     object.__setattr__(transformer, BLOCKS_ATTR, blocks)
-    transformer.forward = types.MethodType(apply_lora_scale("joint_attention_kwargs")(omni_forward), transformer)
+    forward = apply_lora_scale("joint_attention_kwargs")(omni_forward)
+    add_hook(transformer, HOOK, FunctionHook(lambda below, *args, **kwargs: forward(transformer, below, *args, **kwargs),
+                                             order=STAGES["kernel"]))
     return blocks
