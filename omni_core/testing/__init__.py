@@ -51,11 +51,12 @@ import pytest
 
 from omni_core.testing.attention import AttentionBackendContract, reference_attention
 from omni_core.testing.driver import (enabled_cache_backend, make_state, make_states, output_tensors,
-                                     run_request_batch, run_step_batch)
+                                     outputs_and_rows, psnr, run_request_batch, run_step_batch)
 from omni_core.utils.lazy import lazy_dir, lazy_exports
 
 __all__ = ["AttentionBackendContract", "DiffusersParityContract", "PipelineContract", "enabled_cache_backend",
            "levels_apart", "load_model", "load_reference", "make_state", "make_states", "output_tensors",
+           "outputs_and_rows", "psnr",
            "reference_attention", "run_request_batch", "run_step_batch", "tiny_model_fixtures", "wait_for",
            "abort_after_steps", "sse_events", "PlatformContract"]
 

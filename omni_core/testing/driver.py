@@ -135,5 +135,32 @@ def enabled_cache_backend(name: str, pipeline: Any, **config: Any) -> Iterator[A
             backend.disable(pipeline)
 
 
-__all__ = ["enabled_cache_backend", "make_state", "make_states", "output_tensors", "run_request_batch",
-           "run_step_batch"]
+def psnr(a: Any, b: Any, peak: float = 1.0) -> float:
+    """Peak signal-to-noise ratio (dB) of ``b`` against ``a`` (inf when equal): how close a cached run stays."""
+    import math
+
+    mse = float(((a.float() - b.float()) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(peak ** 2 / mse)
+
+
+def outputs_and_rows(pipeline: Any, states: Sequence[Any], counted: Any, backend: str | None = None) -> tuple[list, int]:
+    """Each state's output tensor (one request batch, with the cache backend ``backend`` enabled if given) and the
+    rows the module ``counted`` computed: a cache wraps the blocks' forward, so a module inside the last block (its
+    attention, its feed-forward) counts only the rows really computed, not the skipped calls."""
+    rows: list[int] = []
+
+    def count(module: Any, args: tuple, kwargs: dict) -> None:
+        rows.append((args[0] if args else kwargs["hidden_states"]).shape[0])
+
+    hook = counted.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        if backend is None:
+            return output_tensors(pipeline, states), sum(rows)
+        with enabled_cache_backend(backend, pipeline) as b:
+            return output_tensors(pipeline, states, b), sum(rows)
+    finally:
+        hook.remove()
+
+
+__all__ = ["enabled_cache_backend", "make_state", "make_states", "output_tensors", "outputs_and_rows", "psnr",
+           "run_request_batch", "run_step_batch"]

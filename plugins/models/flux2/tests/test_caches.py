@@ -4,12 +4,9 @@ of four [klein] requests with CFG over 20 steps."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
-from omni_core.testing import enabled_cache_backend, make_state, output_tensors
+from omni_core.testing import make_state, outputs_and_rows, psnr
 
 #: one worker under ``pytest -n``: the module's uncached run is made once for both backends
 pytestmark = pytest.mark.xdist_group("flux2-caches")
@@ -24,27 +21,13 @@ def states(pipeline):
 
 
 def counted(pipeline, backend):
-    """(outputs, rows the last real block computed)."""
-    rows = []
-    hook = pipeline.transformer.single_transformer_blocks[-1].register_forward_pre_hook(
-        lambda m, a, kw: rows.append(kw["hidden_states"].shape[0]), with_kwargs=True)
-    try:
-        if backend is None:
-            return output_tensors(pipeline, states(pipeline)), sum(rows)
-        with enabled_cache_backend(backend, pipeline) as b:
-            return output_tensors(pipeline, states(pipeline), b), sum(rows)
-    finally:
-        hook.remove()
+    """(outputs, rows the last block computed)."""
+    return outputs_and_rows(pipeline, states(pipeline), pipeline.transformer.single_transformer_blocks[-1], backend)
 
 
 @pytest.fixture(scope="module")
 def uncached(omni_klein):
     return counted(omni_klein, None)
-
-
-def psnr(a, b):
-    mse = float(((a - b) ** 2).mean())
-    return math.inf if mse == 0 else -10 * math.log10(mse)
 
 
 @pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])

@@ -4,11 +4,9 @@ uncached, for a batch of three text-to-video requests with CFG over 16 steps."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from omni_core.testing import enabled_cache_backend, make_state, output_tensors
+from omni_core.testing import make_state, outputs_and_rows, psnr
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", 'a sign that reads "OPEN"']
 STEPS = 16
@@ -20,28 +18,13 @@ def states(pipeline):
 
 
 def counted(pipeline, backend):
-    """(outputs, rows the last block's video MLP computed: the caches wrap the blocks' forward, so a hook on the
-    block itself would count skipped calls too)."""
-    rows = []
-    hook = pipeline.pipe.transformer.transformer_blocks[-1].ff.register_forward_pre_hook(
-        lambda m, a: rows.append(a[0].shape[0]))
-    try:
-        if backend is None:
-            return output_tensors(pipeline, states(pipeline)), sum(rows)
-        with enabled_cache_backend(backend, pipeline) as b:
-            return output_tensors(pipeline, states(pipeline), b), sum(rows)
-    finally:
-        hook.remove()
+    """(outputs, rows the last block computed)."""
+    return outputs_and_rows(pipeline, states(pipeline), pipeline.pipe.transformer.transformer_blocks[-1].ff, backend)
 
 
 @pytest.fixture(scope="module")
 def uncached(omni_hv):
     return counted(omni_hv, None)
-
-
-def psnr(a, b):
-    mse = float(((a - b) ** 2).mean())
-    return math.inf if mse == 0 else -10 * math.log10(mse)
 
 
 @pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])

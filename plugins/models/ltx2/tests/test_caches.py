@@ -6,11 +6,9 @@ off: see the README's "Not done") over 12 steps."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from omni_core.testing import enabled_cache_backend, make_state, run_request_batch
+from omni_core.testing import enabled_cache_backend, make_state, psnr, run_request_batch
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", 'a sign that reads "OPEN"']
 STEPS = 12
@@ -46,11 +44,6 @@ def counted(pipeline, backend):
 @pytest.fixture(scope="module")
 def uncached(omni_ltx2):
     return counted(omni_ltx2, None)
-
-
-def psnr(a, b, peak=1.0):
-    mse = float(((a.float() - b.float()) ** 2).mean())
-    return math.inf if mse == 0 else 10 * math.log10(peak ** 2 / mse)
 
 
 @pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])

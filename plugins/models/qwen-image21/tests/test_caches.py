@@ -4,11 +4,9 @@ PSNR against uncached, for a batch of four requests with CFG over 20 steps."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from omni_core.testing import enabled_cache_backend, make_state, output_tensors
+from omni_core.testing import make_state, outputs_and_rows, psnr
 
 PROMPTS = ["a red fox jumps over a lazy dog", "a cat", "an astronaut rides a horse on the moon", "two ships"]
 STEPS = 20
@@ -20,28 +18,13 @@ def states(pipeline):
 
 
 def counted(pipeline, backend):
-    """(outputs, rows the last block's attention computed: cache_dit wraps the blocks, so their own pre-hooks
-    fire on reused steps too)."""
-    rows = []
-    hook = pipeline.transformer.transformer_blocks[-1].attn.register_forward_pre_hook(
-        lambda m, a, kw: rows.append((a[0] if a else kw["hidden_states"]).shape[0]), with_kwargs=True)
-    try:
-        if backend is None:
-            return output_tensors(pipeline, states(pipeline)), sum(rows)
-        with enabled_cache_backend(backend, pipeline) as b:
-            return output_tensors(pipeline, states(pipeline), b), sum(rows)
-    finally:
-        hook.remove()
+    """(outputs, rows the last block computed)."""
+    return outputs_and_rows(pipeline, states(pipeline), pipeline.transformer.transformer_blocks[-1].attn, backend)
 
 
 @pytest.fixture(scope="module")
 def uncached(omni_q21):
     return counted(omni_q21, None)
-
-
-def psnr(a, b):
-    mse = float(((a - b) ** 2).mean())
-    return math.inf if mse == 0 else -10 * math.log10(mse)
 
 
 @pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])
