@@ -48,11 +48,13 @@ class Attention(nn.Module):
     ``device``, else the config's dtype on the config's platform), and can be changed later with
     :meth:`set_backend`.
     Sequence-parallel strategies apply inside a sharded region unless ``skip_sequence_parallel``.
+    ``replicated_queries``: the queries are whole on every rank while the keys/values are the region's sharded
+    tokens (LTX-2's audio attending to its video): the strategy brings every key to the queries' heads.
     """
 
     def __init__(self, num_heads: int, head_size: int, *, causal: bool = False, softmax_scale: float | None = None,
                  num_kv_heads: int | None = None, role: str = "self", role_category: str | None = None,
-                 prefix: str = "", skip_sequence_parallel: bool = False,
+                 prefix: str = "", skip_sequence_parallel: bool = False, replicated_queries: bool = False,
                  attention_config: AttentionConfig | None = None, dtype: Any = None, device: Any = None) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -64,6 +66,7 @@ class Attention(nn.Module):
         self.role_category = role_category
         self.prefix = prefix
         self.skip_sequence_parallel = skip_sequence_parallel
+        self.replicated_queries = replicated_queries
         cfg = current_config()
         if attention_config is None:
             attention_config = getattr(cfg, "attention_config", None)

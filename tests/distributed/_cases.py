@@ -43,6 +43,9 @@ ATTN_CASES = [
     ("joint back T=5 S=30", 30, 8, 8, 5, "back", False, False, "joint"),
     ("self token mask S=37", 37, 8, 8, 0, "front", False, True, "self"),
     ("cross S=37 text mask", 37, 8, 8, 9, "front", True, False, "cross"),
+    # queries whole on every rank (text_len of them) over the sharded keys: LTX-2's audio attending to its video
+    ("replicated queries L=9 over S=37", 37, 8, 4, 9, "front", False, False, "replicated"),
+    ("replicated queries L=5 over S=30 token mask", 30, 8, 8, 5, "front", False, True, "replicated"),
 ]
 
 
@@ -50,7 +53,7 @@ def attention_case(case, parallel: bool) -> torch.Tensor:
     name, seq, heads, kv_heads, text, side, text_mask, token_mask, role = case
     batch, head_dim = 2, 16
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    layer = Attention(heads, head_dim, num_kv_heads=kv_heads, role=role)
+    layer = Attention(heads, head_dim, num_kv_heads=kv_heads, role=role, replicated_queries=role == "replicated")
 
     def rnd(n, h):
         return torch.randn(batch, n, h, head_dim, generator=g)
@@ -67,6 +70,12 @@ def attention_case(case, parallel: bool) -> torch.Tensor:
         with sequence_parallel_region() as region:
             out = layer(region.shard(q_img), kt, vt, tm)
             return region.gather(out)
+    if role == "replicated":
+        q = rnd(text, heads)
+        if not parallel:
+            return layer(q, k_img, v_img, im if token_mask else None)
+        with sequence_parallel_region() as region:
+            return layer(q, region.shard(k_img), region.shard(v_img), region.shard(im) if token_mask else None)
     q_txt, k_txt, v_txt = (rnd(text, heads), rnd(text, kv_heads), rnd(text, kv_heads)) if text else (None,) * 3
     use_mask = text_mask or token_mask
     if not parallel:

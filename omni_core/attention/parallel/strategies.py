@@ -18,7 +18,10 @@ Padding keys never receive attention weight: they sit at the end of the global s
 knows its own mask. Causal attention and general 4-D masks are refused under sequence parallelism.
 
 A layer whose ``role`` or ``role_category`` is ``"cross"`` (queries sharded, keys/values replicated) runs
-locally with no communication; so does any layer with ``skip_sequence_parallel=True``.
+locally with no communication; so does any layer with ``skip_sequence_parallel=True``. The other way round, a
+layer with ``replicated_queries=True`` (queries whole on every rank, keys/values the sharded tokens, as LTX-2's
+audio attending to its video) takes the path joint attention's text queries take: each rank its slice of the
+heads, the keys' tokens brought by Ulysses' all-to-all and the ring, the output's head slices all-gathered.
 """
 
 from __future__ import annotations
@@ -133,6 +136,15 @@ def _key_padding_mask(mask: Any, batch: int, seq_k: int) -> torch.Tensor | None:
     return keep
 
 
+def _ulysses_heads(layer: Any, q: torch.Tensor, k: torch.Tensor, u_size: int) -> tuple[int, int]:
+    """(heads, key/value heads) of a call, which the Ulysses degree must divide."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % u_size or kv_heads % u_size:
+        raise ValueError(f"Ulysses degree {u_size} must divide the number of attention heads ({heads}) and "
+                         f"key/value heads ({kv_heads}) of layer {getattr(layer, 'prefix', '')!r}")
+    return heads, kv_heads
+
+
 class SequenceParallelAttention:
     """Ulysses over ``region.ulysses_group`` and Ring over ``region.ring_group`` (either may be trivial).
 
@@ -151,10 +163,19 @@ class SequenceParallelAttention:
     def run(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         region = self.region
-        if (not region.is_sharding or getattr(layer, "skip_sequence_parallel", False)
-                or CROSS in (getattr(layer, "role", None), getattr(layer, "role_category", None))):
+        if not region.is_sharding or getattr(layer, "skip_sequence_parallel", False):
             return layer.impl.forward(q, k, v, attn_mask)
         n, text = region.shard_len, region.joint_text_len
+        if getattr(layer, "replicated_queries", False):
+            if k.shape[1] != n:
+                raise ValueError(
+                    f"sequence-parallel attention in layer {getattr(layer, 'prefix', '') or layer.role!r} "
+                    f"(replicated_queries): keys have {k.shape[1]} tokens, but this rank holds {n} sharded tokens")
+            if layer.causal:
+                raise NotImplementedError("sequence-parallel attention supports non-causal attention only")
+            return self._replicated_queries(layer, q, k, v, _key_padding_mask(attn_mask, q.shape[0], n))
+        if CROSS in (getattr(layer, "role", None), getattr(layer, "role_category", None)):
+            return layer.impl.forward(q, k, v, attn_mask)
         lq, lk = q.shape[1], k.shape[1]
         if lq == lk == n + text:
             pass
@@ -189,10 +210,7 @@ class SequenceParallelAttention:
 
         u_size = ug.world_size
         if u_size > 1:
-            heads, kv_heads = q.shape[2], k.shape[2]
-            if heads % u_size or kv_heads % u_size:
-                raise ValueError(f"Ulysses degree {u_size} must divide the number of attention heads ({heads}) and "
-                                 f"key/value heads ({kv_heads}) of layer {getattr(layer, 'prefix', '')!r}")
+            heads, kv_heads = _ulysses_heads(layer, q, k, u_size)
             if q_img.shape == k_img.shape:
                 q_img, k_img, v_img = ug.all_to_all(torch.stack([q_img, k_img, v_img]), 3, 2).unbind(0)
             else:
@@ -223,6 +241,26 @@ class SequenceParallelAttention:
             if text:
                 out_txt = ug.all_gather(out_txt.contiguous(), dim=2)
         return _join(out_txt, out_img, side)
+
+    def _replicated_queries(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            mask: torch.Tensor | None) -> torch.Tensor:
+        """Queries whole on every rank over the region's sharded keys: joint attention's text-query path with no
+        sharded queries and no replicated keys (one exchange of keys/values, one gather of the output)."""
+        region = self.region
+        ug, rg, seq_len = region.ulysses_group, region.ring_group, region.seq_len
+        if mask is not None:  # every rank needs the mask of every sharded key (one byte per token)
+            mask = region.sp_group.all_gather(mask.to(torch.uint8).contiguous(), dim=1).bool()
+        u_size = ug.world_size
+        if u_size > 1:
+            heads, _ = _ulysses_heads(layer, q, k, u_size)
+            q = q.narrow(2, ug.rank_in_group * heads // u_size, heads // u_size)
+            k, v = ug.all_to_all(torch.stack([k, v]), 3, 2).unbind(0)
+        if rg.world_size == 1:
+            m = None if mask is None else mask[:, :seq_len]
+            out = layer.impl.forward(q, k[:, :seq_len], v[:, :seq_len], None if m is None or bool(m.all()) else m)
+        else:
+            out = self._ring(layer, q, None, None, k, v, None, mask).to(q.dtype)
+        return ug.all_gather(out.contiguous(), dim=2) if u_size > 1 else out
 
     def _ring(self, layer: Any, q: torch.Tensor, k_txt: torch.Tensor | None, v_txt: torch.Tensor | None,
               k_img: torch.Tensor, v_img: torch.Tensor, txt_mask: torch.Tensor | None,
