@@ -161,9 +161,10 @@ class PipelineContract:
             heads = {m.num_heads for m in spec.module.modules() if isinstance(m, Attention)}
             assert spec.num_heads is None or heads <= {spec.num_heads}, \
                 f"{spec.name}: declares num_heads={spec.num_heads}, its attention layers have {sorted(heads)}"
-            if spec.sp_plan is not None:  # every module the plan names exists (Ulysses/Ring hook them)
-                for name in [*spec.sp_plan.shard_before, *spec.sp_plan.gather_after]:
-                    spec.module.get_submodule(name)
+            if spec.sp_plan is not None:  # the plan installs (every module and argument it names exists)
+                from omni_core.attention.parallel import apply_sequence_parallel
+
+                apply_sequence_parallel(spec.module, spec.sp_plan).remove()
 
             def on_block0(module, args, kwargs, spec=spec):
                 bound = dict(zip(spec.block_params, args))

@@ -194,6 +194,21 @@ def test_plan_coercion_and_errors():
     with pytest.raises(ConfigError, match="submodule 'final'"):
         apply_sequence_parallel(M(), {"shard": {"hidden_states": 1}, "gather_before": "final"})
 
+    class Blocks(nn.Module):  # shard_before with ``*``: one hook per matching block, argument names checked on each
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([M(), M()])
+
+        def forward(self, hidden_states):
+            return self.blocks[1](self.blocks[0](hidden_states))
+
+    handle = apply_sequence_parallel(Blocks(), {"shard_before": {"blocks.*": {"hidden_states": 1}}})
+    assert len(handle._hooks) == 2 + 2  # enter/exit + one per block (not per Linear below them)
+    with pytest.raises(ConfigError, match="did you mean 'hidden_states'"):
+        apply_sequence_parallel(Blocks(), {"shard_before": {"blocks.*": {"hidden_state": 1}}})
+    with pytest.raises(ConfigError, match=r"submodule 'layers\.\*'"):
+        apply_sequence_parallel(Blocks(), {"shard_before": {"layers.*": {"hidden_states": 1}}})
+
 
 @pytest.fixture(scope="module")
 def tiny():

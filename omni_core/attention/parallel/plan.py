@@ -22,12 +22,16 @@ inputs/outputs are split along their token dimension (padded to a multiple of th
 layers inside run the sequence-parallel strategy chosen from the ulysses/ring groups, and the output is
 all-gathered with the padding stripped.
 Everything per-token (rotary tables, positional embeddings, per-token masks) must be named in the plan so
-that it is sharded the same way as the tokens.
+that it is sharded the same way as the tokens. In ``shard_before`` an argument may be a tuple of tensors (a
+rotary ``(cos, sin)``: each is sharded), and one whose length along its token dim is 1 while the region's
+tokens are more (a per-row modulation that other calls give per token, as LTX-2's ``temb`` in image-to-video)
+broadcasts over the tokens: every rank keeps it whole. The first argument named fixes the token count.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -69,7 +73,9 @@ class SequenceParallelPlan:
     #: submodule path -> token dim of its first positional argument, gathered before it runs
     gather_before: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "gather_before"))
     #: submodule path -> {argument name: token dim}: shard those arguments when the submodule first runs
-    #: (for models that build the token sequence inline, e.g. Wan: ``{"blocks.0": {"hidden_states": 1}}``)
+    #: (for models that build the token sequence inline, e.g. Wan: ``{"blocks.0": {"hidden_states": 1}}``); ``*``
+    #: matches one path segment, so ``{"blocks.*": {...}}`` shards per-token side inputs that the model's forward
+    #: hands every block afresh (LTX-2's rotary tables), each block's own call once per forward
     shard_before: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "shard_before"))
     #: submodule path -> token dim of its output (a tensor or a tuple's first element), gathered after it runs
     gather_after: dict = attrs.field(factory=dict, converter=lambda v: _dims(v, "gather_after"))
@@ -125,27 +131,23 @@ class SequenceParallelHandle:
         self._stack: list[tuple[Any, SPRegion] | None] = []
         self._positions = _argument_positions(module, [*plan.shard_inputs, *filter(None, [plan.joint_text_input])],
                                               "shard_inputs")
-        for field in ("shard_outputs", "gather_before", "shard_before", "gather_after"):
+        for field in ("shard_outputs", "gather_before", "gather_after"):
             for name in getattr(plan, field):
-                try:
-                    module.get_submodule(name)
-                except AttributeError:
-                    raise ConfigError(f"sequence-parallel plan of {type(module).__name__} names submodule {name!r} "
-                                      f"in {field}, which does not exist", field=field) from None
+                _submodules(module, name, field)
         self._hooks.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
         self._hooks.append(module.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
         for name, spec in plan.shard_outputs.items():
             self._hooks.append(module.get_submodule(name).register_forward_hook(self._shard_output_hook(name, spec)))
         for name, dim in plan.gather_before.items():
             self._hooks.append(module.get_submodule(name).register_forward_pre_hook(self._gather_hook(dim)))
-        for name, spec in plan.shard_before.items():
-            sub = module.get_submodule(name)
+        for pattern, spec in plan.shard_before.items():
             if not isinstance(spec, Mapping):
-                raise ConfigError(f"shard_before[{name!r}] must map argument names to token dims, got {spec!r}",
+                raise ConfigError(f"shard_before[{pattern!r}] must map argument names to token dims, got {spec!r}",
                                   field="shard_before")
-            positions = _argument_positions(sub, list(spec), f"shard_before[{name!r}]")
-            self._hooks.append(sub.register_forward_pre_hook(self._shard_before_hook(name, spec, positions),
-                                                             with_kwargs=True))
+            for name, sub in _submodules(module, pattern, "shard_before"):
+                positions = _argument_positions(sub, list(spec), f"shard_before[{pattern!r}]")
+                self._hooks.append(sub.register_forward_pre_hook(self._shard_before_hook(name, spec, positions),
+                                                                 with_kwargs=True))
         for name, dim in plan.gather_after.items():
             self._hooks.append(module.get_submodule(name).register_forward_hook(self._gather_after_hook(dim)))
 
@@ -243,8 +245,8 @@ class SequenceParallelHandle:
             args, kwargs = list(args), dict(kwargs)
             for arg, dim in spec.items():
                 value = self._get(args, kwargs, arg, positions)
-                if isinstance(value, torch.Tensor):
-                    self._set(args, kwargs, arg, region.shard(value, dim, name=f"{arg} of {name}"), positions)
+                if isinstance(value, (torch.Tensor, tuple, list)):
+                    self._set(args, kwargs, arg, _shard_argument(region, value, dim, f"{arg} of {name}"), positions)
             return tuple(args), kwargs
         return hook
 
@@ -267,6 +269,34 @@ class SequenceParallelHandle:
             region.end()
             return (region.gather(args[0], dim), *args[1:])
         return hook
+
+
+def _submodules(module: nn.Module, pattern: str, field: str) -> list[tuple[str, nn.Module]]:
+    """(path, submodule) for a plan's path, where ``*`` matches one segment; ConfigError when none exists."""
+    if "*" not in pattern:
+        try:
+            return [(pattern, module.get_submodule(pattern))]
+        except AttributeError:
+            found = []
+    else:
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        found = [(name, sub) for name, sub in module.named_modules() if regex.fullmatch(name)]
+    if not found:
+        raise ConfigError(f"sequence-parallel plan of {type(module).__name__} names submodule {pattern!r} in {field}, "
+                          f"which does not exist", field=field)
+    return found
+
+
+def _shard_argument(region: SPRegion, value: Any, dim: int, name: str) -> Any:
+    """A ``shard_before`` argument's shard: a tensor, or each tensor of a tuple; a tensor of length 1 along
+    ``dim`` broadcasts over the region's tokens (kept whole) once the region knows it holds more than one."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_shard_argument(region, v, dim, f"{name}[{i}]") for i, v in enumerate(value))
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.shape[dim] == 1 and region.seq_len is not None and region.seq_len > 1:
+        return value
+    return region.shard(value, dim, name=name)
 
 
 def _argument_positions(module: nn.Module, names: list[str], field: str) -> dict[str, int]:

@@ -18,6 +18,12 @@ module                    role               category    keys
 ``video_to_audio_attn``   ``video_to_audio`` cross       video tokens (queries: audio)
 ========================  =================  ==========  =====================================
 
+Under sequence parallelism the video tokens are sharded and the audio tokens stay whole on every rank (they are
+few): the video self-attention runs Ulysses / Ring, the audio self-attention runs locally
+(``skip_sequence_parallel``), the text and audio-to-video attentions are local cross-attentions (their keys are
+whole), and the video-to-audio attention's whole audio queries reach every sharded video key
+(``replicated_queries``).
+
 The text attention mask arrives as diffusers' additive bias (``0`` = attend, ``-10000`` = padding, one row of
 keys per batch row); the layer gets it as the boolean ``[rows, keys]`` key-padding mask every Omni backend takes
 (the same result: ``exp(-10000)`` is 0 in float32). ``attention_config={"per_role": {"self": ...}}`` picks both
@@ -60,8 +66,20 @@ def _rope(attn, x: torch.Tensor, freqs) -> torch.Tensor:
     if attn.rope_type == "interleaved":
         return apply_interleaved_rotary_emb(x, freqs)
     if attn.rope_type == "split":
-        return apply_split_rotary_emb(x, freqs)
+        return apply_split_rotary_emb(x, _local_heads(attn, freqs))
     return x
+
+
+def _local_heads(attn, freqs: tuple) -> tuple:
+    """Split RoPE's per-head tables ``[B, H, S, r]`` for the heads this rank holds: under tensor parallelism the
+    projections give each rank ``attn.heads`` consecutive heads (the core divided the count), the tables all."""
+    cos, sin = freqs
+    if cos.dim() != 4 or cos.shape[1] == attn.heads:
+        return freqs
+    from omni_core.distributed.parallel_state import get_tp_group
+
+    start = get_tp_group().rank_in_group * attn.heads
+    return cos.narrow(1, start, attn.heads), sin.narrow(1, start, attn.heads)
 
 
 def key_padding_mask(bias: torch.Tensor | None, batch: int) -> torch.Tensor | None:
@@ -134,7 +152,9 @@ def install_omni_attention(transformer: torch.nn.Module, prefix: str = "") -> li
         for attr, (role, category) in ROLES.items():
             module = getattr(block, attr)
             layer = Attention(module.heads, module.head_dim, role=role, role_category=category,
-                              prefix=f"{prefix}transformer_blocks.{i}.{attr}")
+                              prefix=f"{prefix}transformer_blocks.{i}.{attr}",
+                              skip_sequence_parallel=attr == "audio_attn1",
+                              replicated_queries=attr == "video_to_audio_attn")
             module.add_module("omni_attn", layer)
             module.set_processor(OmniLTX2AttnProcessor(layer, cross_modal=attr.endswith("_to_video_attn")
                                                        or attr.endswith("_to_audio_attn")))

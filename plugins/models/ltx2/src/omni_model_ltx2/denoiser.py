@@ -45,8 +45,21 @@ def denoiser_spec(model: Any) -> DenoiserSpec:
                     "video_coords", "audio_coords", "perturbation_mask"),
         # the video stream after block 0's timestep modulation (the first 6 modulation rows' shift/scale)
         modulated_input=_modulated_input,
-        num_heads=model.config.num_attention_heads, tp_plan=tp_plan(model),
+        num_heads=model.config.num_attention_heads, tp_plan=tp_plan(model), sp_plan=sp_plan(model),
         cache_defaults={"tea_cache": TEACACHE_DEFAULTS, "cache_dit": CACHE_DIT_DEFAULTS})
+
+
+def sp_plan(model: Any) -> dict:
+    """Sequence parallelism: the video tokens sharded after their input projection, and the per-token inputs the
+    forward hands every block (the rotary tables, ``[B, H, S, d]`` for split RoPE; the modulation, per token in
+    image-to-video, per row and kept whole otherwise) at each block; gathered before the output norm (whose
+    modulation may be per token). The audio stays whole on every rank (:mod:`omni_model_ltx2.attention`)."""
+    rope = 2 if model.config.rope_type == "split" else 1
+    return {"shard_after": {"proj_in": 1},
+            "shard_before": {"transformer_blocks.*": {
+                "temb": 1, "temb_ca_scale_shift": 1, "temb_ca_gate": 1, "temb_prompt": 1,
+                "video_rotary_emb": rope, "ca_video_rotary_emb": rope}},
+            "gather_before": {"norm_out": 1}, "gather": None}
 
 
 def tp_plan(model: Any) -> dict:

@@ -4,6 +4,10 @@ from omni_core import hookimpl
 from omni_core.plugins.types import PipelineSpec
 from omni_model_ltx2.fields import I2V_SAMPLING_FIELDS, SAMPLING_FIELDS
 
+#: the video tokens over ulysses / ring ranks (the audio whole on each), heads and hidden units over tensor
+#: ranks, the guidance branches over cfg ranks
+PARALLEL = ("tensor", "ulysses", "ring", "cfg")
+
 
 @hookimpl
 def omni_register_pipelines():
@@ -11,7 +15,7 @@ def omni_register_pipelines():
         name="LTX2Pipeline",
         impl="omni_model_ltx2.pipeline:LTX2Pipeline",
         requires=("torch", "diffusers", "transformers"),
-        supported_parallel=("cfg",),  # the guidance branches over two ranks
+        supported_parallel=PARALLEL,
         description="LTX-2 text-to-video with its audio track; request batching and step-wise",
         sampling_fields=SAMPLING_FIELDS,
         is_video=True,
@@ -25,7 +29,7 @@ def omni_register_pipelines():
         impl="omni_model_ltx2.i2v:LTX2ImageToVideoPipeline",
         # av: diffusers re-compresses the input image as H.264 (image_crf) with PyAV
         requires=("torch", "diffusers", "transformers", "av"),
-        supported_parallel=("cfg",),  # the guidance branches over two ranks
+        supported_parallel=PARALLEL,
         description="LTX-2 image-to-video with its audio track; request batching and step-wise",
         sampling_fields=I2V_SAMPLING_FIELDS,
         is_video=True,

@@ -82,8 +82,8 @@ class LTX2Pipeline(DiffusersStepPipeline):
     #: the joined video+audio state is stepped by the flow step; a rollout's SDE noise over it is not diffusers'
     supports_rollout: ClassVar[bool] = False
     fast_vae_convs: ClassVar[bool] = False  # LTX-2's VAE is not a causal-Conv3d Wan VAE
-    #: the guidance branches over cfg ranks (:meth:`_branches_over_ranks`); no sequence-parallel plan (README)
-    supported_parallel: ClassVar[tuple[str, ...]] = ("cfg",)
+    #: video tokens over ulysses/ring ranks (``denoiser.sp_plan``), guidance branches over cfg ranks (below)
+    supported_parallel: ClassVar[tuple[str, ...]] = ("tensor", "ulysses", "ring", "cfg")
 
     # ------------------------------------------------------------------ engine process
     @classmethod
