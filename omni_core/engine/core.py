@@ -391,7 +391,6 @@ class EngineCore:
         if isinstance(unused, Sealed) and record.started is None:
             unused.discard()  # never sent to the model: opened here once and dropped, its shared memory is freed
         record.request.text_encodings = None  # the encode stage's tensors: a caller's handle keeps the request
-        self.steps.forget(request_id)
         status = close_output(record, out)
         if record.timed_out and status != Status.FINISHED_COMPLETED:
             self.counters["requests_timed_out"] += 1

@@ -15,7 +15,6 @@ import logging
 import time
 from typing import Any
 
-from omni_core.engine.records import RequestRecord
 from omni_core.errors import EngineDeadError
 from omni_core.outputs import DiffusionOutput
 from omni_core.sched.interface import DiffusionRequestStatus
@@ -99,9 +98,6 @@ class PlainSteps:
     def send_now(self) -> None:
         """Nothing is queued behind a running wave: the loop schedules next anyway."""
 
-    def forget(self, request_id: str) -> None:
-        """The request ended."""
-
 
 class PipelinedSteps(PlainSteps):
     """Step mode over an executor that queues waves (``mp``): wave N+1 is sent before wave N's result is read,
@@ -118,8 +114,6 @@ class PipelinedSteps(PlainSteps):
         self.depth = depth
         #: (wave, time scheduled): sent, result not yet applied
         self.waves: collections.deque[tuple[DiffusionSchedulerOutput, float]] = collections.deque()
-        #: the records with step waves in flight (``RequestRecord.in_flight > 0``)
-        self.records: dict[str, RequestRecord] = {}
         self.last_done = time.perf_counter()
 
     def busy(self) -> bool:
@@ -145,9 +139,6 @@ class PipelinedSteps(PlainSteps):
         released = waves[0][0].finished_ids if result.skipped and waves else ()
         c.apply(sched, result, max(t0, self.last_done), released)  # each counts from the previous end
         self.last_done = time.perf_counter()
-
-    def forget(self, request_id: str) -> None:
-        self.records.pop(request_id, None)
 
     def _schedule_and_send(self, replaces_queued: bool = False) -> bool:
         """Schedule the next step wave and queue it on the executor. A replacement is scheduled as if the queued
@@ -202,18 +193,16 @@ class PipelinedSteps(PlainSteps):
                 record.in_flight += delta
                 if record.num_steps is None:
                     record.num_steps = record.request.sampling_params.num_inference_steps
-                if record.in_flight > 0:
-                    self.records[rid] = record
-                else:
-                    self.records.pop(rid, None)
 
     def _finishing(self, not_counting: DiffusionSchedulerOutput | None = None) -> set[str]:
         """Running requests whose last step is in a wave already sent, leaving out the steps of ``not_counting``
-        (a queued wave about to be replaced). Looks only at the requests in flight, so it costs the same with
-        any number waiting."""
+        (a queued wave about to be replaced). Looks only at the requests of the waves in flight (the core's
+        records, no index of its own), so it costs the same with any number waiting."""
         skipped: Any = set(not_counting.scheduled_ids) if not_counting is not None else ()
-        return {rid for rid, r in self.records.items()
-                if r.num_steps is not None and r.steps + r.in_flight - (rid in skipped) >= r.num_steps}
+        in_flight = {rid for sched, _ in self.waves for rid in sched.scheduled_ids}
+        records = ((rid, self.core.record(rid)) for rid in in_flight)
+        return {rid for rid, r in records
+                if r is not None and r.num_steps is not None and r.steps + r.in_flight - (rid in skipped) >= r.num_steps}
 
 
 __all__ = ["PipelinedSteps", "PlainSteps", "failed_wave", "steps_for"]
