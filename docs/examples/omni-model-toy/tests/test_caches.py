@@ -15,11 +15,16 @@ def generate(backend: str):
         return omni.generate(PROMPTS, seed=3, num_inference_steps=20, use_tqdm=False, output_type="pt")
 
 
+@pytest.fixture(scope="module")
+def uncached():
+    return generate("none")  # once for both backends
+
+
 @pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])
-def test_cache_skips_evaluations_and_stays_close(backend):
+def test_cache_skips_evaluations_and_stays_close(backend, uncached):
     if backend not in get_plugin_manager().components("cache"):
         pytest.skip(f"cache backend {backend!r} is not installed")
-    for plain, cached in zip(generate("none"), generate(backend)):
+    for plain, cached in zip(uncached, generate(backend)):
         m = cached.metrics
         assert m["steps_computed"] + m["steps_reused"] == 40  # 20 steps, cond and uncond
         assert m["steps_computed"] < 40
