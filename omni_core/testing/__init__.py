@@ -100,6 +100,13 @@ def _one_thread_per_process() -> None:
         torch.set_num_threads(int(threads))
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Every test starts at the test thread count: an engine run in the test process (the ``uni`` executor, a
+    contract's in-process engine) sets torch's count by its own ``cpu_threads`` policy, and that setting would
+    outlive it, leaving each later test on a spinning team (the shapes suite: 360 s against 47 s at load 7)."""
+    _one_thread_per_process()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
