@@ -82,7 +82,11 @@ def shape_coverage(shape_idx: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, 
             dx = xs[None, None, :] - cx[sel, None, None]
             dy = ys[None, :, None] - cy[sel, None, None]
             out[sel] = _inside(k, dx, dy, r[sel, None, None])
-    return torch.nn.functional.avg_pool2d(out.float()[:, None], ss).squeeze(1)
+    # the mean of each pixel's ss x ss samples: integer counts (rows, then columns), then / ss^2 -- the same bits as
+    # avg_pool2d over the floats (an exact sum of ones, one division), several times faster
+    counts = out.view(torch.uint8).view(len(shape_idx), height, ss, width * ss).sum(2, dtype=torch.int16)
+    counts = counts.view(len(shape_idx), height, width, ss).sum(3, dtype=torch.int16)
+    return counts.float() / (ss * ss)
 
 
 def _inside(k: int, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
