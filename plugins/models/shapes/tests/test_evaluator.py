@@ -40,20 +40,35 @@ def test_blank_and_noise_images_score_at_most_chance():
     assert noise.colour <= 0.3 and noise.shape <= 0.35 and noise.position <= 0.3
 
 
+def _reference_inside(k: int, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The shapes' definitions written plainly (``data._inside`` computes the same bits more cheaply)."""
+    adx, ady = dx.abs(), dy.abs()
+    return [dx * dx + dy * dy <= r * r,  # circle
+            torch.maximum(adx, ady) <= 0.85 * r,  # square
+            (ady <= 0.95 * r) & (adx <= 1.05 * r * (dy + 0.95 * r) / (1.9 * r)),  # triangle, apex up
+            ((adx <= 0.33 * r) & (ady <= r)) | ((ady <= 0.33 * r) & (adx <= r))][k]  # cross
+
+
 def test_coverage_is_the_mean_of_each_pixels_samples():
-    """``shape_coverage`` averages each pixel's ss x ss in/out samples: the same bits as avg_pool2d over them (the
-    judge's templates and the training images both come from it)."""
+    """``shape_coverage`` is the mean of each pixel's ss x ss in/out samples: the same bits as avg_pool2d over the
+    plainly written shapes (the judge's templates and the training images both come from it). Random shapes, and
+    shapes centred on the sample lattice with dyadic radii, whose edges pass exactly through samples."""
     g = torch.Generator().manual_seed(3)
+    radii = torch.arange(16, 144) / 16
+    centre = {c: torch.full((4 * len(radii),), c) for c in (16.0, 16.125)}
+    cases = [(torch.arange(4).repeat_interleave(len(radii)), centre[c], centre[c], radii.repeat(4), 4, 32, 32)
+             for c in centre]
     for ss, (h, w) in ((4, (32, 32)), (4, (9, 14)), (3, (11, 7)), (1, (5, 6))):
-        idx = torch.arange(20) % len(data.SHAPES)
-        cx, cy = torch.rand(20, generator=g) * w, torch.rand(20, generator=g) * h
-        r = 1 + torch.rand(20, generator=g) * 8
+        idx = torch.randint(len(data.SHAPES), (40,), generator=g)
+        cxy = torch.rand(40, generator=g) * w, torch.rand(40, generator=g) * h
+        cases.append((idx, *cxy, 1 + torch.rand(40, generator=g) * 8, ss, h, w))
+    for idx, cx, cy, r, ss, h, w in cases:
         got = data.shape_coverage(idx, cx, cy, r, h, w, supersample=ss)
         ys, xs = (torch.arange(h * ss) + 0.5) / ss, (torch.arange(w * ss) + 0.5) / ss
-        inside = torch.stack([data._inside(int(k), xs[None, :] - x, ys[:, None] - y, rr)
+        inside = torch.stack([_reference_inside(int(k), xs[None, :] - x, ys[:, None] - y, rr)
                               for k, x, y, rr in zip(idx, cx, cy, r)])
         assert torch.equal(got, torch.nn.functional.avg_pool2d(inside.float()[:, None], ss)[:, 0])
-        assert got.shape == (20, h, w) and 0 < got.sum() and (ss == 1 or ((got > 0) & (got < 1)).any())
+        assert got.shape == (len(idx), h, w) and 0 < got.sum() and (ss == 1 or ((got > 0) & (got < 1)).any())
 
 
 def test_random_weights_model_scores_near_chance(random_shapes):

@@ -75,18 +75,19 @@ def shape_coverage(shape_idx: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, 
     ss = supersample
     ys = (torch.arange(height * ss, dtype=torch.float32) + 0.5) / ss
     xs = (torch.arange(width * ss, dtype=torch.float32) + 0.5) / ss
-    out = torch.zeros(len(shape_idx), height * ss, width * ss, dtype=torch.bool)
+    out = torch.zeros(len(shape_idx), height, width)
     for k in range(len(SHAPES)):
         sel = torch.nonzero(shape_idx == k).flatten()
         if len(sel):
             dx = xs[None, None, :] - cx[sel, None, None]
             dy = ys[None, :, None] - cy[sel, None, None]
-            out[sel] = _inside(k, dx, dy, r[sel, None, None])
-    # the mean of each pixel's ss x ss samples: integer counts (rows, then columns), then / ss^2 -- the same bits as
-    # avg_pool2d over the floats (an exact sum of ones, one division), several times faster
-    counts = out.view(torch.uint8).view(len(shape_idx), height, ss, width * ss).sum(2, dtype=torch.int16)
-    counts = counts.view(len(shape_idx), height, width, ss).sum(3, dtype=torch.int16)
-    return counts.float() / (ss * ss)
+            inside = _inside(k, dx, dy, r[sel, None, None]).expand(len(sel), height * ss, width * ss).contiguous()
+            # the mean of each pixel's ss x ss samples: integer counts (rows, then columns), then / ss^2 -- the
+            # same bits as avg_pool2d over the floats (an exact sum of ones, one division), several times faster
+            counts = inside.view(torch.uint8).view(len(sel), height, ss, width * ss).sum(2, dtype=torch.int16)
+            counts = counts.view(len(sel), height, width, ss).sum(3, dtype=torch.int16)
+            out[sel] = counts.float() / (ss * ss)
+    return out
 
 
 def _inside(k: int, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,8 @@ def _inside(k: int, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torc
     if k == 0:  # circle
         return dx * dx + dy * dy <= r * r
     if k == 1:  # square
-        return torch.maximum(adx, ady) <= 0.85 * r
+        half = 0.85 * r  # max(|dx|, |dy|) <= half, as two comparisons on the row and column vectors
+        return (adx <= half) & (ady <= half)
     if k == 2:  # upward triangle whose bounding box (2.1r wide, 1.9r tall) is centred on (cx, cy)
         return (ady <= 0.95 * r) & (adx <= 1.05 * r * (dy + 0.95 * r) / (1.9 * r))
     arm = 0.33 * r  # cross (plus sign)
