@@ -1,7 +1,16 @@
-"""A two-node Ray cluster on this machine, started once per module: a head and a second node process with its
-own custom resource (``node_b``), each with 2 logical CPUs. Both run with ``--block`` so the fixture stops
-exactly its own processes (SIGTERM drains a node and ends its raylet and workers) instead of ``ray stop``,
-which would kill every Ray process of the user."""
+"""A two-node Ray cluster on this machine, started once per test session (per xdist worker): a head and a second
+node process with its own custom resource (``node_b``), each with 2 logical CPUs. Both run with ``--block`` so the
+fixture stops exactly its own processes (their process groups) instead of ``ray stop``, which would kill every Ray
+process of the user.
+
+One cluster serves every module: starting one costs some ten Python processes (GCS, raylets, agents, monitors) and
+10-15 s on two busy cores. A test that kills the second node (the lost-node test) leaves it dead for the rest of
+its module; the next module that asks for ``ray_cluster`` gets a new second node (``ensure_two_nodes``). The
+cluster stops right after the session's last test that uses it (an idle cluster still costs some 5 % of a core,
+and later tests of the same pytest process may be unrelated), or at the session's end.
+
+Every test that uses the cluster names the ``xdist_group`` "omni-ray-cluster", so under ``pytest -n N --dist
+loadgroup`` they all run on one worker, in collection order: one cluster, one set of references, not one each."""
 
 from __future__ import annotations
 
@@ -36,16 +45,21 @@ class Cluster:
         self.address = f"127.0.0.1:{self.port}"
         self.temp = tempfile.mkdtemp(prefix="omni-ray-")
         self.procs: dict[str, subprocess.Popen] = {}
+        self.node_b: str | None = None
 
     def _start(self, name: str, *args: str) -> None:
-        log = open(os.path.join(self.temp, f"{name}.log"), "w")
+        log = open(os.path.join(self.temp, f"{name}.log"), "a")
         self.procs[name] = subprocess.Popen([RAY, "start", "--block", "--num-cpus=2", "--disable-usage-stats", *args],
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _start_node_b(self) -> None:
+        self._start("node_b", f"--address={self.address}", '--resources={"node_b": 1}')
 
     def start(self) -> None:
         import ray
 
         self._start("head", "--head", f"--port={self.port}", "--include-dashboard=false", f"--temp-dir={self.temp}")
+        self._start_node_b()  # at once: its `ray start` waits for the head's GCS (2-3 s sooner than after it)
         deadline = time.monotonic() + 60
         while True:  # the head is up once a driver can connect
             try:
@@ -54,24 +68,35 @@ class Cluster:
             except Exception:  # noqa: BLE001
                 if time.monotonic() > deadline or self.procs["head"].poll() is not None:
                     raise
-                time.sleep(0.5)
-        self._start("node_b", f"--address={self.address}", '--resources={"node_b": 1}')
-        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
-            if time.monotonic() > deadline or self.procs["node_b"].poll() is not None:
-                raise RuntimeError(f"the second Ray node did not join; see {self.temp}/node_b.log")
-            time.sleep(0.3)
-        self.node_b = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" in n["Resources"])
+                time.sleep(0.2)
+        if self.procs["node_b"].poll() is not None:  # gave up waiting for the GCS: once more, now that it is up
+            self._start_node_b()
+        self._wait_node_b(deadline)
         self.head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" not in n["Resources"])
 
-    def stop_node(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:  # a node drains for up to 30 s before it stops; nothing of ours runs on it any more
-                proc.wait(8)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    def _wait_node_b(self, deadline: float) -> None:
+        import ray
+
+        while not (joined := [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" in n["Resources"]]):
+            if time.monotonic() > deadline or self.procs["node_b"].poll() is not None:
+                raise RuntimeError(f"the second Ray node did not join; see {self.temp}/node_b.log")
+            time.sleep(0.2)
+        self.node_b = joined[0]
+
+    def ensure_two_nodes(self, timeout: float = 60) -> None:
+        """A new second node if a test killed the last one: once the GCS has declared the old one dead (so no
+        placement group lands on it), a ``ray start`` with the same ``node_b`` resource, waited for until it joined."""
+        import ray
+
+        if self.procs["node_b"].poll() is None:
+            return
+        deadline = time.monotonic() + timeout
+        while any(n["Alive"] and n["NodeID"] == self.node_b for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray still reports the killed node {self.node_b} alive")
+            time.sleep(0.3)
+        self._start_node_b()
+        self._wait_node_b(deadline)
 
     def wait_idle(self, timeout: float = 60) -> None:
         """Until every node's CPUs are free again (a killed actor's are released asynchronously, and "spread"
@@ -92,25 +117,74 @@ class Cluster:
         proc.wait(10)
 
     def stop(self) -> None:
+        """Disconnect, then end both nodes' process groups: SIGTERM, and SIGKILL after a second. Nothing of ours
+        runs on them any more, and a raylet given SIGTERM drains for up to 30 s (the head's took the whole 8 s the
+        fixture used to wait); the workers exit once their raylet is gone, as in :meth:`kill_node`."""
         import ray
 
         ray.shutdown()
-        for name in ("node_b", "head"):
-            self.stop_node(name)
+        running = [p for p in self.procs.values() if p.poll() is None]
+        for proc in running:
+            os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 1
+        for proc in running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in running:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
+_running: list[Cluster] = []  # the session's cluster while it runs
+
+
+@pytest.fixture(scope="session")
+def ray_session_cluster():
     cluster = Cluster()
+    _running.append(cluster)
     try:
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()
+        _stop_running()
 
 
-@pytest.fixture
+def _stop_running() -> None:
+    while _running:
+        _running.pop().stop()
+
+
+def _uses_cluster(item) -> bool:
+    return "ray_session_cluster" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Once the item's fixtures are torn down: stop the cluster if no later item of the run uses it."""
+    try:
+        return (yield)
+    finally:
+        if _running and _uses_cluster(item):
+            items = item.session.items
+            later = items[items.index(item) + 1:] if item in items else []
+            if not any(_uses_cluster(i) for i in later):
+                _stop_running()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session_cluster):
+    """The session's cluster, with two live nodes when the module starts."""
+    ray_session_cluster.ensure_two_nodes()
+    return ray_session_cluster
+
+
+@pytest.fixture(scope="session")
 def ours_left():
     """The function below, for tests (plugin tests import no module of their own under importlib mode)."""
     return _ours_left

@@ -1,6 +1,6 @@
 """``executor="ray"`` on a local two-node Ray cluster (gloo): the same images as ``uni``, ranks placed as
-promised, a killed actor fails in-flight requests with the engine-dead error within 10 s, and ``close()``
-leaves no actor or placement group of ours."""
+promised, a killed actor fails in-flight requests with the engine-dead error within 10 s, the actors see the NCCL
+variables set where the engine started, and ``close()`` leaves no actor or placement group of ours."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.dist
+#: the session's one cluster: every test here runs on one xdist worker (see conftest.py)
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("omni-ray-cluster")]
 
 #: a CFG pair and a request without CFG: CFG-2 also meets a request with no negative branch
 SHAPES_REQUESTS = [
@@ -185,15 +186,37 @@ def submit_long_requests(omni, n: int) -> tuple[list, set, list]:
     return streams, stepped, steps
 
 
-def test_request_mode_abort_reaches_each_requests_own_replica(ray_cluster, ours_left):
-    """Two data-parallel replicas in request mode (a wave runs its requests to the end unless the replica's
-    leader is told), one long request on each: aborting both ends both within a few steps."""
-    from omni_core import Omni
+#: set where the engine starts (test_actors_see_the_nccl_variables_of_the_engine); ``CUDA_VISIBLE_DEVICES`` besides
+NCCL_VARIABLES = {"NCCL_SOCKET_IFNAME": "lo", "TORCH_NCCL_BLOCKING_WAIT": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
-    ray_cluster.wait_idle()
-    omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False, cpu_threads=1,
-                limits={"max_steps": 1000}, max_num_seqs=2)
-    try:
+
+class TestDataParallelEngine:
+    """Two data-parallel replicas in request mode, one engine for both tests here (an engine's start is two actor
+    processes, each importing torch and the model stack: the suite's main cost); closed after them, leaving no
+    actor or placement group of ours."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def dp2_engine(cls, ray_cluster, ours_left):
+        from omni_core import Omni
+
+        ray_cluster.wait_idle()
+        with pytest.MonkeyPatch.context() as env:  # what the serving shell sets, read when the engine starts
+            for k, v in NCCL_VARIABLES.items():
+                env.setenv(k, v)
+            env.setenv("CUDA_VISIBLE_DEVICES", "7")  # Ray's to set per actor: never forwarded
+            omni = Omni("shapes", executor="ray", parallel_config={"data_parallel_size": 2}, warmup=False,
+                        cpu_threads=1, limits={"max_steps": 1000}, max_num_seqs=2)
+        try:
+            yield omni
+        finally:
+            omni.close()
+        assert ours_left() == ([], [])
+
+    def test_request_mode_abort_reaches_each_requests_own_replica(self, dp2_engine):
+        """In request mode a wave runs its requests to the end unless the replica's leader is told; one long
+        request on each replica: aborting both ends both within a few steps."""
+        omni = dp2_engine
         streams, stepped, steps = submit_long_requests(omni, 2)
         assert len(stepped) == 2, "both replicas should be running a request"
         assert sorted(omni.engine.executor._assigned.values()) == [0, 1]
@@ -205,9 +228,22 @@ def test_request_mode_abort_reaches_each_requests_own_replica(ray_cluster, ours_
                 pass
             assert out.status == "aborted", (out.status, out.error)
         assert len(steps) - at < 40, len(steps) - at  # both replicas stopped (not their 1000 steps each)
-    finally:
-        omni.close()
-    assert ours_left() == ([], [])
+
+    def test_actors_see_the_nccl_variables_of_the_engine(self, dp2_engine):
+        """Issue #36: the actors see the ``NCCL_*`` / ``TORCH_NCCL_*`` / ``CUDA_*`` variables set where the engine
+        started (``CUDA_VISIBLE_DEVICES`` excepted: Ray sets it per actor), on the local two-node cluster whose
+        raylets started before these variables were set, as on a real cluster whose nodes never saw the serving
+        shell's environment. (The GPU rules' other checks need no cluster: ``test_ray_gpu_rules.py``.)"""
+        import ray
+
+        actors = dp2_engine.engine.executor.actors
+        seen = ray.get([a.getenv.remote([*NCCL_VARIABLES, "CUDA_VISIBLE_DEVICES"]) for a in actors], timeout=60)
+        (out,) = dp2_engine.generate("a red circle in the top left", num_inference_steps=1, seed=0)
+        assert out.status == "completed", out.error
+        assert len(seen) == 2
+        for env in seen:
+            assert {k: env[k] for k in NCCL_VARIABLES} == NCCL_VARIABLES
+            assert env["CUDA_VISIBLE_DEVICES"] != "7"
 
 
 def test_lost_node_kills_the_engine_within_10s(ray_cluster, ours_left):

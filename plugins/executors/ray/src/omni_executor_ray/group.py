@@ -7,7 +7,8 @@ numpy arrays, ``omni_executor_ray.transport``), ``send_abort`` a direct call the
 
 Watching: every actor holds a ``wait_exit`` call open; a dead actor fails it. A lost node may take Ray's health
 checks longer to report, so the watcher also pings every actor each second and declares a rank dead when it has
-not answered for ``heartbeat_timeout`` s. ``stop`` sends the loop its shutdown, then kills every actor and
+not answered for ``heartbeat_timeout`` s. ``stop`` sends the loop its shutdown, waits up to 5 s for the loops to end
+(not for a dead group's: its survivors may wait in a collective on the dead rank), then kills every actor and
 removes the placement group.
 """
 
@@ -249,7 +250,8 @@ class RayProcessGroup(ProcessGroup):
                     except Exception:  # noqa: BLE001
                         pass
                 refs = list(self._exit_refs)
-                if refs:
+                # a dead group's survivors may sit in a collective with the dead rank until killed: no grace
+                if refs and self.dead is None:
                     ray.wait(refs, num_returns=len(refs), timeout=5)
                 for actor in self.actors:
                     try:
