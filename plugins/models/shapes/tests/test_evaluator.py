@@ -71,6 +71,24 @@ def test_coverage_is_the_mean_of_each_pixels_samples():
         assert got.shape == (len(idx), h, w) and 0 < got.sum() and (ss == 1 or ((got > 0) & (got < 1)).any())
 
 
+def test_templates_from_shifted_samples_are_the_direct_ones():
+    """The judge's templates come from one sample mask per shape and radius, shifted for each offset: the same bits
+    as rendering every template with ``shape_coverage`` (box-like windows and centres; radii that put edges on
+    samples; a centre off the half-pixel grid takes the direct path)."""
+    g = torch.Generator().manual_seed(4)
+    for trial in range(60):
+        h, w = (int(v) for v in torch.randint(1, 40, (2,), generator=g))
+        cx = int(torch.randint(0, 2 * w + 1, (1,), generator=g)) / 2
+        cy = int(torch.randint(0, 2 * h + 1, (1,), generator=g)) / 2
+        r0s = (torch.randint(8, 160, (len(data.SHAPES),), generator=g) / (16 if trial % 2 else 13.7)).tolist()
+        fast = judge._template_coverage(r0s, cx, cy, h, w)
+        assert torch.equal(fast, judge._template_coverage_direct(r0s, cx, cy, h, w)), (h, w, cx, cy, r0s)
+        assert fast.shape == (len(data.SHAPES) * 63, h * w)
+    alpha = torch.zeros(20, 20)
+    alpha[6:14, 6:14] = 1
+    assert judge._fit_shape(alpha, 8, 8, 10.0, 10.0)[0] == judge._fit_shape(alpha, 8, 8, 10.01, 10.0)[0] == "square"
+
+
 def test_random_weights_model_scores_near_chance(random_shapes):
     from omni_model_shapes.evaluate import evaluate
 
