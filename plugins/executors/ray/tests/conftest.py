@@ -1,5 +1,5 @@
-"""A two-node Ray cluster on this machine, started once per test session (per xdist worker): a head and a second
-node process with its own custom resource (``node_b``), each with 2 logical CPUs. Both run with ``--block`` so the
+"""A two-node Ray cluster on this machine, started on first use and shared by the session's modules (one per xdist
+worker): a head and a second node process with its own custom resource (``node_b``), each with 2 logical CPUs. Both run with ``--block`` so the
 fixture stops exactly its own processes (their process groups) instead of ``ray stop``, which would kill every Ray
 process of the user.
 
@@ -141,18 +141,20 @@ class Cluster:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-_running: list[Cluster] = []  # the session's cluster while it runs
+_running: list[Cluster] = []  # the cluster while it runs (at most one)
 
 
-@pytest.fixture(scope="session")
-def ray_session_cluster():
-    cluster = Cluster()
-    _running.append(cluster)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        _stop_running()
+def _running_cluster() -> Cluster:
+    """The running cluster, started on first use (and again should a test need one after it stopped)."""
+    if not _running:
+        cluster = Cluster()
+        _running.append(cluster)
+        try:
+            cluster.start()
+        except BaseException:
+            _stop_running()  # what did start of it
+            raise
+    return _running[0]
 
 
 def _stop_running() -> None:
@@ -160,13 +162,22 @@ def _stop_running() -> None:
         _running.pop().stop()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The session's cluster, with two live nodes when the module starts."""
+    cluster = _running_cluster()
+    cluster.ensure_two_nodes()
+    return cluster
+
+
 def _uses_cluster(item) -> bool:
-    return "ray_session_cluster" in getattr(item, "fixturenames", ())
+    return "ray_cluster" in getattr(item, "fixturenames", ())
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Once the item's fixtures are torn down: stop the cluster if no later item of the run uses it."""
+    """Once the item's fixtures are torn down: stop the cluster if no later item of the run uses it (in collection
+    order, which is the order of a run and of the one xdist worker that runs the group)."""
     try:
         return (yield)
     finally:
@@ -177,11 +188,8 @@ def pytest_runtest_teardown(item, nextitem):
                 _stop_running()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(ray_session_cluster):
-    """The session's cluster, with two live nodes when the module starts."""
-    ray_session_cluster.ensure_two_nodes()
-    return ray_session_cluster
+def pytest_sessionfinish(session):
+    _stop_running()
 
 
 @pytest.fixture(scope="session")
