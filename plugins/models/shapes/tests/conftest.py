@@ -11,10 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(autouse=True)
 def _threads(one_torch_thread):
-    """Each test starts at ``OMNI_TEST_THREADS`` threads (default 1). The contract's in-process engine sets the
-    test process's torch threads to its own budget (2 on a 2-core machine) and leaves them there: the tests after
-    it then ran their tiny kernels on a spinning OpenMP team of two (the evaluator's checks 168 + 51 s against
-    8 + 5 s at one thread, on a busy 2-core machine)."""
+    """Each test starts at ``OMNI_TEST_THREADS`` threads (default 1). An in-process engine sets the test process's
+    torch threads to its own budget (2 on a 2-core machine); with an omni-core whose pytest plugin does not reset
+    them per test, the tests after the contract's engines ran their tiny kernels on a spinning OpenMP team of two
+    (the evaluator's checks 168 + 51 s against 8 + 5 s at one thread, on a busy 2-core machine)."""
 
 
 def _load(model: str):
