@@ -19,8 +19,10 @@ import torch
 
 from omni_core.config import SamplingParams
 
+#: both with a negative prompt: whether a request has one is part of the scheduler's batch key, so only such a
+#: pair shares transformer calls (the LoRA test's mixed wave)
 PROMPTS = [{"prompt": "a red fox jumps over a lazy dog", "negative_prompt": "blurry, low quality"},
-           {"prompt": 'a neon sign that reads "OPEN"'}]
+           {"prompt": 'a neon sign that reads "OPEN"', "negative_prompt": "dark"}]
 FIELDS = dict(height=16, width=16, num_frames=5, num_inference_steps=2, guidance_scale=4.0, seed=5, output_type="pt")
 ENGINE = dict(warmup=False, cpu_threads=1, max_num_seqs=2)
 
