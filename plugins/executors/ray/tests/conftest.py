@@ -31,6 +31,11 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # token auth is on by default and brea
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
+def pytest_configure(config):
+    # pytest-xdist's mark, registered by it where installed; not in check_dists' venv of this plugin alone
+    config.addinivalue_line("markers", "xdist_group(name): the tests of a group run on one pytest-xdist worker")
+
+
 def _free_port() -> int:
     import socket
 
