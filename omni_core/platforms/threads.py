@@ -1,8 +1,8 @@
 """The CPU thread policy: how many torch threads each model process runs with. One knob, ``cpu_threads``.
 
 Every model process (the engine's own with the ``uni`` executor, each worker with ``mp``) sets
-``torch.set_num_threads`` once when it starts, to ``cpu_threads`` if given, else to the usable CPU cores
-of this machine divided by the model processes that share them (at least one). Nothing changes the count
+``torch.set_num_threads`` once when it starts, to ``cpu_threads`` if given, else to ``OMP_NUM_THREADS`` if set,
+else to the usable CPU cores of this machine divided by the model processes that share them (at least one). Nothing changes the count
 per call: switching it around every op costs more than it saves, and a batch of requests needs every core
 (on the 2-core CI machine, ``shapes`` at batch 8 runs 1.25x faster with both cores than with one, while a
 lone request takes the same time with one or two; ``bench/hot_path.py``). On a GPU the same count covers
@@ -144,12 +144,23 @@ class ContentionGauge:
 
 
 def threads_per_process(config: Any, processes: int = 1) -> int:
-    """The thread budget of one model process: ``config.cpu_threads``, or usable cores // processes. Without
-    ``cpu_threads`` the runner lowers it to one while the CPU is contended (:class:`ContentionGauge`)."""
+    """The thread budget of one model process: ``config.cpu_threads``; else an explicit ``OMP_NUM_THREADS`` (what
+    torch itself honours, and what a job sharing the machine sets: a test run, a batch scheduler's slot); else usable
+    cores // processes. Without ``cpu_threads`` the runner lowers it to one while the CPU is contended
+    (:class:`ContentionGauge`)."""
     configured = getattr(config, "cpu_threads", None)
     if configured:
         return configured
+    omp = omp_num_threads()
+    if omp is not None:
+        return omp
     return max(1, usable_cpu_cores() // max(1, processes))
+
+
+def omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when set to a positive count (a list such as "4,2" gives its first level), else None."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
 
 
 def apply_thread_policy(config: Any, processes: int = 1) -> int:
@@ -186,5 +197,6 @@ def thread_policy(config: Any = None, processes: int = 1) -> str:
     """A one-line description for benchmark headers and ``omni env``."""
     n = threads_per_process(config, processes)
     how = ("cpu_threads" if getattr(config, "cpu_threads", None)
+           else "OMP_NUM_THREADS" if omp_num_threads() is not None
            else f"{usable_cpu_cores()} usable cores / {processes}; 1 while the CPU is contended")
     return f"torch threads per model process: {n} ({how})"

@@ -56,9 +56,10 @@ def test_cpu_threads_is_set_once_for_the_model_process(tiny_model):
         torch.set_num_threads(before)
 
 
-def test_thread_policy_default_divides_the_usable_cores_among_model_processes():
+def test_thread_policy_default_divides_the_usable_cores_among_model_processes(monkeypatch):
     from omni_core.platforms.threads import thread_policy, threads_per_process, usable_cpu_cores
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the test plugin sets it
     cores = usable_cpu_cores()
     default = OmniDiffusionConfig(model="x")
     assert threads_per_process(default) == cores
@@ -66,6 +67,13 @@ def test_thread_policy_default_divides_the_usable_cores_among_model_processes():
     assert threads_per_process(OmniDiffusionConfig(model="x", cpu_threads=3), processes=2) == 3
     assert "usable cores" in thread_policy(default) and "cpu_threads" in thread_policy(
         OmniDiffusionConfig(model="x", cpu_threads=3))
+    # an explicit OMP_NUM_THREADS (a shared machine's job slot, a test run) is the default; cpu_threads still wins
+    for value, want in (("3", 3), ("4,2", 4), ("0", cores), ("many", cores), ("", cores)):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert threads_per_process(default) == want, value
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_process(default, processes=8) == 3 and "OMP_NUM_THREADS" in thread_policy(default)
+    assert threads_per_process(OmniDiffusionConfig(model="x", cpu_threads=2)) == 2
     with pytest.raises(ConfigError, match="cpu_threads"):
         OmniDiffusionConfig(model="x", cpu_threads=0)
 

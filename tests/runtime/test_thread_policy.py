@@ -68,6 +68,7 @@ def test_omni_env_reports_the_quota_capped_budget(tmp_path):
         (root / v1 / "cpu.cfs_quota_us").write_text("100000\n")
         (root / v1 / "cpu.cfs_period_us").write_text("100000\n")
     env = {**os.environ, "OMNI_CGROUP_ROOT": str(root)}
+    env.pop("OMP_NUM_THREADS", None)  # the test plugin sets it, and an explicit count would be the budget
     out = subprocess.run([sys.executable, "-m", "omni_core.cli", "env", "--json"], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
     threads = json.loads(out.stdout)["cpu_threads"]
@@ -126,10 +127,11 @@ def test_gauge_without_pressure_information_keeps_the_budget(tmp_path):
 
 
 @pytest.mark.skipif(not PSI.exists() or AFFINITY < 2, reason="needs the kernel's CPU pressure and two cores")
-def test_a_contended_engine_runs_one_thread_and_a_fixed_count_stays(tmp_path):
+def test_a_contended_engine_runs_one_thread_and_a_fixed_count_stays(tmp_path, monkeypatch):
     """A real engine under real busy processes: the default drops to one thread, ``cpu_threads`` stays put."""
     from omni_core import Omni, SamplingParams
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the budget from the cores, as without the test plugin
     params = SamplingParams(num_inference_steps=4, seed=0)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(AFFINITY + 1)]
     try:
