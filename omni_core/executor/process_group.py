@@ -272,7 +272,9 @@ class LocalProcessGroup(ProcessGroup):
                     pass
             for sender in getattr(self, "_senders", None) or ():
                 sender.close(timeout=2)
-            deadline = time.monotonic() + grace_s
+            # a dead group's survivors are often blocked in a collective with the dead rank: they cannot read the
+            # shutdown, so they get a moment, not the grace (their segments are removed below either way)
+            deadline = time.monotonic() + (min(grace_s, 0.5) if self.dead else grace_s)
             for p in started:
                 p.join(max(0.0, deadline - time.monotonic()))
             _kill_all(started)
