@@ -16,5 +16,11 @@ try:  # the engine's libraries (omni-core[runtime]); a process that runs without
     import safetensors.torch  # noqa: F401
 except ImportError:
     pass
+try:  # what every model process imports next (the runner's hooks): diffusers.hooks pulls peft, transformers'
+    # modeling code and torchao -- 1.7 s of each worker's start-up on 2 cores when a child imported them itself
+    import diffusers.hooks  # noqa: F401
+    import diffusers.models.modeling_utils  # noqa: F401
+except ImportError:
+    pass
 
 del torch
