@@ -46,7 +46,10 @@ for pyproject in plugins/*/*/pyproject.toml; do
     names+=("$(dirname "$pyproject")")
 done
 stage packages "omni-core, ${#names[@]} plugin(s) (${names[*]}), the test tools and the libraries (diffusers, transformers, cache-dit, torchao, fastapi, playwright, ...): the longest step, several minutes"
-pip_install "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
+# the build backend first, then every editable package built against it (--no-build-isolation): pip would
+# otherwise make a fresh build environment, setuptools installed into it, for each of the ~20 folders
+pip_install "$TORCH" "setuptools>=64" wheel
+pip_install --no-build-isolation "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
     pytest pytest-xdist httpx "openai>=3.60,<4" schemathesis uv playwright av \
     diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg peft torchao gguf
 
