@@ -55,7 +55,7 @@ def test_installer_and_test_extra_bring_schemathesis_and_uv():
     import tomllib
 
     install = (ROOT / "scripts" / "install.sh").read_text()
-    line = install[install.index('pip_install "$TORCH" "setuptools>=64" -e .'):]
+    line = install[install.index('-e . "${plugins[@]}"'):]
     line = line[:line.index("\n\n")]
     test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     for tool in ("schemathesis", "uv"):
