@@ -55,6 +55,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("step", "step_execution=True", lambda c: bool(c.step_execution)),
     Feature("request", "step_execution=False", lambda c: not c.uses_step_execution),
     Feature("streaming", "streaming_output=True", lambda c: bool(c.streaming_output)),
+    Feature("tensor_parallel", "parallel_config.tensor_parallel_size > 1", lambda c: tensor_parallel(c)),
+    Feature("encode_apart", "encode_workers=1", lambda c: bool(getattr(c, "encode_workers", 0))),
+    Feature("decode_apart", "decode_workers=1", lambda c: bool(getattr(c, "decode_workers", 0))),
 )}
 
 #: pairs refused on every machine: ``(feature, feature) -> why`` (the ConfigError's reason)
@@ -77,22 +80,35 @@ PLATFORM_REFUSED: dict[tuple[str, str], str] = {
     for off in ("offload_model", "offload_group") for par in ("ulysses", "ring", "cfg_parallel")}
 
 
-#: features refused with tensor parallelism (``parallel_config.tensor_parallel_size > 1``), and why; everything else
-#: combines with it (``tests/parallel/test_tensor_parallel.py``: CFG, Ulysses, both modes, both caches)
-TENSOR_PARALLEL_REFUSED: dict[str, str] = {
-    "int8": "torchao's per-row scales would cover each rank's share of a split layer's inputs only, so a TP run would "
-            "not equal the quantized model; quantize other components (quantize_components without 'denoiser')",
-    "gguf": "a GGUF file's denoiser weights are read whole, not by tensor-parallel shard",
-    "offload_model": "offload moves whole modules to the host and back; tensor parallelism already splits the "
-                     "denoiser over the ranks' devices",
-    "offload_group": "offload moves whole modules to the host and back; tensor parallelism already splits the "
-                     "denoiser over the ranks' devices",
-    "compile": "compiling the split layers' collectives is not built yet",
-}
 #: why LoRA adapters (preloaded or per request) are refused with tensor parallelism
 TENSOR_PARALLEL_LORA = ("LoRA adapters are full-size while the layers they adapt are split across the "
                         "tensor-parallel ranks (splitting adapters is not built); use tensor_parallel_size=1 "
                         "(sequence or CFG parallelism serve LoRA)")
+_OFFLOAD_TP = ("offload moves whole modules to the host and back; tensor parallelism already splits the denoiser "
+               "over the ranks' devices")
+REFUSED.update({
+    ("int8", "tensor_parallel"): "torchao's per-row scales would cover each rank's share of a split layer's inputs "
+                                 "only, so a TP run would not equal the quantized model; quantize other components "
+                                 "(quantize_components without 'denoiser')",
+    ("gguf", "tensor_parallel"): "a GGUF file's denoiser weights are read whole, not by tensor-parallel shard",
+    ("offload_model", "tensor_parallel"): _OFFLOAD_TP,
+    ("offload_group", "tensor_parallel"): _OFFLOAD_TP,
+    ("compile", "tensor_parallel"): "compiling the split layers' collectives is not built yet",
+    # ``lora`` is per request (no config predicate): the pair is checked where adapters are named (``loras`` at
+    # start-up below, a request's ``lora`` in omni_core.lora.files) and shown in the combination table
+    ("lora", "tensor_parallel"): TENSOR_PARALLEL_LORA,
+})
+_OFFLOAD_STAGE = ("offload moves the whole pipeline's components in turn on the model's device; with a stage apart "
+                  "its own process would hold that stage's components whole")
+_DECODE_PARALLEL = ("several model ranks decode together (the parallel VAE decode splits the VAE across them); a "
+                    "decode process apart serves replicas of one model process each (data parallelism)")
+REFUSED.update({(off, stage): _OFFLOAD_STAGE for off in ("offload_model", "offload_group")
+                for stage in ("encode_apart", "decode_apart")})
+REFUSED.update({(par, "decode_apart"): _DECODE_PARALLEL
+                for par in ("ulysses", "ring", "cfg_parallel", "tensor_parallel")})
+#: the features refused with tensor parallelism and why (a view of :data:`REFUSED`)
+TENSOR_PARALLEL_REFUSED: dict[str, str] = {a: why for (a, b), why in REFUSED.items()
+                                           if b == "tensor_parallel" and a != "lora"}
 
 
 def tensor_parallel(config: Any) -> bool:
@@ -143,24 +159,22 @@ def check_combinations(config: Any) -> None:
     options and why (``field`` is the second option's config field)."""
     on = enabled_features(config)
     features = all_features()
-    if tensor_parallel(config):
-        for name in on:
-            if name in TENSOR_PARALLEL_REFUSED:
-                raise ConfigError(f"{FEATURES[name].option} cannot be combined with parallel_config."
-                                  f"tensor_parallel_size > 1: {TENSOR_PARALLEL_REFUSED[name]}", field=_field(name))
-        if getattr(config, "loras", None):
-            raise ConfigError(f"loras cannot be combined with parallel_config.tensor_parallel_size > 1: "
-                              f"{TENSOR_PARALLEL_LORA}", field="loras")
+    if "tensor_parallel" in on and getattr(config, "loras", None):
+        raise ConfigError(f"loras cannot be combined with parallel_config.tensor_parallel_size > 1: "
+                          f"{TENSOR_PARALLEL_LORA}", field="loras")
     for i, a in enumerate(on):
         for b in on[i + 1:]:
             why = refusal(a, b)
             if why is not None:
+                field = _field(a if b == "tensor_parallel" else b)  # the option to drop, not the parallel layout
                 raise ConfigError(f"{features[a].option} cannot be combined with {features[b].option}: {why}",
-                                  field=_field(b))
+                                  field=field)
 
 
 def _field(feature: str) -> str:
     if feature not in FEATURES:
         return "cache_backend"  # a cache backend's feature
     return {"int8": "quantization", "gguf": "denoiser_weights", "ulysses": "parallel_config",
-            "ring": "parallel_config", "cfg_parallel": "parallel_config"}.get(feature, feature)
+            "ring": "parallel_config", "cfg_parallel": "parallel_config", "tensor_parallel": "parallel_config",
+            "offload_model": "offload", "offload_group": "offload", "encode_apart": "encode_workers",
+            "decode_apart": "decode_workers"}.get(feature, feature)

@@ -37,10 +37,15 @@ class DiffusionExecutor:
         """Start stage ``stage``'s process (``encode_workers`` / ``decode_workers``) as one of this executor's
         processes, so it loads while the model does (``wait_ready`` it); :meth:`stop_stages` stops it with the rest.
         What it and the model processes hand each other is sealed by value when they are not on one host
-        (``same_host``). None when the stage runs in line."""
+        (``same_host``), and the encodings also when a replica has several model ranks: a shared-memory handle
+        opens once, and every rank of the replica opens the request's encodings (the engine still only passes
+        the bytes on). None when the stage runs in line."""
         from omni_core.executor.stage_process import launch_stage
 
-        process = launch_stage(stage, self.config, self.resolved, on_done, on_dead, by_value=not self.same_host)
+        parallel = getattr(self.config, "parallel_config", None)
+        ranks = self.config.world_size // max(1, getattr(parallel, "data_parallel_size", 1))
+        by_value = not self.same_host or (stage == "encode" and ranks > 1)
+        process = launch_stage(stage, self.config, self.resolved, on_done, on_dead, by_value=by_value)
         if process is not None:
             self.__dict__.setdefault("_stage_processes", []).append(process)
         return process

@@ -69,9 +69,6 @@ def _why_not(stage: str, config: Any, pipeline_cls: type, model_path: str | None
     if stage not in declared_stages(pipeline_cls, model_path):
         return (f"pipeline {name} declares no {stage} components (stage_components[{stage!r}]), so its {stage} "
                 f"cannot be loaded apart")
-    if getattr(config, "offload", None) not in (None, "none"):
-        return ("offload moves the whole pipeline's components in turn on the model's device; with a stage apart "
-                "its own process would hold that stage's components whole")
     if stage == ENCODE:
         from omni_core.pipelines.text_window import declares_text_keys
 
@@ -84,11 +81,8 @@ def _why_not(stage: str, config: Any, pipeline_cls: type, model_path: str | None
         if (getattr(config, "quantization", None) not in (None, "none")
                 and any(c.startswith("text_encoder") for c in quantized)):
             return "quantize_components names a text encoder, which the encode process loads unquantized"
-        return None
-    parallel = getattr(config, "parallel_config", None)
-    if config.world_size // max(1, getattr(parallel, "data_parallel_size", 1)) != 1:
-        return ("several model ranks decode together (the parallel VAE decode splits the VAE across them); a "
-                "decode process apart serves replicas of one model process each (data parallelism)")
+    # offload with a stage apart, and model ranks with the decode apart, are pairs of features refused as data
+    # (omni_core.combinations.REFUSED: encode_apart / decode_apart), checked before this
     return None
 
 

@@ -29,7 +29,8 @@ from omni_core.combinations import PLATFORM_REFUSED, all_features, one_option, r
 
 #: the features of the matrix, in the table's order (``lora`` is per request, all others are engine options)
 ORDER = ("tea_cache", "cache_dit", "lora", "int8", "gguf", "offload_model", "offload_group", "compile",
-         "vae_tiling", "ulysses", "ring", "cfg_parallel", "step", "request", "streaming")
+         "vae_tiling", "ulysses", "ring", "cfg_parallel", "tensor_parallel", "step", "request", "streaming",
+         "encode_apart", "decode_apart")
 
 #: VAE tiles smaller than the 32x32 image (overlapping latent tiles of 2x2): the seams change the output
 SMALL_TILES = {"tile_sample_min_height": 16, "tile_sample_min_width": 16, "tile_sample_stride_height": 12,
@@ -69,10 +70,16 @@ MATRIX: dict[str, MatrixFeature] = {f.name: f for f in (
     MatrixFeature("ulysses", {"parallel_config": {"ulysses_degree": 2}}, 1e-4, "equals one process"),
     MatrixFeature("ring", {"parallel_config": {"ring_degree": 2}}, 1e-4, "equals one process"),
     MatrixFeature("cfg_parallel", {"parallel_config": {"cfg_parallel_size": 2}}, 1e-4, "equals one process"),
+    MatrixFeature("tensor_parallel", {"parallel_config": {"tensor_parallel_size": 2}}, 1e-5,
+                  "equals one process (split matmuls' partial sums add in another order)"),
     MatrixFeature("step", {"step_execution": True}, 1e-5, "step waves vs whole requests: batch rounding"),
     MatrixFeature("request", {}, 0.0, "the default mode"),
     MatrixFeature("streaming", {"streaming_output": True}, 1e-5,
                   "previews read the latents, never change them (streaming runs in step mode)"),
+    MatrixFeature("encode_apart", {"encode_workers": 1}, 1e-5,
+                  "the same text encoders in their own process: prompts batched differently"),
+    MatrixFeature("decode_apart", {"decode_workers": 1}, 1e-5,
+                  "the same VAE in its own process: latents decoded in other batches"),
 )}
 
 #: what shows a feature acted in a run (``tests/combos/test_matrix.py`` checks each)
@@ -85,8 +92,11 @@ EVIDENCE = {
                "applied compile with the expected backend (in-process runs)",
     "vae_tiling": "applied vae_tiling (in-process runs)", "ulysses": "communication_bytes > 0",
     "ring": "communication_bytes > 0", "cfg_parallel": "communication_bytes > 0",
+    "tensor_parallel": "communication_bytes > 0",
     "step": "execution_mode step_batch", "request": "execution_mode request_batch",
     "streaming": "one preview per step",
+    "encode_apart": "the encode process encoded every request", "decode_apart": "the decode process decoded every "
+                                                                              "request",
 }
 
 
@@ -111,8 +121,18 @@ def run_options(features: frozenset[str] | set[str], gguf_file: str = "<gguf>") 
     return out
 
 
+#: the features that each double the ranks of a run
+PARALLEL = ("ulysses", "ring", "cfg_parallel", "tensor_parallel")
+
+
 def world_size(features: frozenset[str] | set[str]) -> int:
-    return 2 ** len({"ulysses", "ring", "cfg_parallel"} & set(features))
+    return 2 ** len(set(PARALLEL) & set(features))
+
+
+def with_adapters(features: frozenset[str] | set[str]) -> bool:
+    """Whether a run holds the mixed LoRA wave: not when one of its features refuses LoRA (tensor parallelism);
+    such a run submits the same requests without adapters and is compared on the rows that have none."""
+    return not any(refusal(f, "lora") for f in features)
 
 
 def _s(*names: str) -> frozenset[str]:
@@ -147,6 +167,15 @@ RUNS: dict[str, frozenset[str]] = {
     # the parallel compile runs compile plain blocks only: every rank compiles its own graphs on the 2 CI cores
     # and with two ranks each (four ranks compiling on two cores took 131 s in CI, two ranks ~22 s)
     "C": C, "C+ulysses": C | {"ulysses"}, "C+ring": C | {"ring"}, "C+cfg": C | {"cfg_parallel"},
+    # tensor parallelism (refuses LoRA: these runs carry no adapters); two ranks, or four with another degree
+    "P+O": O | {"tensor_parallel"}, "P+D": _s("cache_dit", "tensor_parallel"),
+    "P+ulysses": _s("tensor_parallel", "ulysses"), "P+ring": _s("tensor_parallel", "ring"),
+    "P+cfg": _s("tensor_parallel", "cfg_parallel"),
+    # stages apart (S: both, E: the encode only, since the decode apart refuses model ranks)
+    "S+A": A | {"encode_apart", "decode_apart"}, "S+B": B | {"encode_apart", "decode_apart"},
+    "S+DC": _s("cache_dit", "compile", "encode_apart", "decode_apart"),
+    "E+A+ulysses+ring": A | {"ulysses", "ring", "encode_apart"}, "E+B+cfg": B | {"cfg_parallel", "encode_apart"},
+    "E+P+O": O | {"tensor_parallel", "encode_apart"},
 }
 
 #: the comparisons: (run, reference run); the removed features are the difference
@@ -159,6 +188,9 @@ COMPARISONS: list[tuple[str, str]] = [
     ("A+ulysses+ring", "A"), ("A+cfg", "A"), ("B+cfg", "B"), ("G+ulysses+cfg", "Gs"), ("G+ring+cfg", "Gs"),
     ("A+compile", "A"), ("DC", "D"), ("GC+offload_model", "G+offload_model"), ("DC+offload_group", "DC"),
     ("C+ulysses", "C"), ("C+ring", "C"), ("C+cfg", "C"),
+    ("P+O", "O"), ("P+D", "D"), ("P+ulysses", "base"), ("P+ring", "base"), ("P+cfg", "base"),
+    ("S+A", "A"), ("S+B", "B"), ("S+DC", "DC"), ("E+A+ulysses+ring", "A+ulysses+ring"), ("E+B+cfg", "B+cfg"),
+    ("E+P+O", "P+O"),
 ]
 
 #: torch.compile's backend for the compile runs: ``aot_eager`` traces what inductor would get (dynamo's graphs
@@ -207,7 +239,8 @@ def coverage() -> dict[tuple[str, str], list[str]]:
     out: dict[tuple[str, str], list[str]] = {pair(a, b): [] for a, b in itertools.combinations(ORDER, 2)}
     for run, ref in COMPARISONS:
         removed(run, ref)  # the reference must be a subset
-        mine, theirs = mode_features(RUNS[run]) | {"lora"}, mode_features(RUNS[ref]) | {"lora"}
+        lora = {"lora"} if with_adapters(RUNS[run]) and with_adapters(RUNS[ref]) else set()
+        mine, theirs = mode_features(RUNS[run]) | lora, mode_features(RUNS[ref]) | lora
         changed, kept = mine ^ theirs, mine & theirs
         for k in kept:
             for g in changed:
@@ -215,8 +248,9 @@ def coverage() -> dict[tuple[str, str], list[str]]:
         for a, b in itertools.combinations(sorted(changed), 2):
             out[pair(a, b)].append(f"{run} vs {ref}")
     for run, feats in RUNS.items():
-        for f in mode_features(feats):
-            out[pair(f, "lora")].append(f"{run} (lora)")
+        if with_adapters(feats):
+            for f in mode_features(feats):
+                out[pair(f, "lora")].append(f"{run} (lora)")
     return out
 
 
@@ -224,8 +258,7 @@ def status(a: str, b: str) -> tuple[str, str]:
     """``(status, note)`` of a pair: ``refused`` (core), ``one option``, ``platform`` (refused where ranks
     outnumber devices) or ``combines``."""
     a, b = pair(a, b)
-    features = all_features()
-    why = refusal(a, b) if a in features and b in features else None
+    why = refusal(a, b)
     if why:
         return "refused", why
     note = one_option(a, b)
@@ -244,7 +277,8 @@ def render_table() -> str:
     """The markdown ``docs/architecture.md`` carries between its ``combination-matrix`` markers."""
     short = {"tea_cache": "tea", "cache_dit": "dit", "lora": "lora", "int8": "int8", "gguf": "gguf",
              "offload_model": "off-m", "offload_group": "off-g", "compile": "comp", "vae_tiling": "tile",
-             "ulysses": "uly", "ring": "ring", "cfg_parallel": "cfg", "step": "step", "request": "req",
+             "ulysses": "uly", "ring": "ring", "cfg_parallel": "cfg", "tensor_parallel": "tp", "step": "step",
+             "request": "req", "encode_apart": "enc", "decode_apart": "dec",
              "streaming": "strm"}
     lines = ["| | " + " | ".join(short[f] for f in ORDER) + " |", "|---" * (len(ORDER) + 1) + "|"]
     for a in ORDER:

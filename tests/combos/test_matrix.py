@@ -1,7 +1,8 @@
 """The combination matrix (issue #35): every pair of {tea_cache, cache_dit, mixed LoRA batch, int8, GGUF, offload
-model/group, compile, VAE tiling, Ulysses-2, Ring-2, CFG-2, step mode, request mode, streaming} either gives
-the output of the same run without the second feature within that feature's tolerance, or is refused before
-any work with a ConfigError naming both options.
+model/group, compile, VAE tiling, Ulysses-2, Ring-2, CFG-2, TP-2, step mode, request mode, streaming} either
+gives the output of the same run without the second feature within that feature's tolerance, or is refused before
+any work with a ConfigError naming both options. Tensor parallelism refuses LoRA, so its runs carry the same
+requests without adapters and are compared on those rows (``NO_ADAPTER_ROWS``).
 
 The table (features, tolerances, runs, comparisons) is ``omni_core/testing/combination_matrix.py``; refusals are
 the core's ``omni_core/combinations.py``. Runs are computed once per worker (a module fixture) and shared by the
@@ -74,7 +75,10 @@ def run_matrix(model: str, features: frozenset[str], files: dict[str, str]) -> d
         return OmniDiffusionRequest(prompt=prompt, negative_prompt=NEG, sampling_params=SamplingParams(
             seed=seed, output_type="pt", lora=lora, **SIZE))
 
-    waves = [[req(P0, 1)], [req(P1, 2, files["a"]), req(P1, 2), req(P0, 1, files["b"])], [req(P1, 2)]]
+    if M.with_adapters(features):
+        waves = [[req(P0, 1)], [req(P1, 2, files["a"]), req(P1, 2), req(P0, 1, files["b"])], [req(P1, 2)]]
+    else:  # the same waves without the adapter rows (NO_ADAPTER_ROWS)
+        waves = [[req(P0, 1)], [req(P1, 2), req(P0, 1)], [req(P1, 2)]]
     t0 = time.monotonic()
     outs, previews = [], []
     with Omni(model, dtype="float32", warmup=False, max_num_seqs=3, max_lora_rank=8, **options) as omni:
@@ -92,6 +96,7 @@ def run_matrix(model: str, features: frozenset[str], files: dict[str, str]) -> d
     assert not errors, f"{sorted(features)}: {errors}"
     return {"images": [torch.stack(list(o.images)).float() for o in outs], "metrics": [dict(o.metrics) for o in outs],
             "previews": previews, "mode": stats["execution_mode"], "applied": applied,
+            "stages": {name: stage["done"] for name, stage in stats.get("stages", {}).items()},
             "compile_failed": compile_failed, "seconds": time.monotonic() - t0}
 
 
@@ -120,6 +125,21 @@ def max_diff(a, b) -> float:
     return float((a - b).abs().max())
 
 
+#: a run without adapters has outputs 0-3: the requests of rows 0, 2, 0 (row 3 without its adapter) and 4 of a
+#: run with them
+NO_ADAPTER_ROWS = (0, 2, 0, 4)
+
+
+def paired_images(got: dict, want: dict) -> list[tuple]:
+    """The images of the same requests in two runs (only the rows without an adapter when one run has none)."""
+    a, b = got["images"], want["images"]
+    if len(a) == len(b):
+        return list(zip(a, b))
+    if len(a) < len(b):
+        return [(x, b[i]) for x, i in zip(a, NO_ADAPTER_ROWS)]
+    return [(a[i], y) for i, y in zip(NO_ADAPTER_ROWS, b)]
+
+
 def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
     """Each feature of the run acted (so a pair that silently dropped one fails), and the LoRA check."""
     problems = []
@@ -127,13 +147,17 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
     for cache in ("tea_cache", "cache_dit"):
         if cache in features and not sum(m.get("steps_reused", 0) for m in metrics):
             problems.append(f"{cache}: no step was reused")
-    if {"ulysses", "ring", "cfg_parallel"} & features:
+    if set(M.PARALLEL) & features:
         if not all(m.get("communication_bytes") for m in metrics):
             problems.append(f"parallel: communication_bytes {[m.get('communication_bytes') for m in metrics]}")
     if "compile" in features:  # from the workers' outputs: holds for the multi-rank runs too
         ran = [(m.get("compiled_block_calls"), m.get("compile_failed")) for m in metrics]
         if not all(calls and failed is None for calls, failed in ran):
             problems.append(f"compile: (compiled block calls, fall-back reason) per output {ran}")
+    for stage in ("encode", "decode"):  # a stage apart did every request's work, and only then
+        done = result["stages"].get(stage, 0)
+        if (f"{stage}_apart" in features) != (done >= len(metrics)):
+            problems.append(f"{stage} process: {done} done for {len(metrics)} requests")
     step = bool(features & {"step", "streaming"})
     if result["mode"] != ("step_batch" if step else "request_batch"):
         problems.append(f"execution mode {result['mode']}")
@@ -144,6 +168,8 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
         expect = {"int8": "quantization", "gguf": "denoiser_weights", "compile": "compile",
                   "offload_model": "offload", "offload_group": "offload", "vae_tiling": "vae_tiling"}
         for feature, key in expect.items():
+            if feature == "vae_tiling" and "decode_apart" in features:
+                continue  # applied in the decode process: the run equals its in-line reference, which tiles
             if feature in features and key not in applied:
                 problems.append(f"{feature}: {key} not applied ({sorted(applied)})")
         if "compile" in features and applied.get("backend") != M.compile_backend(features):
@@ -154,6 +180,9 @@ def check_evidence(name: str, features: frozenset[str], result: dict) -> None:
             if f"offload_{mode}" in features and applied.get("offload") != mode:
                 problems.append(f"offload_{mode}: applied offload={applied.get('offload')!r}")
     images = result["images"]
+    if not M.with_adapters(features):
+        assert not problems, f"run {name} {sorted(features)}: " + "; ".join(problems)
+        return
     alone = max_diff(images[2], images[4])  # the no-adapter row of the mixed wave vs alone
     if not alone <= M.MATRIX["lora"].tolerance:
         problems.append(f"lora: the no-adapter row of the mixed batch differs from it alone by {alone:.3g}")
@@ -182,6 +211,8 @@ def _group(run: str) -> str:
     once): the compile runs are most of this file's time, so they make groups of their own (parallel ones apart).
     The parallel group computes C once for its three cells (split test by test, two workers each compiled C)."""
     features = M.RUNS[run]
+    if "tensor_parallel" in features:
+        return "matrix-tp"
     if "compile" not in features:
         return "matrix"
     return "matrix-compile-parallel" if M.world_size(features) > 1 else "matrix-compile"
@@ -189,7 +220,7 @@ def _group(run: str) -> str:
 
 #: the order the groups are collected, hence dealt to the workers (``conftest.py`` deals groups in collection
 #: order): the most expensive first, so the two-rank compile runs never start last on one worker
-GROUP_ORDER = ("matrix-compile-parallel", "matrix-compile", "matrix")
+GROUP_ORDER = ("matrix-compile-parallel", "matrix-compile", "matrix-tp", "matrix")
 
 
 def _params():
@@ -207,7 +238,7 @@ def test_pair_matches_the_run_without_it(run, ref, matrix_run):
     gone = M.removed(run, ref)
     tol = M.tolerance(gone)
     got, want = matrix_run(run), matrix_run(ref)
-    diffs = [max_diff(a, b) for a, b in zip(got["images"], want["images"])]
+    diffs = [max_diff(a, b) for a, b in paired_images(got, want)]
     print(f"{run} vs {ref} (-{sorted(gone)}): max diffs {['%.3g' % d for d in diffs]} tol {tol:g}; "
           f"{got['seconds']:.1f} s")
     assert max(diffs) <= tol, f"{run} vs {ref}: removing {sorted(gone)} changed the images by {diffs} > {tol:g}"
@@ -230,13 +261,17 @@ def test_refused_pair_before_any_worker(a, b, qwen4_dir, matrix_files, monkeypat
 
     for cls in (UniProcExecutor, MultiProcExecutor):
         monkeypatch.setattr(cls, "start", no_start)
+    options = M.run_options({a, b}, matrix_files["gguf"])
+    if "lora" in (a, b):  # per request: refused at start-up when preloaded (a request naming one: tests/lora)
+        options["loras"] = {"a": matrix_files["a"]}
     with pytest.raises(ConfigError) as exc:
-        Omni(qwen4_dir, dtype="float32", warmup=False, **M.run_options({a, b}, matrix_files["gguf"]))
+        Omni(qwen4_dir, dtype="float32", warmup=False, **options)
     message = str(exc.value)
     kind, _ = M.status(a, b)
     if kind == "refused":
         features = all_features()
-        assert features[a].option in message and features[b].option in message, message
+        names = [features[f].option if f in features else "loras" for f in (a, b)]
+        assert all(n in message for n in names), message
     else:  # check_offload: names offload and the parallel strategy it cannot place
         strategy = {"ulysses": "ulysses 2", "ring": "ring 2", "cfg_parallel": "cfg 2"}[b if b in ("ulysses", "ring", "cfg_parallel") else a]
         assert "offload=" in message and f"parallel_config {strategy}" in message, message

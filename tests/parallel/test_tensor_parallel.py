@@ -46,9 +46,12 @@ CASES = [("qwen", "tp2"), ("qwen", "tp2-step"), ("wan", "tp2"), ("wan", "tp2-ste
          ("flux", "tp2-step"), ("qwen", "tp2xcfg2"), ("qwen", "tp2xulysses2"), ("wan", "tp2xcfg2"),
          ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("qwen", "tp2-tea_cache"), ("wan", "tp2-cache_dit"),
          ("wan", "tp2-vae_tiling"), ("qwen", "tp2-vae_tiling")]
-#: 4-rank layouts take ~30 s each on 2 cores: one model of each in CI, the rest with the slow checks
+#: 4-rank layouts take ~30 s each on 2 cores: one model of each in CI, the rest with the slow checks; Qwen-Image's
+#: pairs of TP with step mode, Ulysses, CFG and the caches run in CI in the combination matrix
+#: (tests/combos/test_matrix.py: P+O, P+D, P+ulysses, P+ring, P+cfg), so here they repeat it
 SLOW = {("wan", "tp2xcfg2"), ("wan", "tp2xulysses2"), ("flux", "tp2xulysses2"), ("wan", "tp2-step"), ("qwen", "tp2xcfg2"),
-        ("flux", "tp2-step"), ("wan", "tp2-cache_dit"), ("qwen", "tp2-vae_tiling")}
+        ("flux", "tp2-step"), ("wan", "tp2-cache_dit"), ("qwen", "tp2-vae_tiling"), ("qwen", "tp2-step"),
+        ("qwen", "tp2xulysses2"), ("qwen", "tp2-tea_cache")}
 
 
 @pytest.fixture(scope="session")
