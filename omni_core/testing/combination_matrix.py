@@ -173,7 +173,7 @@ RUNS: dict[str, frozenset[str]] = {
     "P+cfg": _s("tensor_parallel", "cfg_parallel"),
     # stages apart (S: both, E: the encode only, since the decode apart refuses model ranks)
     "S+A": A | {"encode_apart", "decode_apart"}, "S+B": B | {"encode_apart", "decode_apart"},
-    "S+DC": _s("cache_dit", "compile", "encode_apart", "decode_apart"),
+    "S+C": C | {"encode_apart", "decode_apart"},
     "E+A+ulysses+ring": A | {"ulysses", "ring", "encode_apart"}, "E+B+cfg": B | {"cfg_parallel", "encode_apart"},
     "E+P+O": O | {"tensor_parallel", "encode_apart"},
 }
@@ -189,7 +189,7 @@ COMPARISONS: list[tuple[str, str]] = [
     ("A+compile", "A"), ("DC", "D"), ("GC+offload_model", "G+offload_model"), ("DC+offload_group", "DC"),
     ("C+ulysses", "C"), ("C+ring", "C"), ("C+cfg", "C"),
     ("P+O", "O"), ("P+D", "D"), ("P+ulysses", "base"), ("P+ring", "base"), ("P+cfg", "base"),
-    ("S+A", "A"), ("S+B", "B"), ("S+DC", "DC"), ("E+A+ulysses+ring", "A+ulysses+ring"), ("E+B+cfg", "B+cfg"),
+    ("S+A", "A"), ("S+B", "B"), ("S+C", "C"), ("E+A+ulysses+ring", "A+ulysses+ring"), ("E+B+cfg", "B+cfg"),
     ("E+P+O", "P+O"),
 ]
 

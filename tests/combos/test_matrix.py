@@ -206,16 +206,17 @@ SLOW_REPEATS: dict[tuple[str, str], str] = {
 }
 
 
-def _group(run: str) -> str:
+def _group(run: str, ref: str) -> str:
     """The test-run group of a comparison (``pytest -n``: a group runs on one worker, computing each of its runs
     once): the compile runs are most of this file's time, so they make groups of their own (parallel ones apart).
-    The parallel group computes C once for its three cells (split test by test, two workers each compiled C)."""
+    The parallel group computes C once for the cells compared with it (split test by test, two workers each compiled
+    C), the stages' S+C included."""
     features = M.RUNS[run]
     if "tensor_parallel" in features:
         return "matrix-tp"
     if "compile" not in features:
         return "matrix"
-    return "matrix-compile-parallel" if M.world_size(features) > 1 else "matrix-compile"
+    return "matrix-compile-parallel" if M.world_size(features) > 1 or ref == "C" else "matrix-compile"
 
 
 #: the order the groups are collected, hence dealt to the workers (``conftest.py`` deals groups in collection
@@ -224,8 +225,8 @@ GROUP_ORDER = ("matrix-compile-parallel", "matrix-compile", "matrix-tp", "matrix
 
 
 def _params():
-    for run, ref in sorted(M.COMPARISONS, key=lambda c: GROUP_ORDER.index(_group(c[0]))):  # stable: table order
-        marks = [pytest.mark.xdist_group(_group(run))]
+    for run, ref in sorted(M.COMPARISONS, key=lambda c: GROUP_ORDER.index(_group(*c))):  # stable: table order
+        marks = [pytest.mark.xdist_group(_group(run, ref))]
         if (run, ref) in KNOWN_BUGS:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[(run, ref)]))
         if (run, ref) in SLOW_REPEATS:
