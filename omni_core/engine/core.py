@@ -389,7 +389,7 @@ class EngineCore:
         record = self._records.pop(request_id)
         unused = record.request.text_encodings
         if isinstance(unused, Sealed) and record.started is None:
-            unused.discard()  # never sent to the model: opened here once and dropped, its shared memory is freed
+            unused.discard()  # never sent to the model: shared memory is opened once and dropped; a ref, dropped below
         record.request.text_encodings = None  # the encode stage's tensors: a caller's handle keeps the request
         status = close_output(record, out)
         if record.timed_out and status != Status.FINISHED_COMPLETED:

@@ -36,19 +36,37 @@ class DiffusionExecutor:
     def launch_stage(self, stage: str, on_done: Callable[[Any], None], on_dead: Callable[[str], None]) -> Any:
         """Start stage ``stage``'s process (``encode_workers`` / ``decode_workers``) as one of this executor's
         processes, so it loads while the model does (``wait_ready`` it); :meth:`stop_stages` stops it with the rest.
-        What it and the model processes hand each other is sealed by value when they are not on one host
-        (``same_host``), and the encodings also when a replica has several model ranks: a shared-memory handle
-        opens once, and every rank of the replica opens the request's encodings (the engine still only passes
-        the bytes on). None when the stage runs in line."""
+        The process is the group :meth:`stage_process_group` builds, and what it hands the model processes is
+        sealed as :meth:`stage_seal` says. None when the stage runs in line."""
         from omni_core.executor.stage_process import launch_stage
 
-        parallel = getattr(self.config, "parallel_config", None)
-        ranks = self.config.world_size // max(1, getattr(parallel, "data_parallel_size", 1))
-        by_value = not self.same_host or (stage == "encode" and ranks > 1)
-        process = launch_stage(stage, self.config, self.resolved, on_done, on_dead, by_value=by_value)
+        seal = self.stage_seal(stage)
+        process = launch_stage(stage, self.config, self.resolved, on_done, on_dead, seal,
+                               lambda on_message: self.stage_process_group(stage, seal, on_message))
         if process is not None:
             self.__dict__.setdefault("_stage_processes", []).append(process)
         return process
+
+    def stage_seal(self, stage: str) -> Any:
+        """How what stage ``stage``'s process hands the model processes is sealed, a
+        :class:`~omni_core.worker.transport.SealMode`: shared-memory handles here, by value when they are not on
+        one host (``same_host``), and the encodings also when a replica has several model ranks: a shared-memory
+        handle opens once, and every rank of the replica opens the request's encodings (the engine still only
+        passes the bytes on). The Ray executor returns refs into Ray's object store."""
+        from omni_core.worker.transport import BY_VALUE, SHARED
+
+        parallel = getattr(self.config, "parallel_config", None)
+        ranks = self.config.world_size // max(1, getattr(parallel, "data_parallel_size", 1))
+        return BY_VALUE if not self.same_host or (stage == "encode" and ranks > 1) else SHARED
+
+    def stage_process_group(self, stage: str, seal: Any, on_message: Callable[[tuple], None]) -> Any:
+        """The (unspawned) one-process :class:`~omni_core.executor.process_group.ProcessGroup` that runs stage
+        ``stage`` (:func:`~omni_core.worker.stages.run_stage`), sealing as ``seal`` says, every message after
+        start-up handed to ``on_message``: a process on this host here; an executor that places its processes
+        elsewhere returns its own (the Ray plugin: an actor in the cluster)."""
+        from omni_core.executor.stage_process import local_stage_group
+
+        return local_stage_group(stage, self.config, self.resolved, seal, on_message)
 
     def stop_stages(self) -> None:
         """Stop the stage processes :meth:`launch_stage` started (safe twice)."""
@@ -76,7 +94,8 @@ class DiffusionExecutor:
         raise NotImplementedError
 
     #: the model's processes run on the engine's host, so what a stage process makes for them (and they for it) may
-    #: travel as shared-memory handles (:class:`~omni_core.worker.transport.Sealed`); False: by value (Ray)
+    #: travel as shared-memory handles (:class:`~omni_core.worker.transport.Sealed`); False: by value
+    #: (:meth:`stage_seal`; the Ray executor overrides it with refs into Ray's object store)
     same_host: bool = True
 
     #: step waves that may be queued at once (``send_step`` / ``recv_step``); 1: only ``execute_step`` is used

@@ -1,6 +1,7 @@
 """The engine's end of a stage process (``encode_workers`` / ``decode_workers``; the process's body is
-:func:`omni_core.worker.stages.stage_main`): a one-process :class:`~omni_core.executor.process_group.ProcessGroup`,
-work sent in order with its aborts, results handed on from the group's watcher."""
+:func:`omni_core.worker.stages.run_stage`): a one-process :class:`~omni_core.executor.process_group.ProcessGroup`
+that the executor builds (:meth:`~omni_core.executor.base.DiffusionExecutor.stage_process_group`: a local process
+here, a Ray actor for the Ray executor), work sent in order with its aborts, results handed on from the group."""
 
 from __future__ import annotations
 
@@ -19,16 +20,21 @@ logger = logging.getLogger("omni_core.executor")
 
 class StageProcess:
     """The engine's handle on one stage's process, a one-process
-    :class:`~omni_core.executor.process_group.LocalProcessGroup`: ``submit`` work (decode payloads of one group, or
-    requests to encode); results reach ``on_done(result)`` from the group's watcher (decode: ``{request id:
-    DiffusionOutput}``; encode: :func:`_encode`'s dict); the process's death after it was ready reaches
-    ``on_dead(reason)`` once, the reason naming the stage (a death before is ``wait_ready``'s failure)."""
+    :class:`~omni_core.executor.process_group.ProcessGroup` (``make_group(on_message)`` builds it unspawned; default
+    :func:`local_stage_group`): ``submit`` work (decode payloads of one group, or requests to encode); results
+    reach ``on_done(result)`` from the group's reader (decode: ``{request id: DiffusionOutput}``; encode:
+    ``_encode``'s dict); the process's death after it was ready reaches ``on_dead(reason)`` once, the reason naming
+    the stage (a death before is ``wait_ready``'s failure)."""
 
     def __init__(self, stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
-                 on_dead: Callable[[str], None], by_value: bool = False) -> None:
+                 on_dead: Callable[[str], None], seal: Any = None,
+                 make_group: Callable[[Callable[[tuple], None]], Any] | None = None) -> None:
         self.stage, self.config, self.resolved = stage, config, resolved
-        #: what it hands the model processes is sealed by value (they may run on other hosts)
-        self.by_value = by_value
+        #: how what it hands the model processes is sealed (``omni_core.worker.transport.SealMode``; None: shared
+        #: memory)
+        self.seal = seal
+        self.make_group = make_group or (lambda on_message: local_stage_group(stage, config, resolved, seal,
+                                                                              on_message))
         self.on_done, self.on_dead = on_done, on_dead
         self.model_bytes: dict[str, int] = {}
         self.device: str | None = None
@@ -45,16 +51,7 @@ class StageProcess:
 
     def launch(self) -> None:
         """Start the process without waiting for it to load (the engine loads its model meanwhile)."""
-        from omni_core.processes import child_environment
-
-        stage, config, resolved, parent, env = self.stage, self.config, self.resolved, os.getpid(), child_environment()
-        by_value = self.by_value
-
-        def args_for(rank: int, task_q: Any, result_q: Any, abort_q: Any) -> tuple:
-            return (stage, config, resolved, task_q, result_q, parent, env, by_value)  # aborts ride with the work
-
-        self.group = LocalProcessGroup(f"{stage} stage", stage_main, args_for, [f"omni-{stage}-stage"],
-                                       on_message=self._on_message, background_send=True, start_hint=START_HINT)
+        self.group = self.make_group(self._on_message)
         self.group.on_death = self._died
         self.group.spawn()
 
@@ -96,7 +93,7 @@ class StageProcess:
     @property
     def unsent(self) -> int:
         """Messages for the process that are not yet in its pipe (``stats()["stages"][stage]["unsent"]``)."""
-        return self.group.unsent() if self.group is not None else 0
+        return self.group.unsent() if self.group is not None and hasattr(self.group, "unsent") else 0
 
     def pid(self) -> int | None:
         pids = self.group.pids() if self.group is not None else []
@@ -112,14 +109,30 @@ START_HINT = ("see its traceback above; processes import the caller's main modul
               "creates the engine at module level must guard it with `if __name__ == '__main__':`")
 
 
+def local_stage_group(stage: str, config: Any, resolved: Any, seal: Any,
+                      on_message: Callable[[tuple], None]) -> LocalProcessGroup:
+    """Stage ``stage``'s process on this host (Omni's fork server), unspawned: its body
+    :func:`~omni_core.worker.stages.stage_main`, its messages handed to ``on_message`` by the group's watcher."""
+    from omni_core.processes import child_environment
+
+    parent, env = os.getpid(), child_environment()
+
+    def args_for(rank: int, task_q: Any, result_q: Any, abort_q: Any) -> tuple:
+        return (stage, config, resolved, task_q, result_q, parent, env, seal)  # aborts ride with the work
+
+    return LocalProcessGroup(f"{stage} stage", stage_main, args_for, [f"omni-{stage}-stage"],
+                             on_message=on_message, background_send=True, start_hint=START_HINT)
+
+
 def launch_stage(stage: str, config: Any, resolved: Any, on_done: Callable[[Any], None],
-                 on_dead: Callable[[str], None], by_value: bool = False) -> StageProcess | None:
+                 on_dead: Callable[[str], None], seal: Any = None,
+                 make_group: Callable[[Callable[[tuple], None]], Any] | None = None) -> StageProcess | None:
     """Stage ``stage``'s process of ``config``, launched (None when the stage runs in line); ``wait_ready`` it."""
     if not getattr(config, f"{stage}_workers", 0):
         return None
-    process = StageProcess(stage, config, resolved, on_done, on_dead, by_value)
+    process = StageProcess(stage, config, resolved, on_done, on_dead, seal, make_group)
     process.launch()
     return process
 
 
-__all__ = ["StageProcess", "launch_stage"]
+__all__ = ["StageProcess", "launch_stage", "local_stage_group"]

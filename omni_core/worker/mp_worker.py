@@ -188,7 +188,7 @@ def worker_main(rank: int, world_size: int, config: Any, resolved: Any, master_p
 
 def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_port: int, task_q: Any,
                result_q: Any, abort_q: Any, *, master_addr: str = "127.0.0.1", local_rank: int | None = None,
-               local_world_size: int | None = None, pack: Any = pack_outputs, seal_by_value: bool = False) -> bool:
+               local_world_size: int | None = None, pack: Any = pack_outputs, seal: Any = None) -> bool:
     """One rank's whole life: start-up, the wave loop, teardown; returns False if start-up failed (reported
     as ``("fatal", rank, traceback)``). Transport-agnostic so every executor runs this same loop: ``task_q``
     needs a blocking ``get()`` (read by a :class:`BackgroundReceiver`), ``result_q`` ``put()``, ``abort_q``
@@ -197,7 +197,7 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
     ``master_addr`` is the rendezvous host (rank 0's node), ``local_rank`` the device index on this host and
     ``local_world_size`` the model processes sharing this host's cores (both default to the one-host values);
     ``pack`` prepares a result for the trip to the engine (:func:`~omni_core.worker.transport.pack_outputs`);
-    ``seal_by_value``: what this rank hands a stage process is sealed by value (this host may not be the stage's)."""
+    ``seal``: how what this rank hands a stage process is sealed (a ``SealMode``; None: shared memory)."""
     local_rank = rank if local_rank is None else local_rank
     result_q = BackgroundSender(result_q)
     try:
@@ -231,7 +231,7 @@ def run_worker(rank: int, world_size: int, config: Any, resolved: Any, master_po
                              world_size=world_size, on_progress=progress,
                              poll_aborts=(lambda: _drain(abort_q)) if is_leader else None,
                              stop_group=(replica_group, replica_ranks[0], len(replica_ranks)),
-                             progress_interval_s=PROGRESS_INTERVAL_S, recovery=recovery, seal_by_value=seal_by_value)
+                             progress_interval_s=PROGRESS_INTERVAL_S, recovery=recovery, seal=seal)
         runner.load_model()
         result_q.put(("ready", rank, runner.model_bytes))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the engine

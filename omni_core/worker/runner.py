@@ -72,7 +72,7 @@ class ModelRunner(WeightOps, RankAgreement):
     def __init__(self, config: Any, resolved: ResolvedModel, *, device: Any, dtype: Any, rank: int = 0,
                  world_size: int = 1, on_progress: Callable[[list[tuple[str, int, int]]], None] | None = None,
                  poll_aborts: Callable[[], list[str]] | None = None, stop_group: tuple[Any, int, int] | None = None,
-                 progress_interval_s: float = 0.0, recovery: Any = None, seal_by_value: bool = False) -> None:
+                 progress_interval_s: float = 0.0, recovery: Any = None, seal: Any = None) -> None:
         self.config = config
         self.resolved = resolved
         self.device = device
@@ -97,9 +97,9 @@ class ModelRunner(WeightOps, RankAgreement):
         #: aborts and rebuilds the process groups when a rank fails mid-step (``omni_core.distributed.recovery``;
         #: None: failures are agreed on the groups as they are, which a peer blocked in a collective never joins)
         self.recovery = recovery
-        #: what this rank hands another process is sealed with its tensors' bytes, not shared-memory handles (a
-        #: rank on another host than the engine's: Ray)
-        self.seal_by_value = seal_by_value
+        #: how what this rank hands another process is sealed (``omni_core.worker.transport.SealMode``; None:
+        #: shared memory, on this host; the Ray executor hands its ranks refs into Ray's object store)
+        self.seal = seal
         self.pipeline: Any = None
         self.cache_backend: Any = None
         self.model_bytes: dict[str, int] = {}
@@ -125,8 +125,8 @@ class ModelRunner(WeightOps, RankAgreement):
         if DECODE in self.stages_apart:
             from omni_core.worker.stage_contract import defer_decode
 
-            # both modes: post_decode_batch hands back sealed DecodePayloads (by value for a decode stage elsewhere)
-            defer_decode(self.pipeline, by_value=self.seal_by_value)
+            # both modes: post_decode_batch hands back sealed DecodePayloads (sealed as the executor said: ``seal``)
+            defer_decode(self.pipeline, mode=self.seal)
         if self.config.batch_invariant:  # each request alone in every computation (omni_core.worker.batch_invariant)
             from omni_core.worker.batch_invariant import make_batch_invariant
 

@@ -70,10 +70,11 @@ class DecodePayload:
 _groups = itertools.count()
 
 
-def defer_decode(pipeline: Any, by_value: bool = False) -> None:
+def defer_decode(pipeline: Any, by_value: bool = False, mode: Any = None) -> None:
     """Make ``pipeline``'s decode hand back payloads (both execution modes go through ``post_decode_batch``), each
     :class:`~omni_core.worker.transport.Sealed` here: the engine passes it to the decode stage without rebuilding
-    its latents (``by_value``: for a decode stage on another host)."""
+    its latents (``mode``: the executor's :class:`~omni_core.worker.transport.SealMode`, shared memory by default;
+    ``by_value``: the tensors' bytes)."""
     from omni_core.outputs import DiffusionOutput
     from omni_core.worker.transport import Sealed
 
@@ -82,7 +83,7 @@ def defer_decode(pipeline: Any, by_value: bool = False) -> None:
         return [DiffusionOutput(request_id=s.request_id, finished=True, step_index=s.step_index,
                                 num_steps=s.num_steps,
                                 tensor=Sealed.seal(DecodePayload.of(s, group, len(states)), by_value=by_value,
-                                                   decode=True, group=group, request_id=s.request_id))
+                                                   mode=mode, decode=True, group=group, request_id=s.request_id))
                 for s in states]
 
     pipeline.post_decode_batch = post_decode_batch

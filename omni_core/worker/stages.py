@@ -10,8 +10,9 @@ diffusers model: ``vae_scale_factor``, the preview's VAE config; a text encoder 
 * **encode**: the engine sends each admitted request to the encode process first, which runs the pipeline's own
   ``encoded_prompts`` window on it (every text through the stage's embedding cache, each text alone: what the
   in-line pipeline computes with its cache) and sends back ``{text key: encoding}`` sealed
-  (:class:`~omni_core.worker.transport.Sealed`: shared-memory handles the engine passes on unopened); it attaches them to
-  the request (``request.text_encodings``) and only then queues it, so the encoder works on the next requests
+  (:class:`~omni_core.worker.transport.Sealed`: shared-memory handles, or with Ray refs into its object store,
+  that the engine passes on unopened); it attaches them to the request (``request.text_encodings``) and only
+  then queues it, so the encoder works on the next requests
   while the denoiser runs the current wave, and the pipeline's ``encoded_prompts`` in the model process reads
   the carried encodings instead of a text encoder. The encodings ride in the request through whatever executor
   carries requests (``mp``'s queues, Ray's object transfer across hosts).
@@ -32,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 from omni_core.worker.stage_contract import DECODE, ENCODE, DecodePayload, model_bytes_of_stage, stage_device
 from omni_core.worker.transport import Sealed
@@ -42,15 +43,27 @@ logger = logging.getLogger("omni_core.worker")
 
 # ---------------------------------------------------------------------------------------------- the process
 def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, parent_pid: int,
-               environment: dict[str, str] | None = None, by_value: bool = False) -> None:
-    """A stage's process: load that stage's components only, then run each batch of work it is sent (what
-    waits in its inbox is taken together; the encode stage takes it by priority, then arrival, and sends each
-    submit's requests back together as soon as they are encoded). Encodings leave sealed
-    (:class:`~omni_core.worker.transport.Sealed`; ``by_value`` for model processes on other hosts), decode payloads
-    arrive sealed: the engine passes both on without rebuilding a tensor."""
+               environment: dict[str, str] | None = None, seal: Any = None) -> None:
+    """A stage's local process (``mp``, ``uni``): dies with the engine's process, runs :func:`run_stage`, exits."""
     from omni_core.processes import child_setup
 
     child_setup(parent_pid, environment, f"omni-{stage}")  # first of all: never outlive the engine
+    if not run_stage(stage, config, resolved, in_q, out_q, seal):
+        return
+    from multiprocessing import util
+
+    util._exit_function()  # multiprocessing's own exit work (semaphores such as tqdm's lock), as the model workers
+    os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded), as the model workers do
+
+
+def run_stage(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, seal: Any = None) -> bool:
+    """A stage's whole life, wherever it runs (a local process, a Ray actor's thread): load that stage's components
+    only, then run each batch of work it is sent (what waits in its inbox is taken together; the encode stage takes
+    it by priority, then arrival, and sends each submit's requests back together as soon as they are encoded),
+    until a shutdown; False if loading failed (reported as ``("fatal", 0, traceback)``). ``in_q`` needs ``get()``
+    and ``empty()``, ``out_q`` ``put()``. Encodings leave sealed (:class:`~omni_core.worker.transport.Sealed`, as
+    ``seal`` says: the executor's :class:`~omni_core.worker.transport.SealMode`, shared memory by default), decode
+    payloads arrive sealed: the engine passes both on without rebuilding a tensor."""
     from omni_core.worker.mp_worker import BackgroundSender, _traceback
 
     sender = BackgroundSender(out_q)
@@ -80,7 +93,7 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
     except BaseException:  # noqa: BLE001 - reported to the engine
         sender.put(("fatal", 0, _traceback()))
         sender.close()
-        return
+        return False
     while True:
         msgs = [in_q.get()]
         while not in_q.empty():  # what else waits is taken together
@@ -102,7 +115,7 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
                 return r.sampling_params.priority, r.arrival_time
 
             for group in sorted((sorted(items, key=rank) for items in work if items), key=lambda g: rank(g[0])):
-                sender.put(("done", _encode(pipeline, group, by_value)))
+                sender.put(("done", _encode(pipeline, group, seal)))
         else:
             for payloads in work:
                 if payloads:
@@ -110,10 +123,7 @@ def stage_main(stage: str, config: Any, resolved: Any, in_q: Any, out_q: Any, pa
         if any(m[0] == "shutdown" for m in msgs):
             break
     sender.close()
-    from multiprocessing import util
-
-    util._exit_function()  # multiprocessing's own exit work (semaphores such as tqdm's lock), as the model workers
-    os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded), as the model workers do
+    return True
 
 
 def _place(config: Any, stage: str) -> tuple[Any, Any]:
@@ -143,7 +153,7 @@ def _request_id(item: Any) -> str:
     return item.meta["request_id"] if isinstance(item, Sealed) else item.request_id
 
 
-def _encode(pipeline: Any, requests: list, by_value: bool = False) -> dict:
+def _encode(pipeline: Any, requests: list, seal: Any = None) -> dict:
     """``{"results": {request id: ("ok", sealed {text key: encoding on the host}) or ("error", message)}, "cache":
     the stage's embedding-cache stats}``: each request's texts through the pipeline's own window, as the model
     process would have encoded them with its cache."""
@@ -158,7 +168,7 @@ def _encode(pipeline: Any, requests: list, by_value: bool = False) -> dict:
         try:
             with torch.inference_mode(), pipeline.encoded_prompts([StepState(request=request)]) as memo:
                 encodings = {k: map_tensors(v, lambda t: t.detach().to("cpu")) for k, v in dict(memo or {}).items()}
-                results[request.request_id] = ("ok", Sealed.seal(encodings, by_value=by_value))
+                results[request.request_id] = ("ok", Sealed.seal(encodings, mode=seal))
         except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
             results[request.request_id] = ("error", f"encode stage: {type(exc).__name__}: {exc}")
     cache = getattr(pipeline, "embedding_cache", None)
@@ -205,4 +215,4 @@ def _decode(pipeline: Any, platform: Any, device: Any, sealed: list[Sealed]) -> 
     return pack_outputs(RunnerOutput(outputs=outputs))
 
 
-__all__ = ["stage_main"]
+__all__ = ["run_stage", "stage_main"]

@@ -43,6 +43,36 @@ class TensorBytes:
 
 
 @attrs.frozen
+class SealMode:
+    """How a process seals what it makes for another (:class:`Sealed`): data the executor hands its processes,
+    so the core names no transport's types.
+
+    ``how``: ``"shm"`` shared-memory handles (one host, opened once), ``"value"`` the tensors' bytes (a consumer on
+    another host, or several consumers), ``"ref"`` a handle in an object store named by ``store`` (``"module:attr"``
+    of an object with ``put(value) -> ref`` and ``get(ref) -> value``; the Ray plugin's puts into Ray's object
+    store, and the ref rides in the sealed value through the engine's Ray calls: the engine carries no bytes)."""
+
+    how: str = "shm"
+    store: str | None = None
+
+
+#: the ``mp`` default: shared memory on this host
+SHARED = SealMode()
+#: the tensors' bytes in the sealed value
+BY_VALUE = SealMode("value")
+_stores: dict[str, Any] = {}
+
+
+def _store(spec: str) -> Any:
+    if spec not in _stores:
+        import importlib
+
+        module, _, attr = spec.partition(":")
+        _stores[spec] = getattr(importlib.import_module(module), attr)
+    return _stores[spec]
+
+
+@attrs.frozen
 class Sealed:
     """A value pickled where it was made and unpickled only where it is used, so a process that passes it on never
     rebuilds its tensors: the encode stage's text encodings on their way to the model process, a finished
@@ -50,30 +80,45 @@ class Sealed:
 
     ``seal(value)`` pickles with ``multiprocessing``'s pickler, which moves tensors to shared memory and sends a
     handle (a few hundred bytes, whatever the tensor's size); the handle is good once, on this host, while the
-    sealing process lives: ``open()`` it exactly once. ``seal(value, by_value=True)`` pickles the tensors'
-    bytes instead, for a consumer on another host (Ray actors). A sealed value that will never be used is
-    ``open()``-ed and dropped, which frees its shared memory (an unopened handle holds it until its maker exits).
+    sealing process lives: ``open()`` it exactly once. ``seal(value, mode=BY_VALUE)`` pickles the tensors'
+    bytes instead (several consumers). ``mode=SealMode("ref", store)`` puts the value into an object store (Ray's)
+    and carries only the store's ``ref`` (``data`` stays empty); ``open()`` gets it from the store, as often as
+    needed. A sealed value that will never be used is ``discard()``-ed: a shared-memory one is opened and dropped,
+    which frees its memory (an unopened handle holds it until its maker exits); a ref is freed by the store once
+    the last holder drops it.
     """
 
     data: bytes
     meta: dict = attrs.field(factory=dict)
-    by_value: bool = False
+    how: str = "shm"
+    #: ``how == "ref"``: the store's handle, and the store (``SealMode.store``)
+    ref: Any = None
+    store: str | None = None
+
+    @property
+    def by_value(self) -> bool:
+        return self.how == "value"
 
     @classmethod
-    def seal(cls, value: Any, *, by_value: bool = False, **meta: Any) -> Sealed:
+    def seal(cls, value: Any, *, by_value: bool = False, mode: SealMode | None = None, **meta: Any) -> Sealed:
         import io
         import pickle
         from multiprocessing.reduction import ForkingPickler
 
+        mode = mode or (BY_VALUE if by_value else SHARED)
+        if mode.how == "ref":
+            return cls(b"", meta, "ref", _store(mode.store).put(value), mode.store)
+        if mode.how == "value":
+            return cls(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), meta, "value")
         import torch.multiprocessing  # noqa: F401 - registers the shared-memory reductions of tensors
 
-        if by_value:
-            return cls(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), meta, True)
         buf = io.BytesIO()
         ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(value)
-        return cls(buf.getvalue(), meta, False)
+        return cls(buf.getvalue(), meta, "shm")
 
     def open(self) -> Any:
+        if self.how == "ref":
+            return _store(self.store).get(self.ref)
         import pickle
 
         import torch.multiprocessing  # noqa: F401 - the reductions that rebuild shared tensors
@@ -81,9 +126,10 @@ class Sealed:
         return pickle.loads(self.data)
 
     def discard(self) -> None:
-        """Let a value that will never be used go: opened and dropped, which frees its shared memory; never raises
-        (a maker that has exited took its memory with it)."""
-        if self.by_value:
+        """Let a value that will never be used go: a shared-memory one opened and dropped, which frees its memory;
+        by value or a ref: nothing to do (the holder drops it); never raises (a maker that has exited took its
+        memory with it)."""
+        if self.how != "shm":
             return
         try:
             self.open()

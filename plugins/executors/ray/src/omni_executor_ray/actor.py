@@ -1,4 +1,5 @@
-"""The Ray actor that holds one rank: a thin bridge between Ray calls and the ``mp`` worker loop.
+"""The Ray actor that holds one rank (or one stage, :class:`StageActor`): a thin bridge between Ray calls and the
+``mp`` worker loop (the stage loop).
 
 Why a bridge and not actor methods that run waves: the worker loop (``omni_core.worker.mp_worker.run_worker``)
 reads waves from a queue, polls aborts at step boundaries and streams progress while a wave runs. Running that
@@ -44,9 +45,10 @@ class RankActor:
             return s.getsockname()[1]
 
     def start(self, world_size: int, config: Any, resolved: Any, master_addr: str, master_port: int,
-              local_rank: int, local_world_size: int, env: dict | None = None) -> None:
+              local_rank: int, local_world_size: int, env: dict | None = None, seal: Any = None) -> None:
         """Run the worker loop in a thread (returns at once; readiness comes as a ``("ready", rank)`` result).
-        ``env``: the engine's environment variables that configure Omni (plugin lists, offline switches)."""
+        ``env``: the engine's environment variables that configure Omni (plugin lists, offline switches);
+        ``seal``: how the rank seals what it hands a stage (the executor's ``SealMode``: refs into Ray's store)."""
         os.environ.update(env or {})
         from omni_core.worker.mp_worker import run_worker
 
@@ -56,7 +58,7 @@ class RankActor:
             try:
                 run_worker(self.rank, world_size, config, resolved, master_port, self.tasks, self.results,
                            self.aborts, master_addr=master_addr, local_rank=local_rank,
-                           local_world_size=local_world_size, pack=pack_for_ray, seal_by_value=True)
+                           local_world_size=local_world_size, pack=pack_for_ray, seal=seal)
             finally:
                 self._done.set()
 
@@ -92,3 +94,22 @@ class RankActor:
 
     def ping(self) -> int:
         return self.rank
+
+
+class StageActor(RankActor):
+    """One stage's process (``encode_workers`` / ``decode_workers``) as a Ray actor: the same bridge, running the
+    stage loop (``omni_core.worker.stages.run_stage``) in a thread instead of the worker loop. Its messages are the
+    stage's (``("ready", 0, ...)``, ``("done", result)``); aborts ride with the work, as in a local stage process."""
+
+    def start_stage(self, stage: str, config: Any, resolved: Any, env: dict | None = None, seal: Any = None) -> None:
+        """Run the stage loop in a thread (returns at once; readiness comes as a ``("ready", 0, ...)`` message)."""
+        os.environ.update(env or {})
+        from omni_core.worker.stages import run_stage
+
+        def run() -> None:
+            try:
+                run_stage(stage, config, resolved, self.tasks, self.results, seal)
+            finally:
+                self._done.set()
+
+        threading.Thread(target=run, name=f"omni-{stage}-stage", daemon=True).start()

@@ -27,8 +27,9 @@ from typing import Any
 from omni_core.errors import ConfigError
 from omni_core.executor.mp import MultiProcExecutor
 
-from omni_executor_ray.group import RayProcessGroup
+from omni_executor_ray.group import RayProcessGroup, RayStageGroup
 from omni_executor_ray.options import check_options
+from omni_executor_ray.transport import ray_seal
 
 logger = logging.getLogger("omni_core.executor")
 
@@ -111,19 +112,54 @@ def _disconnect() -> None:
 
 
 class RayExecutor(MultiProcExecutor):
-    """The ``mp`` executor's wave routing over a :class:`~omni_executor_ray.group.RayProcessGroup`."""
+    """The ``mp`` executor's wave routing over a :class:`~omni_executor_ray.group.RayProcessGroup`; the stage
+    processes are Ray actors too (:class:`~omni_executor_ray.group.RayStageGroup`)."""
 
-    #: ranks may sit on other nodes: what they and the stage processes hand each other travels by value
+    #: ranks may sit on other nodes: what they and the stage actors hand each other travels as refs into Ray's
+    #: object store (:meth:`stage_seal`), never through the engine's process
     same_host = False
 
-    def start(self) -> None:
+    def connect(self) -> None:
+        """Check the options and connect to Ray, once (the stage actors start before the ranks)."""
+        if getattr(self, "options_used", None) is not None:
+            return
         from omni_core.platforms import platform_for
 
         opts = check_options(dict(getattr(self.config, "executor_options", None) or {}))
         check_gpu_placement(opts, self.config, platform_for(self.config))  # before connecting to anything
-        self.options_used = opts
         self.owns_connection = _connect(opts["address"])
+        self.options_used = opts
+
+    def start(self) -> None:
+        self.connect()
         super().start()  # builds the group (process_group), spawns it, waits for every rank
+
+    def stage_seal(self, stage: str) -> Any:
+        """Refs into Ray's object store (``omni_executor_ray.transport.RayObjects``), for both stages and any number
+        of ranks: the maker ``ray.put``s, the engine passes the ref on inside its Ray calls, the user ``ray.get``s."""
+        return ray_seal()
+
+    def stage_process_group(self, stage: str, seal: Any, on_message: Any) -> RayStageGroup:
+        """Stage ``stage``'s process as a Ray actor in the cluster (:class:`~omni_executor_ray.group.RayStageGroup`)."""
+        self.connect()
+        return RayStageGroup(self.config, self.resolved, self.options_used, stage, seal, on_message,
+                             env=forwarded_env())
+
+    def stage_placement(self) -> dict[str, dict]:
+        """Per stage actor (``encode`` / ``decode``): its Ray node id, IP, host and pid."""
+        return {process.stage: process.group.placement()[0]
+                for process in self.__dict__.get("_stage_processes", [])
+                if process.group is not None and process.group.where}
+
+    def stop_stages(self) -> None:
+        super().stop_stages()
+        if getattr(self, "group", None) is None:  # the ranks never started: nothing else will disconnect
+            self.disconnect()
+
+    def disconnect(self) -> None:
+        if getattr(self, "owns_connection", False):
+            self.owns_connection = False
+            _disconnect()
 
     def process_group(self) -> RayProcessGroup:
         import ray
@@ -136,7 +172,8 @@ class RayExecutor(MultiProcExecutor):
         replica_of_rank = {r: i for i, ranks in enumerate(replicas) for r in ranks}
         return RayProcessGroup(config, self.resolved, self.options_used, replica_of_rank, len(replicas),
                                env=forwarded_env(), check_gpus=lambda gpus: check_cluster_gpus(
-                                   config, platform, gpus, ray.cluster_resources().get("GPU", 0.0)))
+                                   config, platform, gpus, ray.cluster_resources().get("GPU", 0.0)),
+                               seal=ray_seal())
 
     @property
     def actors(self) -> list[Any]:
@@ -150,8 +187,7 @@ class RayExecutor(MultiProcExecutor):
 
     def shutdown(self) -> None:
         try:
+            self.stop_stages()  # while connected: the engine stops the stages after the executor
             super().shutdown()
         finally:
-            if getattr(self, "owns_connection", False):
-                self.owns_connection = False
-                _disconnect()
+            self.disconnect()

@@ -41,9 +41,12 @@ class RankSender:
 
 
 class RayProcessGroup(ProcessGroup):
+    """The ranks (``RankActor``); :class:`RayStageGroup` is a stage's actor on the same machinery. ``seal``: how the
+    actors seal what they hand another process (the executor's ``SealMode``)."""
+
     def __init__(self, config: Any, resolved: Any, opts: dict, replica_of_rank: dict[int, int], n_replicas: int,
-                 *, env: dict[str, str], check_gpus: Callable[[float], None]) -> None:
-        self.config, self.resolved, self.opts = config, resolved, opts
+                 *, env: dict[str, str], check_gpus: Callable[[float], None], seal: Any = None) -> None:
+        self.config, self.resolved, self.opts, self.seal = config, resolved, opts, seal
         self.replica_of_rank, self.n_replicas = replica_of_rank, n_replicas
         self.size = config.world_size
         self.env, self.check_gpus = env, check_gpus
@@ -65,14 +68,8 @@ class RayProcessGroup(ProcessGroup):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from omni_executor_ray.actor import RankActor
-
         opts = self.opts
-        gpus = opts["gpus_per_rank"]
-        if gpus is None:
-            from omni_core.platforms import platform_for
-
-            gpus = 0.0 if platform_for(self.config).name == "cpu" else 1.0
+        gpus = self.member_gpus()
         self.check_gpus(gpus)
         cpus = opts["cpus_per_rank"]
         t0 = time.monotonic()
@@ -86,15 +83,50 @@ class RayProcessGroup(ProcessGroup):
                 f"the Ray cluster did not grant the placement group within {opts['start_timeout']:.0f} s: it needs "
                 f"{len(bundles)} bundle(s) of {bundles[0]} (one per data-parallel replica, each on one node); the "
                 f"cluster has {ray.cluster_resources()}. Lower ray_cpus_per_rank / ray_gpus_per_rank or add nodes")
-        remote = ray.remote(RankActor)
+        remote = ray.remote(self.actor_class())
         for rank in range(self.size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=self.replica_of_rank[rank])
             self.actors.append(remote.options(
-                name=f"{self.name}-rank{rank}", num_cpus=cpus, num_gpus=gpus, max_concurrency=8,
-                scheduling_strategy=strategy).remote(rank))
+                name=f"{self.name}-{self.member(rank).replace(' ', '')}", num_cpus=cpus, num_gpus=gpus,
+                max_concurrency=8, scheduling_strategy=strategy).remote(rank))
         logger.info("ray: placement group %s granted in %.1f s", self.name, time.monotonic() - t0)
-        self.where = ray.get([a.where.remote() for a in self.actors], timeout=opts["start_timeout"])
+        self.start_members(gpus, t0)
+        self._senders = [RankSender(a) for a in self.actors]
+        self._exit_refs = {a.wait_exit.remote(): rank for rank, a in enumerate(self.actors)}
+        if self.where:  # every actor is up: pings are answered from now on
+            self.watch()
+
+    def watch(self) -> None:
+        """Start the watcher (:meth:`_watch`) once the actors are up."""
+        self._watcher = threading.Thread(target=self._watch, name="omni-ray-monitor", daemon=True)
+        self._watcher.start()
+
+    # ------------------------------------------------------------------ what kind of members
+    def actor_class(self) -> type:
+        from omni_executor_ray.actor import RankActor
+
+        return RankActor
+
+    def member(self, rank: int) -> str:
+        """What member ``rank`` is called in names and messages."""
+        return f"rank {rank}"
+
+    def member_gpus(self) -> float:
+        """GPUs each actor reserves: ``ray_gpus_per_rank``, by default 1 on a GPU platform and 0 on the CPU."""
+        gpus = self.opts["gpus_per_rank"]
+        if gpus is None:
+            from omni_core.platforms import platform_for
+
+            gpus = 0.0 if platform_for(self.config).name == "cpu" else 1.0
+        return gpus
+
+    def start_members(self, gpus: float, t0: float) -> None:
+        """Start each rank's worker loop (they join ``torch.distributed`` at rank 0's node address, so this waits
+        for every actor to say where it is)."""
+        import ray
+
+        self.where = ray.get([a.where.remote() for a in self.actors], timeout=self.opts["start_timeout"])
         logger.info("ray: %d actors up in %.1f s", len(self.actors), time.monotonic() - t0)
         master_addr = self.where[0]["ip"]
         port = ray.get(self.actors[0].free_port.remote())
@@ -109,11 +141,7 @@ class RayProcessGroup(ProcessGroup):
             # set by the actor before the worker starts: a runtime_env would cost a dedicated worker process
             # (6 s per actor measured on 2 cores)
             actor.start.remote(self.size, self.config, self.resolved, master_addr, port,
-                               0 if gpus else local, per_node[node], self.env)
-        self._senders = [RankSender(a) for a in self.actors]
-        self._exit_refs = {a.wait_exit.remote(): rank for rank, a in enumerate(self.actors)}
-        self._watcher = threading.Thread(target=self._watch, name="omni-ray-monitor", daemon=True)
-        self._watcher.start()
+                               0 if gpus else local, per_node[node], self.env, self.seal)
 
     def wait_ready(self, timeout: float) -> list[Any]:
         payloads: dict[int, Any] = {}
@@ -131,7 +159,7 @@ class RayProcessGroup(ProcessGroup):
             if msg[0] == "ready":
                 payloads[msg[1]] = msg[2] if len(msg) > 2 else None
             elif msg[0] == "fatal":
-                raise EngineDeadError(f"worker rank {msg[1]} ({self.node_of(msg[1])}) failed to start:\n{msg[2]}")
+                raise EngineDeadError(f"{self.member(msg[1])} ({self.node_of(msg[1])}) failed to start:\n{msg[2]}")
         return [payloads[r] for r in range(self.size)]
 
     # ------------------------------------------------------------------ send, receive
@@ -178,7 +206,7 @@ class RayProcessGroup(ProcessGroup):
             if self.dead is not None or self._stopping:
                 return
             reason = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
-            self.dead = f"rank {rank} on {self.node_of(rank)} died: {reason}"
+            self.dead = f"{self.member(rank)} on {self.node_of(rank)} died: {reason}"
         logger.error("ray: %s", self.dead)
         if self.on_death is not None:
             self.on_death(self.dead)
@@ -271,4 +299,65 @@ class RayProcessGroup(ProcessGroup):
                 watcher.join(5)
 
 
-__all__ = ["RankSender", "RayProcessGroup"]
+class RayStageGroup(RayProcessGroup):
+    """One stage's process (``encode_workers`` / ``decode_workers``) as a Ray actor (``StageActor``, running the
+    stage loop), placed like a replica: a placement group of one bundle of ``ray_cpus_per_rank`` CPUs (and, unless
+    the stage's device is "cpu", ``ray_gpus_per_rank`` GPUs), so it may sit on any node. Watched, pinged and
+    stopped as the ranks are; after start-up a reader thread hands each message to ``on_message``."""
+
+    def __init__(self, config: Any, resolved: Any, opts: dict, stage: str, seal: Any,
+                 on_message: Callable[[tuple], None], *, env: dict[str, str]) -> None:
+        super().__init__(config, resolved, opts, {0: 0}, 1, env=env, check_gpus=lambda gpus: None, seal=seal)
+        self.size, self.stage, self.on_message = 1, stage, on_message
+
+    def actor_class(self) -> type:
+        from omni_executor_ray.actor import StageActor
+
+        return StageActor
+
+    def member(self, rank: int) -> str:
+        return f"{self.stage} stage"
+
+    def member_gpus(self) -> float:
+        from omni_core.worker.stage_contract import stage_device
+
+        return 0.0 if stage_device(self.config, self.stage) == "cpu" else super().member_gpus()
+
+    def start_members(self, gpus: float, t0: float) -> None:
+        """Start the stage loop without waiting for the actor (``spawn`` returns at once, as a local process's:
+        the stage loads while the model does); where it is comes in ``wait_ready``."""
+        self._where_refs = [self.actors[0].where.remote()]
+        self.actors[0].start_stage.remote(self.stage, self.config, self.resolved, self.env, self.seal)
+
+    def wait_ready(self, timeout: float) -> list[Any]:
+        import ray
+
+        try:
+            self.where = ray.get(self._where_refs, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the actor died while starting, or the cluster is short
+            raise EngineDeadError(f"its Ray actor did not start within {timeout} s: {exc}") from None
+        self.watch()
+        payloads = super().wait_ready(timeout)
+        self._reader = threading.Thread(target=self._read, name=f"omni-{self.stage}-reader", daemon=True)
+        self._reader.start()
+        return payloads
+
+    def _read(self) -> None:
+        while not self._stopping and self.dead is None:
+            try:
+                msg = self.receive(timeout=0.5)
+            except queue.Empty:
+                continue
+            except EngineDeadError:  # the watcher reports the death
+                return
+            try:
+                self.on_message(msg)
+            except Exception:  # noqa: BLE001 - a delivery bug must not stop the reader
+                logger.exception("delivering a message of the %s stage failed", self.stage)
+
+    def unsent(self) -> int:
+        """Ray calls are sent as they are made: nothing waits on this side."""
+        return 0
+
+
+__all__ = ["RankSender", "RayProcessGroup", "RayStageGroup"]

@@ -1,4 +1,5 @@
-"""How a result's tensors travel from a rank's actor to the engine: as numpy arrays.
+"""How a result's tensors travel from a rank's actor to the engine (as numpy arrays), and how what one actor makes
+for another (encodings, latents) travels past it (as refs into Ray's object store: :class:`RayObjects`).
 
 Ray serialises numpy arrays out of band (pickle 5 buffers, zero-copy into its object store) but pickles a
 torch tensor's bytes in band. Measured with ``bench/executors.py`` (one wave's result, four float32 images,
@@ -48,3 +49,34 @@ def unpack_from_ray(result: Any) -> Any:
             if isinstance(value, np.ndarray):
                 setattr(out, name, torch.from_numpy(np.array(value, copy=True)))
     return result
+
+
+class RayObjects:
+    """The object store of :data:`RAY_SEAL`: what a stage actor or a rank actor makes for another process is
+    ``ray.put`` where it is made (owned by its maker) and ``ray.get`` where it is used. The ref rides inside a
+    :class:`~omni_core.worker.transport.Sealed` through the engine's Ray calls (a nested ref in a call's arguments
+    or return value, which Ray tracks: the object lives until the last holder drops it), so the engine's process
+    carries a few dozen bytes per request, never an encoding's or a latent's."""
+
+    @staticmethod
+    def put(value: Any) -> Any:
+        import ray
+
+        return ray.put(value)
+
+    @staticmethod
+    def get(ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref)
+
+
+OBJECTS = RayObjects()
+
+
+def ray_seal() -> Any:
+    """The :class:`~omni_core.worker.transport.SealMode` the Ray executor hands its actors: refs into Ray's object
+    store."""
+    from omni_core.worker.transport import SealMode
+
+    return SealMode("ref", store="omni_executor_ray.transport:OBJECTS")
