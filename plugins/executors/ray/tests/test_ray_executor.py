@@ -1,6 +1,7 @@
 """``executor="ray"`` on a local two-node Ray cluster (gloo): the same images as ``uni``, ranks placed as
-promised, a killed actor fails in-flight requests with the engine-dead error within 10 s, the actors see the NCCL
-variables set where the engine started, and ``close()`` leaves no actor or placement group of ours."""
+promised, the stages apart run as Ray actors whose encodings and latents pass the engine as refs only, a killed
+actor fails in-flight requests with the engine-dead error within 10 s, the actors see the NCCL variables set where
+the engine started, and ``close()`` leaves no actor or placement group of ours."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_qwen_image(tmp_path_factory.mktemp("ray-qwen"), num_heads=4)
 
 
-def run(model: str, requests: list[dict], **kwargs) -> dict:
-    """Every request submitted at once to ``Omni(model, **kwargs)``; float images, and the ray placement."""
+def run(model: str, requests: list[dict], inspect=None, **kwargs) -> dict:
+    """Every request submitted at once to ``Omni(model, **kwargs)``; float images, the ray placement, and what
+    ``inspect(omni)`` returns once the requests are done (the engine still open)."""
     import torch
 
     from omni_core import Omni
@@ -60,9 +62,11 @@ def run(model: str, requests: list[dict], **kwargs) -> dict:
         placement = getattr(omni.engine.executor, "placement", list)()
         model_bytes = omni.stats()["model_bytes"]
         stages = omni.stats().get("stages", {})
+        seen = inspect(omni) if inspect is not None else None
     assert model_bytes and all(n > 0 for n in model_bytes.values()), model_bytes  # rank 0's, as with mp
     assert not [o.error for o in finals if o.status == "error"]
-    return {"images": [torch.stack(list(o.images)).float() for o in finals], "placement": placement, "stages": stages}
+    return {"images": [torch.stack(list(o.images)).float() for o in finals], "placement": placement, "stages": stages,
+            "seen": seen}
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +90,83 @@ def test_ray_matches_uni_and_places_ranks(request, ray_cluster, references, ours
     name, requests = ("shapes", SHAPES_REQUESTS) if model == "shapes" else (request.getfixturevalue("qwen_dir"),
                                                                             QWEN_REQUESTS)
     ray_cluster.wait_idle()
-    # shapes' replicas on two nodes also run with the encode and decode stages apart (issue #40): both stage
-    # processes sit next to the engine; each request's encodings ride in it to the actor that runs it, on either
-    # node, and its final latents come back through Ray to the decode process (qwen's dp2 runs in line)
-    stages = {"encode_workers": 1, "decode_workers": 1} if (model, label) == ("shapes", "dp2") else {}
-    got = run(name, requests, executor="ray", parallel_config=CONFIGS[label], **stages)
-    for i, (image, ref) in enumerate(zip(got["images"], reference["images"])):
-        assert image.shape == ref.shape, (label, i)
-        assert float((image - ref).abs().max()) <= TOL, (label, i, float((image - ref).abs().max()))
+    got = run(name, requests, executor="ray", parallel_config=CONFIGS[label])  # the stages apart: test below
+    assert_images_equal(got, reference, label)
     nodes = {p["rank"]: p["node_id"] for p in got["placement"]}
     assert sorted(nodes) == [0, 1]
-    if stages:
-        assert got["stages"]["encode"]["done"] == got["stages"]["decode"]["done"] == len(requests)
     if label == "dp2":  # replicas never talk: one per node
         assert set(nodes.values()) == {ray_cluster.head, ray_cluster.node_b}
     else:  # a sequence-/CFG-parallel group talks every step: one node
         assert nodes[0] == nodes[1]
+    assert ours_left() == ([], [])
+
+
+def assert_images_equal(got: dict, reference: dict, label: str) -> None:
+    assert len(got["images"]) == len(reference["images"])
+    for i, (image, ref) in enumerate(zip(got["images"], reference["images"])):
+        assert image.shape == ref.shape, (label, i)
+        assert float((image - ref).abs().max()) <= TOL, (label, i, float((image - ref).abs().max()))
+
+
+def _parent(pid: int) -> tuple[int, str]:
+    """(parent pid, the parent's command line) of a process on this machine (``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{ppid}/cmdline", "rb") as f:
+        return ppid, f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+def test_ray_stages_are_actors_and_the_engine_passes_refs_only(ray_cluster, references, ours_left, monkeypatch):
+    """Issue #50: shapes' replicas on two nodes with the encode and decode stages apart. The outputs equal in line;
+    both stages did every request; each stage process is a Ray actor on a node of the cluster (its pid Ray's, its
+    parent a raylet, not the engine's process); and the engine's process carried no encoding's or latent's bytes: every sealed value
+    that passed it (the encode stage's results, each finished request's decode payload) is a ref into Ray's
+    object store (``ray.put`` by the stage actor or the rank actor, ``ray.get`` by the user), ``data`` empty."""
+    import ray
+
+    from omni_core.engine.stage_links import StageLinks
+
+    passed: list[tuple] = []  # (what, sealed) for every sealed value the engine passes on
+    encoded, hold = StageLinks.encoded, StageLinks.hold
+
+    def counting_encoded(self, result):
+        passed.extend(("encodings", value) for kind, value in result["results"].values() if kind == "ok")
+        return encoded(self, result)
+
+    def counting_hold(self, record, out):
+        passed.append(("latents", out.tensor))
+        return hold(self, record, out)
+
+    monkeypatch.setattr(StageLinks, "encoded", counting_encoded)
+    monkeypatch.setattr(StageLinks, "hold", counting_hold)
+
+    def inspect(omni):
+        actors = omni.engine.executor.stage_placement()
+        return {"stage_actors": actors, "parents": {stage: _parent(w["pid"]) for stage, w in actors.items()},
+                "nodes": {n["NodeID"] for n in ray.nodes() if n["Alive"]}}
+
+    reference = references("shapes")
+    ray_cluster.wait_idle()
+    # half a CPU each: the two ranks and the two stage actors fit the cluster's four CPUs with room on both nodes
+    # (so "spread" still puts one replica on each)
+    got = run("shapes", SHAPES_REQUESTS, inspect, executor="ray", parallel_config=CONFIGS["dp2"], encode_workers=1,
+              decode_workers=1, ray_cpus_per_rank=0.5)
+    assert_images_equal(got, reference, "dp2 + stages")
+    assert {p["node_id"] for p in got["placement"]} == {ray_cluster.head, ray_cluster.node_b}
+    n = len(SHAPES_REQUESTS)
+    assert got["stages"]["encode"]["done"] == got["stages"]["decode"]["done"] == n, got["stages"]
+    seen = got["seen"]
+    assert sorted(seen["stage_actors"]) == ["decode", "encode"]
+    for stage, where in seen["stage_actors"].items():
+        assert where["pid"] == got["stages"][stage]["pid"], (stage, where)
+        assert where["node_id"] in seen["nodes"], (stage, where)
+        # a Ray worker: started by its node's raylet, not by the engine's process (nor its fork server)
+        ppid, parent = seen["parents"][stage]
+        assert where["pid"] != os.getpid() and ppid != os.getpid() and "raylet" in parent, (stage, where, parent)
+    assert sorted(what for what, _ in passed) == ["encodings"] * n + ["latents"] * n, passed
+    assert [(what, sealed.how) for what, sealed in passed if sealed.how != "ref"] == []
+    assert all(isinstance(sealed.ref, ray.ObjectRef) for _, sealed in passed)
+    assert sum(len(sealed.data) for _, sealed in passed) == 0
     assert ours_left() == ([], [])
 
 
