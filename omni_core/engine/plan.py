@@ -124,12 +124,14 @@ def plan_engine(config: OmniDiffusionConfig, *, resolved: ResolvedModel | None =
 
 def _start_process_server(config: OmniDiffusionConfig, pm: Any) -> None:
     """Start Omni's fork server now (in the background) when this engine will start processes on this host (an
-    executor that declares ``local_processes``, or a stage apart); a plan that fails leaves only the idle server."""
+    executor that declares ``local_processes``, or a stage apart, unless the executor's ``remote_stages``); a plan
+    that fails leaves only the idle server."""
     try:
-        local = pm.get_component("executor", config.executor_name).local_processes
+        spec = pm.get_component("executor", config.executor_name)
+        local, remote_stages = spec.local_processes, spec.remote_stages
     except Exception:  # noqa: BLE001 - an unknown executor is refused below, with its message
-        local = False
-    if local or config.encode_workers or config.decode_workers:
+        local = remote_stages = False
+    if local or ((config.encode_workers or config.decode_workers) and not remote_stages):
         from omni_core.processes import start_server_soon
 
         start_server_soon()

@@ -204,6 +204,9 @@ class ExecutorSpec(ComponentSpec):
     #: it starts its model processes on this host through Omni's start method (``omni_core.processes``): the
     #: engine then starts the fork server as soon as it plans, so the libraries load while the engine plans
     local_processes: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: its stage processes (``encode_workers`` / ``decode_workers``) run elsewhere (its ``stage_process_group``
+    #: places them, as the Ray executor does): a stage apart then needs no fork server on this host
+    remote_stages: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen

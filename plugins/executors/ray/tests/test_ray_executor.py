@@ -139,6 +139,8 @@ def test_ray_stages_are_actors_and_the_engine_passes_refs_only(ray_cluster, refe
 
     monkeypatch.setattr(StageLinks, "encoded", counting_encoded)
     monkeypatch.setattr(StageLinks, "hold", counting_hold)
+    servers: list = []  # the engine warms no fork server up for stages that run as actors (remote_stages)
+    monkeypatch.setattr("omni_core.processes.start_server_soon", lambda: servers.append(1))
 
     def inspect(omni):
         actors = omni.engine.executor.stage_placement()
@@ -167,6 +169,7 @@ def test_ray_stages_are_actors_and_the_engine_passes_refs_only(ray_cluster, refe
     assert [(what, sealed.how) for what, sealed in passed if sealed.how != "ref"] == []
     assert all(isinstance(sealed.ref, ray.ObjectRef) for _, sealed in passed)
     assert sum(len(sealed.data) for _, sealed in passed) == 0
+    assert servers == []
     assert ours_left() == ([], [])
 
 

@@ -10,4 +10,4 @@ from omni_executor_ray.options import OPTIONS
 def omni_register_executors():
     return [ExecutorSpec(name="ray", impl="omni_executor_ray.executor:RayExecutor", requires=("ray",),
                          description="one Ray actor per rank over torch.distributed; spans the nodes of a Ray cluster",
-                         options=OPTIONS)]
+                         options=OPTIONS, remote_stages=True)]
