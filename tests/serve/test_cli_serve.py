@@ -121,16 +121,31 @@ def test_omni_serve_cli_with_openai_client(tiny_model, cli_server):
     assert "Traceback" not in stderr and "omni serve: stopped" in stderr
 
 
-def test_omni_serve_without_previews_stops_on_ctrl_c(tiny_model, cli_server):
+def test_serve_flags_reach_the_engine_and_ctrl_c_stops_it(tiny_model, cli_server):
+    """One server with the switches that change what it answers: --no-auth wins over $OMNI_API_KEY,
+    --no-stream-previews refuses a stream, the limit flags refuse past them naming the flag's limit, --no-warmup
+    admits nothing at start; Ctrl-C stops it cleanly."""
     import httpx
 
-    srv = cli_server(tiny_model, "--port", "0", "--no-stream-previews", "--log-level", "warning")
-    models = httpx.get(f"{srv.url}/v1/models").json()["data"]
+    srv = cli_server(tiny_model, "--port", "0", "--no-auth", "--no-warmup", "--no-stream-previews", "--max-steps", "7",
+                     "--max-pixels", "256", "--max-outputs", "2", "--log-level", "warning",
+                     env={"OMNI_API_KEY": "env-secret"})
+    assert _added(srv.url) == 0  # --no-warmup: the warm-up is one request
+    r = httpx.get(f"{srv.url}/v1/models")
+    assert r.status_code == 200  # --no-auth: the environment's key is ignored
+    models = r.json()["data"]
     assert models[0]["id"] == tiny_model and models[0]["streaming_previews"] is False
     r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x", "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
-    r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x"}, timeout=60)
-    assert r.status_code == 200 and len(r.json()["data"]) == 1
+    for body, param, words in [({"num_inference_steps": 8}, "num_inference_steps", "max_steps=7"),
+                               ({"size": "24x16"}, "size", "max_pixels=256"),
+                               ({"n": 3}, "n", "max_outputs=2")]:
+        r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x", **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert words in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x", "num_inference_steps": 7, "n": 2},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()["data"]) == 2
     code, stderr = srv.stop(signal.SIGINT)
     assert code == 0 and "Traceback" not in stderr, stderr
 
@@ -181,6 +196,7 @@ def test_omni_api_key_from_the_environment_is_the_default(tiny_model, cli_server
 
     srv = cli_server(tiny_model, "--port", "0", "--log-level", "warning", env={"OMNI_API_KEY": "env-secret"})
     assert httpx.get(f"{srv.url}/health").status_code == 200  # open
+    assert _added(srv.url) == 1  # the warm-up request (without --no-warmup; /metrics is open)
     r = httpx.get(f"{srv.url}/v1/models")
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -203,24 +219,12 @@ def test_an_empty_or_contradictory_key_is_refused_before_loading(tiny_model, arg
     assert "loading" not in proc.stderr  # refused before the model is loaded
 
 
-def test_no_auth_ignores_the_environment_key(tiny_model, cli_server):
-    import httpx
-
-    srv = cli_server(tiny_model, "--port", "0", "--no-auth", "--no-warmup", "--log-level", "warning",
-                     env={"OMNI_API_KEY": "env-secret"})
-    assert httpx.get(f"{srv.url}/v1/models").status_code == 200
-    srv.stop(signal.SIGTERM)
-
-
-# ------------------------------------------------------------------------------------------ faults
 def _worker_pids(pid: int) -> list[int]:
     """The model worker processes below ``pid`` (by the name Omni gives them; not the fork server or the resource
     tracker)."""
     from omni_core.testing.processes import named
 
     return named(pid, "omni-worker-")
-
-
 
 
 def _in_flight(url: str, headers: dict, slow: dict) -> tuple[dict, "object", "object"]:
@@ -314,23 +318,6 @@ def test_sigterm_aborts_long_requests_after_the_grace_and_answers_them(tiny_mode
     assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
 
 
-def test_limit_flags_reach_the_engine(tiny_model, cli_server):
-    import httpx
-
-    srv = cli_server(tiny_model, "--port", "0", "--max-steps", "7", "--max-pixels", "256", "--max-outputs", "2",
-                     "--no-warmup", "--log-level", "warning")
-    for body, param, words in [({"num_inference_steps": 8}, "num_inference_steps", "max_steps=7"),
-                               ({"size": "24x16"}, "size", "max_pixels=256"),
-                               ({"n": 3}, "n", "max_outputs=2")]:
-        r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x", **body}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert words in r.json()["error"]["message"]
-    r = httpx.post(f"{srv.url}/v1/images/generations", json={"prompt": "x", "num_inference_steps": 7, "n": 2},
-                   timeout=60)
-    assert r.status_code == 200
-    srv.stop(signal.SIGTERM)
-
-
 def _added(url: str) -> int:
     import httpx
 
@@ -339,13 +326,11 @@ def _added(url: str) -> int:
 
 
 def test_no_warmup_and_oversubscribe_reach_the_engine(tiny_model, cli_server, capsys):
-    """--no-warmup: the engine admitted nothing at start (the warm-up is one request); --oversubscribe: a
-    world size beyond the usable cores starts instead of being refused."""
+    """--oversubscribe: a world size beyond the usable cores starts instead of being refused (and with --no-warmup
+    admits nothing at start; a server without it admitted its warm-up:
+    ``test_omni_api_key_from_the_environment_is_the_default``)."""
     from omni_core.cli.main import main
 
-    warm = cli_server(tiny_model, "--port", "0", "--log-level", "warning")
-    assert _added(warm.url) == 1  # the warm-up request
-    warm.stop(signal.SIGTERM)
     world = json.dumps({"data_parallel_size": len(os.sched_getaffinity(0)) + 1})
     # refused before any worker starts (in process: no server is started)
     assert main(["serve", tiny_model, "--port", "0", "--parallel-config", world]) == 1
