@@ -35,7 +35,7 @@ import os
 import time
 from typing import Any
 
-from omni_core.worker.stage_contract import DECODE, ENCODE, DecodePayload, model_bytes_of_stage, stage_device
+from omni_core.worker.stage_contract import ENCODE, DecodePayload, model_bytes_of_stage, stage_device
 from omni_core.worker.transport import Sealed
 
 logger = logging.getLogger("omni_core.worker")
