@@ -1,5 +1,7 @@
-"""``omni generate`` for real (the console script in a subprocess): the README's first command prints the seed
-it used, ``--seed`` reproduces an image, different seeds differ, and ``--no-warmup`` skips the warm-up."""
+"""``omni generate``: the README's first command, run as written (the console script in a subprocess), prints the
+seed it used; ``--seed`` reproduces an image, different seeds differ, ``--no-warmup`` skips the warm-up and
+``--image`` feeds an edit model (the command's ``main`` in this process: the script's own start is checked once,
+above, and each start costs ~8 s of imports on the 2 CI cores)."""
 
 from __future__ import annotations
 
@@ -29,39 +31,61 @@ def generate(omni_env, cwd, *args):
     return proc.stdout
 
 
+@pytest.fixture
+def omni_main(capsys, monkeypatch, tmp_path):
+    """``omni_main(*args) -> (exit code, stdout, stderr)``: the ``omni`` command's ``main`` in this process, in
+    ``tmp_path`` (relative ``--out`` paths as in the README)."""
+    from omni_core.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
+
+
+def generated(omni_main, *args) -> str:
+    code, out, err = omni_main(*args)
+    assert code == 0, err[-3000:]
+    return out
+
+
 def pixels(path):
     return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
 
 
-def test_readme_command_prints_its_seed_and_seeds_reproduce_images(omni_env, tmp_path):
+def test_readme_command_prints_its_seed_and_seeds_reproduce_images(omni_env, omni_main, tmp_path):
     out = generate(omni_env, tmp_path, *README_COMMAND)
     assert "wrote circle.png" in out
     seed = int(re.search(r"\bseed=(\d+)\b", out).group(1))
     first = pixels(tmp_path / "circle.png")
 
-    again = generate(omni_env, tmp_path, *README_COMMAND[:-1], "again.png", "--seed", str(seed))
+    again = generated(omni_main, *README_COMMAND[:-1], "again.png", "--seed", str(seed))
     assert f"seed={seed} " in again
     assert np.array_equal(pixels(tmp_path / "again.png"), first)  # the printed seed is the one that was used
 
     # another seed, another image (that one seed gives one image is the run above)
-    assert "seed=0 " in generate(omni_env, tmp_path, *README_COMMAND[:-1], "zero.png", "--seed", "0")
+    assert "seed=0 " in generated(omni_main, *README_COMMAND[:-1], "zero.png", "--seed", "0")
     assert seed != 0 and not np.array_equal(pixels(tmp_path / "zero.png"), first)
 
 
-def test_no_warmup_skips_a_failing_warmup(omni_env, tiny_model, tmp_path):
+def test_no_warmup_skips_a_failing_warmup(omni_main, tiny_model, tmp_path):
     model = tmp_path / "failing-warmup"
     model.mkdir()
     shutil.copy(f"{tiny_model}/denoiser.pt", model / "denoiser.pt")
     (model / "model_index.json").write_text(json.dumps({"_class_name": "FailingWarmupPipeline"}))
     args = ["generate", "--model", str(model), "--prompt", "x", "--out", "x.png"]
-    failed = omni(omni_env, tmp_path, *args)
-    assert failed.returncode != 0 and "warmup=False" in failed.stderr and "--no-warmup" in failed.stderr
+    code, _, err = omni_main(*args)
+    assert code != 0 and "warmup=False" in err and "--no-warmup" in err
     assert not (tmp_path / "x.png").exists()
-    assert "wrote x.png" in generate(omni_env, tmp_path, *args, "--no-warmup")
+    assert "wrote x.png" in generated(omni_main, *args, "--no-warmup")
     assert (tmp_path / "x.png").exists()
 
 
-def test_image_input_for_an_edit_model(omni_env, tiny_model, tmp_path):
+def test_image_input_for_an_edit_model(omni_main, tiny_model, tmp_path):
     """``--image PATH`` feeds an edit model (the test-only TinyEditTestPipeline); the image changes the result; a
     missing file or a text model is refused naming the image."""
     model = tmp_path / "tiny-edit"
@@ -72,14 +96,14 @@ def test_image_input_for_an_edit_model(omni_env, tiny_model, tmp_path):
     for name in ("a.png", "b.png"):
         Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / name)
     args = ["generate", "--model", str(model), "--prompt", "edit it", "--seed", "1", "--steps", "2", "--native-size"]
-    generate(omni_env, tmp_path, *args, "--image", "a.png", "--out", "from-a.png")
-    generate(omni_env, tmp_path, *args, "--image", "b.png", "--out", "from-b.png")
+    generated(omni_main, *args, "--image", "a.png", "--out", "from-a.png")
+    generated(omni_main, *args, "--image", "b.png", "--out", "from-b.png")
     assert np.abs(pixels(tmp_path / "from-a.png") - pixels(tmp_path / "from-b.png")).max() > 10
-    missing = omni(omni_env, tmp_path, *args, "--image", "nope.png", "--out", "x.png")
-    assert missing.returncode != 0 and "--image 'nope.png': no such file" in missing.stderr
-    text_model = omni(omni_env, tmp_path, "generate", "--model", tiny_model, "--prompt", "x", "--image", "a.png",
-                      "--no-warmup", "--out", "x.png")
-    assert text_model.returncode != 0 and "does not take input images" in text_model.stderr
+    code, _, err = omni_main(*args, "--image", "nope.png", "--out", "x.png")
+    assert code != 0 and "--image 'nope.png': no such file" in err
+    code, _, err = omni_main("generate", "--model", tiny_model, "--prompt", "x", "--image", "a.png", "--no-warmup",
+                             "--out", "x.png")
+    assert code != 0 and "does not take input images" in err
 
 
 def test_fps_sets_the_frame_rate_of_a_model_whose_frames_have_one():
