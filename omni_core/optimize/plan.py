@@ -101,6 +101,16 @@ def plan_load(config: Any, device: Any) -> list[LoadStep]:
     return steps
 
 
+def freeze(pipeline: Any) -> None:
+    """Every component's parameters without ``requires_grad``: the engine only runs inference. diffusers loads
+    them requiring grad and peft turns that off when the first adapter loads, and dynamo guards on it: left as
+    loaded, every graph compiled before the first LoRA request failed its guards after it and was compiled again."""
+    from omni_core.optimize.components import components_of
+
+    for module in components_of(pipeline).values():
+        module.requires_grad_(False)
+
+
 def run_plan(steps: list[LoadStep], resolved: Any, config: Any, device: Any, dtype: Any,
              observe: Callable[[LoadStep, Any], None] | None = None) -> Any:
     """Load ``resolved``'s pipeline by ``steps``; ``observe(step, pipeline)`` after each. Returns the pipeline,
@@ -128,6 +138,7 @@ def run_plan(steps: list[LoadStep], resolved: Any, config: Any, device: Any, dty
             setattr(pipeline, "omni_preview_decoder", getattr(config, "preview_decoder", None))
             if getattr(config, "denoiser_weights", None):
                 applied["denoiser_weights"] = config.denoiser_weights
+            freeze(pipeline)
         elif step.action == "parallel":
             from omni_core.attention.parallel import apply_sequence_parallel_to_pipeline
             from omni_core.distributed.sharded_load import apply_tensor_parallel_to_pipeline

@@ -104,3 +104,17 @@ def test_peak_gpu_memory_during_a_quantized_load_stays_below_the_float_model(qwe
     total = sum(module_bytes(m) for m in (plain.pipe.transformer, plain.pipe.text_encoder, plain.pipe.vae))
     assert peak < total, (peak, total, float_bytes)
     assert pipe.device.type == "cuda"
+
+
+@pytest.mark.parametrize("model", ["shapes", "qwen"])
+def test_a_loaded_pipeline_holds_no_parameter_that_requires_grad(request, model):
+    """The engine only runs inference: every component's parameters come out of the load without ``requires_grad``
+    (diffusers loads them requiring it and peft turns it off at the first adapter; dynamo guards on it, so a graph
+    compiled before the first LoRA request would be compiled again after it)."""
+    name = request.getfixturevalue("qwen_dir") if model == "qwen" else model
+    pipeline = load_pipeline(resolve_model(name), OmniDiffusionConfig(model=name, dtype="float32"), "cpu",
+                             torch.float32)
+    from omni_core.optimize.components import components_of
+
+    grads = {n: sum(p.requires_grad for p in m.parameters()) for n, m in components_of(pipeline).items()}
+    assert len(grads) >= (3 if model == "qwen" else 1) and not any(grads.values()), grads
