@@ -46,12 +46,18 @@ for pyproject in plugins/*/*/pyproject.toml; do
     names+=("$(dirname "$pyproject")")
 done
 stage packages "omni-core, ${#names[@]} plugin(s) (${names[*]}), the test tools and the libraries (diffusers, transformers, cache-dit, torchao, fastapi, playwright, ...): the longest step, several minutes"
-# the build backend first, then every editable package built against it (--no-build-isolation): pip would
-# otherwise make a fresh build environment, setuptools installed into it, for each of the ~20 folders
-pip_install "$TORCH" "setuptools>=64" wheel
-pip_install --no-build-isolation "$TORCH" "setuptools>=64" -e . "${plugins[@]}" \
+# uv installs the rest: the same ~120 packages in ~15 s where pip took ~80 s (fresh venvs side by side, cold uv
+# cache, 2026-12-07), building the ~20 editable folders at once. It keeps the torch just installed (it satisfies
+# the pin) but reads no pip configuration (find-links, extra indexes): if it fails, pip does the step.
+pip_install uv
+packages=("$TORCH" "setuptools>=64" wheel -e . "${plugins[@]}" \
     pytest pytest-xdist httpx "openai>=3.60,<4" schemathesis uv playwright av \
-    diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg peft torchao gguf
+    diffusers transformers accelerate safetensors pillow tqdm numpy cache-dit fastapi uvicorn imageio imageio-ffmpeg peft torchao gguf)
+if ! .venv/bin/uv pip install --quiet --python .venv/bin/python "${packages[@]}"; then
+    echo "install: uv could not install the packages (above); pip does it instead (a few minutes)" >&2
+    pip_install "$TORCH" "setuptools>=64" wheel  # the build backend first: every editable folder builds against it
+    pip_install --no-build-isolation "${packages[@]}"
+fi
 
 # the playground's browser tests drive a system Chromium through playwright (never `playwright install`: no
 # download at test time); installed here through apt-get when missing and apt is usable (root, or sudo without a
