@@ -87,7 +87,9 @@ def test_abort_reaches_each_requests_own_replica_in_request_mode(tiny_model):
               warmup=False, cpu_threads=1) as omni:
         engine = omni.engine
         reqs = [OmniDiffusionRequest(prompt=f"slow {i}", sampling_params=SamplingParams(
-            seed=i, num_inference_steps=60, extra_args={"sleep_per_step": 0.1})) for i in range(2)]
+            # 0.25 s a step: the bound below is 5 steps after the progress seen at the abort, and on a loaded CI
+            # machine progress and the abort took ~0.8 s to cross (9 steps run at 0.1 s a step, 1 seen)
+            seed=i, num_inference_steps=60, extra_args={"sleep_per_step": 0.25})) for i in range(2)]
         seen: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         streams = engine.submit(reqs, on_progress=lambda rid, step, total: seen[rid].append(step))
         deadline = time.monotonic() + 60
