@@ -102,6 +102,7 @@ def omni_serve_shapes():
             proc.wait()
 
 
+@pytest.mark.xdist_group("docs-server")  # one ``omni serve`` for all of them (a module fixture), on one worker
 @pytest.mark.parametrize(("doc", "first", "code"), [s for s in snippets() if SNIPPETS.get(s[:2]) == "server"],
                          ids=lambda v: v if len(v) < 40 else v[:40])
 def test_server_snippets_run_against_omni_serve_shapes(tmp_path, omni_serve_shapes, doc, first, code):

@@ -24,6 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+#: its tests share one server (a module fixture): on one xdist worker, not started on both
+pytestmark = pytest.mark.xdist_group("serve-hostile")
+
 KEY = "hostile-key"
 BOUNDARY = "hostileboundary"
 AUTH = {"Authorization": f"Bearer {KEY}"}

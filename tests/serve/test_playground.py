@@ -23,6 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+#: its tests share one server and one browser (module fixtures): on one xdist worker, not started on both
+pytestmark = pytest.mark.xdist_group("serve-playground")
+
 pytest.importorskip("omni_model_shapes", reason="the shapes demo model (omni-model-shapes) is not installed")
 
 KEY = "playground-secret"
