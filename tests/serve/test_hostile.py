@@ -181,21 +181,10 @@ def test_json_nested_too_deep_is_400_naming_the_field(srv, levels):
     assert err["param"] == "extra_args" and "max_json_depth=64" in err["message"], err
 
 
-def test_health_stays_fast_and_memory_bounded_while_the_worst_allowed_bodies_are_parsed(srv):
-    """The largest bodies the limits allow, several at once: 64 parts of 32 MiB of short lines (a line-by-line MIME
-    parser took seconds and hundreds of MiB on it), a 32 MiB JSON string, 10 000 JSON elements."""
+def _health_while_parsing(srv, bodies) -> tuple[list[float], list[int], float]:
+    """/health latencies while ``bodies`` are posted at once, their statuses, and the server's RSS growth (MiB)."""
     import psutil
 
-    fields = [("prompt", None, b"x"), ("model", None, b"nope")]  # parsed in full, then a 404 (no work queued)
-    lines, _ = form([("image[]", f"{i}.png", b"\n" * ((31 << 20) // 64)) for i in range(62)] + fields)
-    big_json = json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x" * (31 << 20)}]}).encode()
-    elements = json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}],
-                           "extra_args": {"a": [0] * 9_900}}).encode()
-    bodies = [("/v1/images/edits", lines, f"multipart/form-data; boundary={BOUNDARY}"),
-              ("/v1/chat/completions", big_json, "application/json"),
-              ("/v1/images/edits", form([("image[]", "a.png", b"")] * 62 + fields)[0],
-               f"multipart/form-data; boundary={BOUNDARY}"),
-              ("/v1/chat/completions", elements, "application/json")]
     proc = psutil.Process(srv.proc.pid)
     with client(srv) as c:
         c.get("/health")
@@ -222,14 +211,36 @@ def test_health_stays_fast_and_memory_bounded_while_the_worst_allowed_bodies_are
             time.sleep(0.01)
     done.set()
     threads[-1].join()
-    growth = (peak[0] - rss0) / 2**20
-    print(f"\n/health during the worst allowed bodies: {len(latencies)} probes, max {max(latencies) * 1000:.1f} ms, "
-          f"median {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms; RSS growth {growth:.0f} MiB")
-    assert statuses == [404] * len(bodies), statuses  # each parsed in full, then refused
+    return latencies, statuses, (peak[0] - rss0) / 2**20
+
+
+def test_health_stays_fast_and_memory_bounded_while_the_worst_allowed_bodies_are_parsed(srv):
+    """The largest bodies the limits allow, several at once: 64 parts of 32 MiB of short lines (a line-by-line MIME
+    parser took seconds and hundreds of MiB on it), a 32 MiB JSON string, 10 000 JSON elements."""
+    fields = [("prompt", None, b"x"), ("model", None, b"nope")]  # parsed in full, then a 404 (no work queued)
+    lines, _ = form([("image[]", f"{i}.png", b"\n" * ((31 << 20) // 64)) for i in range(62)] + fields)
+    big_json = json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x" * (31 << 20)}]}).encode()
+    elements = json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}],
+                           "extra_args": {"a": [0] * 9_900}}).encode()
+    bodies = [("/v1/images/edits", lines, f"multipart/form-data; boundary={BOUNDARY}"),
+              ("/v1/chat/completions", big_json, "application/json"),
+              ("/v1/images/edits", form([("image[]", "a.png", b"")] * 62 + fields)[0],
+               f"multipart/form-data; boundary={BOUNDARY}"),
+              ("/v1/chat/completions", elements, "application/json")]
     # measured alone: max 50-92 ms (the requirement is 100 ms); the bound leaves room for a busy shared runner and
-    # still catches a parse on the event loop (the old MIME parser stalled it for seconds on these bodies)
+    # still catches a parse on the event loop (the old MIME parser stalled it for seconds on these bodies). A
+    # second try when the first misses it: a stall of the loop repeats, a slow moment of a shared CI machine does
+    # not (one probe of 19 took 278 ms in a CI run on a slow hour, median 8.7 ms)
+    for attempt in (1, 2):
+        latencies, statuses, growth = _health_while_parsing(srv, bodies)
+        print(f"\n/health during the worst allowed bodies (try {attempt}): {len(latencies)} probes, max "
+              f"{max(latencies) * 1000:.1f} ms, median {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms; RSS "
+              f"growth {growth:.0f} MiB")
+        assert statuses == [404] * len(bodies), statuses  # each parsed in full, then refused
+        assert growth < 200, growth
+        if max(latencies) < 0.25:
+            break
     assert max(latencies) < 0.25, latencies
-    assert growth < 200, growth
 
 
 # ------------------------------------------------------------------------------------------ LoRA files
