@@ -179,7 +179,7 @@ def test_killing_one_models_worker_fails_only_its_requests_the_others_keep_servi
     try:
         busy = [pool.submit(keep_serving, k) for k in range(CLIENTS - 4)]
         doomed = [pool.submit(lambda: live.client(timeout=120).post(ROUTES["shapes"], json=long)) for _ in range(4)]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # 60 s missed once on a slow CI hour (qwen held the device)
         def all_running() -> bool:  # every doomed request admitted (none still waiting for room) and running
             engine = fleet.slot("shapes").engine
             if fleet.slot("shapes").state != "device":
